@@ -1,0 +1,199 @@
+"""``Batch``: per-sample tensors and per-sample Python fields that move together.
+
+Tensors live in a ``tensordict.TensorDict`` (batch dimension 0); strings, dicts and other
+Python values live in numpy object arrays of the same length. Every operation that reorders,
+splits or repeats samples applies one index to both, so they never drift apart. ``meta`` holds
+batch-level values (sampling temperature, global token counts) that are not per sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+
+class Batch:
+    """A batch of samples. ``len(batch)`` is the number of samples.
+
+    >>> b = Batch({"input_ids": torch.zeros(4, 7, dtype=torch.long)}, {"data_source": ["a"] * 4})
+    >>> len(b.repeat_interleave(2))
+    8
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor] | TensorDict | None = None,
+        non_tensors: dict[str, Sequence[Any] | np.ndarray] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        tensors = tensors if tensors is not None else {}
+        non_tensors = {k: _object_array(v) for k, v in (non_tensors or {}).items()}
+        sizes = {k: len(t) for k, t in tensors.items()} | {k: len(v) for k, v in non_tensors.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch fields disagree on the number of samples: {sizes}")
+        n = next(iter(sizes.values()), 0)
+        self.tensors = tensors if isinstance(tensors, TensorDict) else TensorDict(dict(tensors), batch_size=[n])
+        self.non_tensors: dict[str, np.ndarray] = non_tensors
+        self.meta: dict[str, Any] = dict(meta or {})
+
+    # -- access ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.tensors.batch_size[0]) if self.tensors.batch_size else 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors.keys() or key in self.non_tensors
+
+    def __getitem__(self, key: str | int | slice | torch.Tensor | np.ndarray | Sequence[int]) -> Any:
+        """A field by name, or a sub-batch by index, slice, boolean mask or index list."""
+        if isinstance(key, str):
+            if key in self.non_tensors:
+                return self.non_tensors[key]
+            if key in self.tensors.keys():
+                return self.tensors[key]
+            raise KeyError(f"Batch has no field {key!r}; fields: {sorted(self.keys())}")
+        if isinstance(key, int):
+            key = [key]
+        index = _as_index(key, len(self))
+        return Batch(self.tensors[index], {k: v[index.numpy()] for k, v in self.non_tensors.items()}, self.meta)
+
+    def __setitem__(self, key: str, value: torch.Tensor | Sequence[Any]) -> None:
+        if len(value) != len(self) and len(self.keys()) > 0:
+            raise ValueError(f"field {key!r} has {len(value)} samples, the batch has {len(self)}")
+        if isinstance(value, torch.Tensor):
+            if not self.keys():
+                self.tensors = TensorDict({}, batch_size=[len(value)])
+            self.tensors[key] = value
+        else:
+            self.non_tensors[key] = _object_array(value)
+
+    def keys(self) -> list[str]:
+        return [*self.tensors.keys(), *self.non_tensors]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def select(self, *keys: str) -> Batch:
+        """A batch with only ``keys`` (tensors and non-tensors alike); meta is kept."""
+        missing = [k for k in keys if k not in self]
+        if missing:
+            raise KeyError(f"Batch has no field(s) {missing}; fields: {sorted(self.keys())}")
+        tensor_keys = [k for k in keys if k in self.tensors.keys()]
+        return Batch(
+            self.tensors.select(*tensor_keys) if tensor_keys else TensorDict({}, batch_size=[len(self)]),
+            {k: self.non_tensors[k] for k in keys if k in self.non_tensors},
+            self.meta,
+        )
+
+    def update(self, other: Batch) -> Batch:
+        """Add (or replace) ``other``'s fields and meta, sample for sample. Returns self."""
+        if len(other) != len(self):
+            raise ValueError(f"cannot merge a batch of {len(other)} samples into one of {len(self)}")
+        for k in other.tensors.keys():
+            self.tensors[k] = other.tensors[k]
+        self.non_tensors.update(other.non_tensors)
+        self.meta.update(other.meta)
+        return self
+
+    # -- reshaping -------------------------------------------------------------------------
+    def split(self, size: int) -> list[Batch]:
+        """Consecutive chunks of ``size`` samples (the last may be smaller)."""
+        if size <= 0:
+            raise ValueError(f"split size must be positive, got {size}")
+        return [self[torch.arange(i, min(i + size, len(self)))] for i in range(0, len(self), size)]
+
+    def chunk(self, n: int) -> list[Batch]:
+        """``n`` consecutive chunks of equal size; ``len(self)`` must divide by ``n``."""
+        if n <= 0 or len(self) % n:
+            raise ValueError(f"cannot cut a batch of {len(self)} samples into {n} equal chunks")
+        return self.split(len(self) // n)
+
+    def repeat_interleave(self, n: int) -> Batch:
+        """Each sample repeated ``n`` times in place: a b -> a a b b (n samples per prompt)."""
+        return self[torch.arange(len(self)).repeat_interleave(n)]
+
+    def reorder(self, order: torch.Tensor | Sequence[int]) -> Batch:
+        """The samples in ``order`` (a permutation)."""
+        order = torch.as_tensor(order)
+        if sorted(order.tolist()) != list(range(len(self))):
+            raise ValueError("reorder needs a permutation of all sample indices")
+        return self[order]
+
+    @staticmethod
+    def cat(batches: Iterable[Batch]) -> Batch:
+        """Samples of all ``batches`` one after another; fields must match. Meta of the first."""
+        batches = list(batches)
+        if not batches:
+            raise ValueError("Batch.cat needs at least one batch")
+        keys = set(batches[0].keys())
+        for b in batches[1:]:
+            if set(b.keys()) != keys:
+                raise ValueError(f"cannot concatenate batches with different fields: {sorted(keys)} vs {sorted(b.keys())}")
+        tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else TensorDict(
+            {}, batch_size=[sum(len(b) for b in batches)]
+        )
+        non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in batches[0].non_tensors}
+        return Batch(tensors, non_tensors, batches[0].meta)
+
+    # -- padding-aware selection -------------------------------------------------------------
+    def token_counts(self, mask_key: str) -> torch.Tensor:
+        """Valid tokens per sample, ``(batch,)``, from a 0/1 mask ``(batch, seq_len)``."""
+        return self.tensors[mask_key].sum(-1)
+
+    def trim(self, mask_key: str, *keys: str, side: str = "right") -> Batch:
+        """Cut the columns of ``keys`` (all ``(batch, seq_len)``, aligned with ``mask_key``) that are
+        padding in every sample, so a micro-batch computes on no more columns than it needs."""
+        mask = self.tensors[mask_key]
+        used = mask.any(0).nonzero()
+        if used.numel() == 0:
+            return self
+        lo, hi = (0, int(used.max()) + 1) if side == "right" else (int(used.min()), mask.shape[1])
+        out = Batch(self.tensors.clone(recurse=False), dict(self.non_tensors), self.meta)
+        for k in (mask_key, *keys):
+            out.tensors[k] = self.tensors[k][:, lo:hi]
+        return out
+
+    def split_by_tokens(self, max_tokens: int, mask_key: str) -> list[Batch]:
+        """Micro-batches of consecutive samples whose padded size (samples x longest) stays within
+        ``max_tokens`` (dynamic batching). A sample longer than the budget gets a micro-batch alone."""
+        lengths = self.token_counts(mask_key).tolist()
+        groups: list[list[int]] = [[]]
+        longest = 0
+        for i, n in enumerate(lengths):
+            longest_if_added = max(longest, n)
+            if groups[-1] and longest_if_added * (len(groups[-1]) + 1) > max_tokens:
+                groups.append([])
+                longest_if_added = n
+            groups[-1].append(i)
+            longest = longest_if_added
+        return [self[torch.tensor(g)] for g in groups if g]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.tensors.to(device), self.non_tensors, self.meta)
+
+    def __repr__(self) -> str:
+        t = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.tensors.items())
+        return f"Batch(n={len(self)}, tensors={{{t}}}, non_tensors={sorted(self.non_tensors)})"
+
+
+def _object_array(values: Sequence[Any] | np.ndarray) -> np.ndarray:
+    if isinstance(values, np.ndarray) and values.dtype == object:
+        return values
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def _as_index(key: Any, n: int) -> torch.Tensor:
+    if isinstance(key, slice):
+        return torch.arange(n)[key]
+    index = torch.as_tensor(np.asarray(key) if not isinstance(key, torch.Tensor) else key)
+    if index.dtype == torch.bool:
+        if index.numel() != n:
+            raise IndexError(f"boolean mask has {index.numel()} entries, the batch has {n} samples")
+        return index.nonzero().flatten()
+    return index.long().flatten()

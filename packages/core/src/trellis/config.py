@@ -1,0 +1,198 @@
+"""Typed run config: a YAML file plus ``key=value`` overrides, checked against dataclasses.
+
+A recipe declares its config as a dataclass (registered as the recipe's options). A field made
+with :func:`component` holds a named component (``{name: grpo, <options>}``) whose options are
+checked against the dataclass that the component registered. Every error names the dotted
+path, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trellis.registry import Registry, RegistryError
+
+
+class ConfigError(ValueError):
+    """The config is invalid; the message names the key, the value and the fix."""
+
+
+COMPONENT_KIND = "trellis_component_kind"
+
+
+def component(kind: str, name: str, **options: Any) -> Any:
+    """A config field that names a registered component of ``kind`` plus that component's options.
+
+    In YAML it reads ``advantage: {name: grpo, norm_by_std: false}``; the options are checked
+    against the component's own options dataclass once its name is known.
+    """
+    default = {"name": name, **options}
+    return dataclasses.field(default_factory=lambda: dict(default), metadata={COMPONENT_KIND: kind})
+
+
+def load_raw(path: str | Path | None, overrides: list[str] = ()) -> DictConfig:
+    """Read a YAML file (optional) and apply ``key=value`` overrides on top."""
+    cfg = OmegaConf.create()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
+        cfg = OmegaConf.load(path)
+        if not isinstance(cfg, DictConfig):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, not a list")
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. trainer.total_steps=10)")
+    try:
+        return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from None
+
+
+def compose(path: str | Path | None, overrides: list[str], registry: Registry, schema: type | None = None) -> DictConfig:
+    """Load, check and resolve a run config.
+
+    ``schema`` defaults to the options dataclass of the recipe named by the top-level ``recipe`` key.
+    """
+    raw = load_raw(path, overrides)
+    if schema is None:
+        schema = recipe_schema(raw, registry)
+    cfg = validate(raw, schema, registry)
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"config interpolation failed at {_key(exc)}: {exc.msg}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(
+            f"config key {missing[0]!r} is required and has no default; set it in the YAML or "
+            f"pass {missing[0]}=... on the command line"
+            + (f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else "")
+        )
+    return cfg
+
+
+def recipe_schema(raw: DictConfig, registry: Registry) -> type:
+    name = raw.get("recipe")
+    if name is None:
+        installed = ", ".join(registry.names("recipe")) or "none installed"
+        raise ConfigError(f"config key 'recipe' is missing; name the recipe to run, e.g. recipe: rl (available: {installed})")
+    try:
+        entry = registry.get("recipe", str(name))
+    except RegistryError as exc:
+        raise ConfigError(f"config key 'recipe': {exc}") from None
+    if entry.options is None:
+        raise ConfigError(f"recipe {name!r} declares no config dataclass")
+    return entry.options
+
+
+def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") -> DictConfig:
+    """Check ``raw`` against dataclass ``schema``; return a typed ``DictConfig`` with defaults filled."""
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config key {path or '<root>'!r} must be a mapping of options, got {_show(raw)}")
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in raw.keys():
+        if key not in fields:
+            raise ConfigError(_unknown_key(f"{path}{key}", str(key), list(fields)))
+    hints = typing.get_type_hints(schema)
+    node = OmegaConf.structured(schema)
+    for name, f in fields.items():
+        sub_path = f"{path}{name}"
+        kind = f.metadata.get(COMPONENT_KIND)
+        if kind is not None:
+            sub = raw.get(name) if name in raw else OmegaConf.create(f.default_factory())
+            with _unlocked(node):
+                node[name] = _validate_component(sub, kind, registry, sub_path)
+        elif dataclasses.is_dataclass(hints[name]):
+            if name in raw:
+                with _unlocked(node):
+                    node[name] = validate(raw[name], hints[name], registry, sub_path + ".")
+        elif name in raw:
+            value = raw._get_node(name)._value() if OmegaConf.is_interpolation(raw, name) else raw[name]
+            try:
+                node[name] = value
+            except OmegaConfBaseException as exc:
+                raise ConfigError(_wrong_type(sub_path, value, hints[name], exc)) from None
+    return node
+
+
+def _validate_component(sub: Any, kind: str, registry: Registry, path: str) -> DictConfig:
+    if isinstance(sub, str):  # shorthand: `advantage: grpo`
+        sub = OmegaConf.create({"name": sub})
+    if not isinstance(sub, DictConfig) or "name" not in sub:
+        raise ConfigError(f"config key {path!r} must name a {kind}, e.g. {path}.name=<name>; got {_show(sub)}")
+    name = str(sub["name"])
+    try:
+        entry = registry.get(kind, name)
+    except RegistryError as exc:
+        raise ConfigError(f"config key '{path}.name': {exc}") from None
+    options = {k: v for k, v in sub.items() if k != "name"}
+    if entry.options is None:
+        if options:
+            raise ConfigError(f"config key {path!r}: {kind} {name!r} takes no options, got {sorted(options)}")
+        return OmegaConf.create({"name": name})
+    checked = validate(OmegaConf.create(options), entry.options, registry, path + ".")
+    out = OmegaConf.create({"name": name})
+    for key in checked.keys():
+        out[key] = checked._get_node(key)
+    return out
+
+
+def instantiate_options(node: DictConfig, schema: type) -> Any:
+    """Turn a checked config node (component options included) into ``schema``'s dataclass."""
+    data = OmegaConf.to_container(node, resolve=True)
+    names = {f.name for f in dataclasses.fields(schema)}
+    return schema(**{k: v for k, v in data.items() if k in names})
+
+
+def save(cfg: DictConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> str:
+    msg = f"unknown config key {path!r}; valid keys here: {', '.join(sorted(valid))}"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if close:
+        parent = path.rsplit(".", 1)[0] + "." if "." in path else ""
+        msg += f"; did you mean {parent}{close[0]!r}?"
+    return msg
+
+
+def _wrong_type(path: str, value: Any, expected: Any, exc: OmegaConfBaseException) -> str:
+    name = getattr(expected, "__name__", None) or str(expected).replace("typing.", "")
+    return (
+        f"config key {path!r} has value {_show(value)} but expects {name}; "
+        f"fix it to a {name}, e.g. {path}=<{name}> ({exc.msg.splitlines()[0]})"
+    )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    return repr(value)
+
+
+def _key(exc: OmegaConfBaseException) -> str:
+    return repr(getattr(exc, "full_key", "?"))
+
+
+class _unlocked:
+    """Temporarily allow replacing a typed node with a differently shaped one."""
+
+    def __init__(self, node: DictConfig) -> None:
+        self.node = node
+
+    def __enter__(self) -> None:
+        OmegaConf.set_struct(self.node, False)
+        self.flag = self.node._get_flag("readonly")
+
+    def __exit__(self, *exc: object) -> None:
+        OmegaConf.set_struct(self.node, True)

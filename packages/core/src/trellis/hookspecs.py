@@ -1,0 +1,43 @@
+"""Hook specifications: the points where a Trellis plugin plugs in.
+
+A plugin is a module (or object) with functions named like these specs and marked with
+``@trellis.hookimpl``. Each may accept any subset of the documented arguments.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "trellis"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def trellis_register(registry):
+    """Add this plugin's named components to ``registry`` with ``registry.add(kind, name, obj)``.
+
+    Called once per plugin when the plugin manager starts. ``kind`` is one of
+    :data:`trellis.registry.KINDS`; adding a name that another plugin already added is an error.
+    """
+
+
+@hookspec
+def trellis_train_start(config, run_dir):
+    """A recipe is about to run its first step. ``config`` is the resolved, validated config
+    (an omegaconf ``DictConfig``); ``run_dir`` the run folder (``pathlib.Path``)."""
+
+
+@hookspec
+def trellis_step_end(step, metrics):
+    """A training step finished. ``step`` is 1-based; ``metrics`` maps names to floats."""
+
+
+@hookspec
+def trellis_checkpoint_saved(step, path):
+    """A checkpoint for ``step`` was completely written to ``path``."""
+
+
+@hookspec
+def trellis_train_end(run_dir, metrics):
+    """A recipe finished (normally or with an error). ``metrics`` holds the last step's figures."""

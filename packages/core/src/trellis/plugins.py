@@ -1,0 +1,103 @@
+"""Plugin manager: finds plugins by entry point (group ``trellis``) and fills the registry."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import traceback
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import pluggy
+
+from trellis import hookspecs
+from trellis.registry import Registry, RegistryError
+
+ENTRY_POINT_GROUP = "trellis"
+
+
+@dataclass
+class PluginInfo:
+    """What ``trellis plugins`` reports for one plugin."""
+
+    name: str
+    distribution: str
+    version: str
+    registered: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
+    error: str | None = None
+
+
+@dataclass
+class Plugins:
+    """The loaded plugin manager, the registry it filled and a report per plugin."""
+
+    manager: pluggy.PluginManager
+    registry: Registry
+    infos: list[PluginInfo]
+
+    @property
+    def hook(self):
+        return self.manager.hook
+
+
+def _core_plugin() -> ModuleType:
+    from trellis import defaults
+
+    return defaults
+
+
+def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bool = True) -> Plugins:
+    """Build the plugin manager: core's defaults, every installed entry point, then ``extra``.
+
+    A plugin that fails to import or to register is recorded with its error and skipped; the
+    others load. Hook implementations that match no spec (typos) raise here.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    infos: list[PluginInfo] = []
+    core_version = md.version("trellis-core")
+    candidates: list[tuple[PluginInfo, object | None]] = [
+        (PluginInfo("core", "trellis-core", core_version), _core_plugin())
+    ]
+    if entry_points:
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = ep.dist.name if ep.dist else "?"
+            version = ep.dist.version if ep.dist else "?"
+            info = PluginInfo(ep.name, dist, version)
+            try:
+                candidates.append((info, ep.load()))
+            except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
+                info.error = _describe(exc)
+                candidates.append((info, None))
+    for name, obj in extra or []:
+        candidates.append((PluginInfo(name, "<in-process>", "-"), obj))
+
+    for info, obj in candidates:
+        infos.append(info)
+        if obj is None:
+            registry.note_load_error(info.distribution, f"plugin {info.name!r} ({info.distribution}) failed to load: {info.error}")
+            continue
+        pm.register(obj, name=info.name)
+        before = {(e.kind, e.name) for e in registry.entries()}
+        registry.adding_for(info.name)
+        register = getattr(obj, "trellis_register", None)
+        if register is not None:
+            try:
+                register(registry=registry)
+            except RegistryError:
+                raise  # a duplicate or a bad kind is a conflict to fix, not a plugin to skip
+            except Exception as exc:  # noqa: BLE001
+                registry.remove_plugin(info.name)
+                info.error = _describe(exc)
+                registry.note_load_error(info.distribution, f"plugin {info.name!r} ({info.distribution}) failed to register: {info.error}")
+                pm.unregister(obj)
+        info.registered = sorted({(e.kind, e.name) for e in registry.entries()} - before)
+    registry.adding_for("<direct>")
+    pm.check_pending()
+    return Plugins(pm, registry, infos)
+
+
+def _describe(exc: BaseException) -> str:
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"

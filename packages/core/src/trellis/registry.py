@@ -1,0 +1,139 @@
+"""Registry of named components by kind, filled by plugins through ``trellis_register``."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = (
+    "backend",
+    "rollout",
+    "advantage",
+    "policy_loss",
+    "kl",
+    "sft_loss",
+    "preference_loss",
+    "reward",
+    "interaction",
+    "tool",
+    "tracker",
+    "recipe",
+    "dataset",
+)
+
+# Names that Trellis's own packages provide, so that a missing one can be met with the install
+# command. Keyed by (kind, name); a kind-wide entry uses name "*".
+PROVIDERS: dict[tuple[str, str], str] = {
+    ("backend", "fsdp"): "trellis-backend-fsdp",
+    ("backend", "megatron"): "trellis-backend-megatron",
+    ("rollout", "hf"): "trellis-rollout-hf",
+    ("rollout", "vllm"): "trellis-rollout-vllm",
+    ("rollout", "sglang"): "trellis-rollout-sglang",
+    ("advantage", "*"): "trellis-algos",
+    ("policy_loss", "*"): "trellis-algos",
+    ("kl", "*"): "trellis-algos",
+    ("sft_loss", "*"): "trellis-algos",
+    ("preference_loss", "*"): "trellis-algos",
+    ("recipe", "spin"): "trellis-algos",
+    ("reward", "sandbox_fusion"): "trellis-sandbox",
+    ("tool", "code_interpreter"): "trellis-sandbox",
+    ("interaction", "*"): "trellis-interactions",
+}
+
+
+class RegistryError(LookupError):
+    """A component could not be added or found; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered component: the object, its options dataclass and the plugin that added it."""
+
+    kind: str
+    name: str
+    obj: Any
+    options: type | None
+    plugin: str
+
+
+class Registry:
+    """Named components by kind. Duplicates are refused; unknown names say how to get them."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+        self._plugin = "<direct>"
+        self._load_errors: dict[str, str] = {}  # distribution -> "plugin 'x' failed: ..."
+
+    def adding_for(self, plugin: str) -> None:
+        """Attribute the following ``add`` calls to ``plugin`` (set by the plugin manager)."""
+        self._plugin = plugin
+
+    def note_load_error(self, distribution: str, message: str) -> None:
+        self._load_errors[distribution] = message
+
+    def add(self, kind: str, name: str, obj: Any, *, options: type | None = None) -> None:
+        """Register ``obj`` as ``kind``/``name``.
+
+        ``options`` is a dataclass of the component's config options; when omitted, the
+        object's ``Options`` attribute is used if it has one.
+        """
+        if kind not in self._entries:
+            raise RegistryError(
+                f"plugin {self._plugin!r} registers unknown kind {kind!r}; "
+                f"valid kinds: {', '.join(KINDS)}"
+            )
+        if options is None:
+            options = getattr(obj, "Options", None)
+        if options is not None and not dataclasses.is_dataclass(options):
+            raise RegistryError(f"{kind} {name!r}: options must be a dataclass, got {options!r}")
+        existing = self._entries[kind].get(name)
+        if existing is not None:
+            raise RegistryError(
+                f"{kind} {name!r} is registered twice: by plugin {existing.plugin!r} and by "
+                f"plugin {self._plugin!r}; uninstall one of them or rename the component"
+            )
+        self._entries[kind][name] = Entry(kind, name, obj, options, self._plugin)
+
+    def remove_plugin(self, plugin: str) -> None:
+        """Drop every entry that ``plugin`` added (used when its registration fails midway)."""
+        for by_name in self._entries.values():
+            for name in [n for n, e in by_name.items() if e.plugin == plugin]:
+                del by_name[name]
+
+    def get(self, kind: str, name: str) -> Entry:
+        """The entry for ``kind``/``name``, or an error listing what is installed and how to get it."""
+        if kind not in self._entries:
+            raise RegistryError(f"unknown component kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+        entry = self._entries[kind].get(name)
+        if entry is not None:
+            return entry
+        raise RegistryError(self._missing_message(kind, name))
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        kind, name = key
+        return name in self._entries.get(kind, {})
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._entries[kind])
+
+    def entries(self) -> list[Entry]:
+        return [e for kind in KINDS for e in self._entries[kind].values()]
+
+    def _missing_message(self, kind: str, name: str) -> str:
+        installed = self.names(kind)
+        have = ", ".join(installed) if installed else "none"
+        provider = PROVIDERS.get((kind, name)) or PROVIDERS.get((kind, "*"))
+        if provider and provider in self._load_errors:
+            return f"{kind} {name!r} is not available: {self._load_errors[provider]}"
+        msg = f"{kind} {name!r} is not installed"
+        if provider:
+            msg += f": pip install {provider}"
+        msg += f" (installed {kind} names: {have})"
+        close = difflib.get_close_matches(name, installed, n=1)
+        if close:
+            msg += f"; did you mean {close[0]!r}?"
+        if self._load_errors and not provider:
+            msg += "; plugins that failed to load: " + "; ".join(self._load_errors.values())
+        return msg
