@@ -96,7 +96,9 @@ def recipe_schema(raw: DictConfig, registry: Registry) -> type:
 def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") -> DictConfig:
     """Check ``raw`` against dataclass ``schema``; return a typed ``DictConfig`` with defaults filled."""
     if not isinstance(raw, DictConfig):
-        raise ConfigError(f"config key {path or '<root>'!r} must be a mapping of options, got {_show(raw)}")
+        where = path.rstrip(".") or "<root>"
+        keys = ", ".join(f.name for f in dataclasses.fields(schema))
+        raise ConfigError(f"config key {where!r} must be a mapping of options ({keys}), got {_show(raw)}")
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in raw.keys():
         if key not in fields:
@@ -107,7 +109,7 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
         sub_path = f"{path}{name}"
         kind = f.metadata.get(COMPONENT_KIND)
         if kind is not None:
-            sub = raw.get(name) if name in raw else OmegaConf.create(f.default_factory())
+            sub = _with_default_options(raw.get(name), f.default_factory())
             with _unlocked(node):
                 node[name] = _validate_component(sub, kind, registry, sub_path)
         elif dataclasses.is_dataclass(hints[name]):
@@ -116,6 +118,8 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
                     node[name] = validate(raw[name], hints[name], registry, sub_path + ".")
         elif name in raw:
             value = raw._get_node(name)._value() if OmegaConf.is_interpolation(raw, name) else raw[name]
+            if hints[name] is float and type(value) is int:
+                value = float(value)
             try:
                 node[name] = value
             except OmegaConfBaseException as exc:
@@ -123,11 +127,20 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
     return node
 
 
-def _validate_component(sub: Any, kind: str, registry: Registry, path: str) -> DictConfig:
+def _with_default_options(sub: Any, default: dict) -> Any:
+    """The default component's options apply unless the config names a different component."""
+    if sub is None:
+        return OmegaConf.create(default)
     if isinstance(sub, str):  # shorthand: `advantage: grpo`
         sub = OmegaConf.create({"name": sub})
+    if isinstance(sub, DictConfig) and sub.get("name", default["name"]) == default["name"]:
+        return OmegaConf.merge(OmegaConf.create(default), sub)
+    return sub
+
+
+def _validate_component(sub: Any, kind: str, registry: Registry, path: str) -> DictConfig:
     if not isinstance(sub, DictConfig) or "name" not in sub:
-        raise ConfigError(f"config key {path!r} must name a {kind}, e.g. {path}.name=<name>; got {_show(sub)}")
+        raise ConfigError(f"config key {path!r} must name a {kind} component, e.g. {path}.name=<name>; got {_show(sub)}")
     name = str(sub["name"])
     try:
         entry = registry.get(kind, name)
@@ -162,15 +175,15 @@ def _unknown_key(path: str, key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if close:
         parent = path.rsplit(".", 1)[0] + "." if "." in path else ""
-        msg += f"; did you mean {parent}{close[0]!r}?"
+        msg += f"; did you mean '{parent}{close[0]}'?"
     return msg
 
 
 def _wrong_type(path: str, value: Any, expected: Any, exc: OmegaConfBaseException) -> str:
     name = getattr(expected, "__name__", None) or str(expected).replace("typing.", "")
     return (
-        f"config key {path!r} has value {_show(value)} but expects {name}; "
-        f"fix it to a {name}, e.g. {path}=<{name}> ({exc.msg.splitlines()[0]})"
+        f"config key {path!r} has value {_show(value)} but expects type {name}; "
+        f"set {path} to a value of type {name} ({exc.msg.splitlines()[0]})"
     )
 
 

@@ -64,7 +64,6 @@ class Worker(ABC):
     """One role on one rank. Tensors in and out are on CPU; shapes as documented per method."""
 
     DISPATCH: ClassVar[dict[str, Dispatch]] = {
-        "build": Dispatch.ALL,
         "log_prob": Dispatch.DP_SPLIT,
         "values": Dispatch.DP_SPLIT,
         "score": Dispatch.DP_SPLIT,

@@ -1,0 +1,61 @@
+"""Sessions: one per package (a fresh venv with that package and its needs alone, then its tests),
+``lint``, ``tests`` (all of them) and ``demo`` (the main job)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.sessions = ["lint", "tests"]
+
+# On these machines `torch==2.13.0` is a CPU build on local disk; a bare `torch` would pull
+# several GB of CUDA build from PyPI. Installing it first makes every package's `torch>=...` a no-op.
+TORCH = "torch==2.13.0"
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6"]
+
+# session -> (local packages to install, extra requirements, tests folder)
+PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
+    "core": (["packages/core", "tests/plugins/example"], [], "tests/core"),
+    "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
+}
+
+
+def _install(session: nox.Session, packages: list[str], extra: list[str]) -> None:
+    session.install(TORCH)
+    session.install(*[f"./{p}" for p in packages], *extra, *TEST_TOOLS)
+
+
+def _package_session(name: str, packages: list[str], extra: list[str], folder: str):
+    @nox.session(name=name)
+    def run(session: nox.Session) -> None:
+        _install(session, packages, extra)
+        session.run("pytest", folder, "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+    run.__doc__ = f"Install {', '.join(packages)} alone and run {folder}."
+    return run
+
+
+for _name, (_packages, _extra, _folder) in PACKAGE_SESSIONS.items():
+    globals()[f"session_{_name}"] = _package_session(_name, _packages, _extra, _folder)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package session and lint, each in its own venv."""
+    for name in ["lint", *PACKAGE_SESSIONS]:
+        session.notify(name)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job. Placeholder until the first training slice lands."""
+    _install(session, ["packages/core"], [])
+    session.run("trellis", "plugins")

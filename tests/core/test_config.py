@@ -1,0 +1,111 @@
+"""Config errors: each names the dotted path, the bad value and the fix."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from trellis.config import ConfigError, compose
+from trellis.plugins import load_plugins
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_plugins().registry
+
+
+@pytest.fixture
+def yaml_file(tmp_path):
+    def write(text: str):
+        path = tmp_path / "run.yaml"
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
+
+
+BASE = """
+recipe: example_echo
+data:
+  path: data.jsonl
+"""
+
+
+def test_defaults_filled_and_types_converted(registry, yaml_file):
+    cfg = compose(yaml_file(BASE), ["trainer.lr=1", "advantage.scale=3"], registry)
+    assert cfg.trainer.total_steps == 2 and cfg.data.max_prompt_length == 16
+    assert cfg.trainer.lr == 1.0 and isinstance(cfg.trainer.lr, float)
+    assert dict(cfg.advantage) == {"name": "example_scaled", "scale": 3.0}
+
+
+def test_unknown_nested_key_names_path_valid_keys_and_closest(registry, yaml_file):
+    with pytest.raises(ConfigError) as err:
+        compose(yaml_file(BASE), ["trainer.totl_steps=3"], registry)
+    assert str(err.value) == (
+        "unknown config key 'trainer.totl_steps'; valid keys here: lr, run_dir, total_steps, trackers; "
+        "did you mean 'trainer.total_steps'?"
+    )
+
+
+def test_unknown_top_level_key(registry, yaml_file):
+    expected = r"unknown config key 'sead'; valid keys here: advantage, data, recipe, seed, trainer; did you mean 'seed'\?"
+    with pytest.raises(ConfigError, match=expected):
+        compose(yaml_file(BASE + "sead: 3\n"), [], registry)
+
+
+def test_unknown_component_option_checked_against_component_dataclass(registry, yaml_file):
+    with pytest.raises(ConfigError, match=r"unknown config key 'advantage.scal'; valid keys here: scale; did you mean 'advantage.scale'\?"):
+        compose(yaml_file(BASE), ["advantage.scal=1"], registry)
+
+
+def test_wrong_type_names_path_value_and_expected_type(registry, yaml_file):
+    with pytest.raises(ConfigError) as err:
+        compose(yaml_file(BASE), ["trainer.total_steps=ten"], registry)
+    msg = str(err.value)
+    assert msg.startswith("config key 'trainer.total_steps' has value 'ten' but expects type int; set trainer.total_steps to a value of type int")
+
+
+def test_wrong_type_in_component_option(registry, yaml_file):
+    with pytest.raises(ConfigError, match=r"config key 'advantage.scale' has value 'big' but expects type float"):
+        compose(yaml_file(BASE), ["advantage.scale=big"], registry)
+
+
+def test_section_given_a_scalar(registry, yaml_file):
+    with pytest.raises(ConfigError, match=r"config key 'trainer' must be a mapping of options \(total_steps, lr, run_dir, trackers\), got 5"):
+        compose(yaml_file(BASE), ["trainer=5"], registry)
+
+
+def test_unknown_component_name_gives_install_command(registry, yaml_file):
+    with pytest.raises(ConfigError) as err:
+        compose(yaml_file(BASE), ["advantage.name=grpo"], registry)
+    msg = str(err.value)
+    assert "config key 'advantage.name'" in msg and "pip install trellis-algos" in msg
+    assert "installed advantage names: example_scaled" in msg
+
+
+def test_missing_required_value(registry, yaml_file):
+    with pytest.raises(ConfigError, match=r"config key 'data.path' is required and has no default; set it in the YAML or pass data.path=\.\.\."):
+        compose(yaml_file("recipe: example_echo\n"), [], registry)
+
+
+def test_missing_recipe_key_lists_recipes(registry, yaml_file):
+    with pytest.raises(ConfigError, match=r"config key 'recipe' is missing; name the recipe to run.*example_echo"):
+        compose(yaml_file("seed: 1\n"), [], registry)
+
+
+def test_unknown_recipe(registry, yaml_file):
+    with pytest.raises(ConfigError, match=r"config key 'recipe': recipe 'rll' is not installed.*installed recipe names: example_echo"):
+        compose(yaml_file("recipe: rll\n"), [], registry)
+
+
+def test_bad_override_and_missing_file(registry, yaml_file, tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'seed' is not of the form key=value"):
+        compose(yaml_file(BASE), ["seed"], registry)
+    with pytest.raises(ConfigError, match=r"config file '.*nope.yaml' does not exist"):
+        compose(tmp_path / "nope.yaml", [], registry)
+
+
+def test_component_shorthand_keeps_recipe_defaults_for_same_name(registry, yaml_file):
+    cfg = compose(yaml_file(BASE + "advantage: example_scaled\n"), [], registry)
+    assert dict(cfg.advantage) == {"name": "example_scaled", "scale": 2.0}

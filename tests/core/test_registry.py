@@ -1,0 +1,80 @@
+"""Registry: duplicates refused with both plugins named, unknown names answered with the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from trellis.registry import Registry, RegistryError
+
+
+def make_registry() -> Registry:
+    reg = Registry()
+    reg.adding_for("first")
+    reg.add("advantage", "grpo", lambda data, options: None)
+    return reg
+
+
+def test_duplicate_names_both_plugins():
+    reg = make_registry()
+    reg.adding_for("second")
+    with pytest.raises(RegistryError, match=r"advantage 'grpo' is registered twice: by plugin 'first' and by plugin 'second'"):
+        reg.add("advantage", "grpo", object())
+
+
+def test_same_name_in_another_kind_is_fine():
+    reg = make_registry()
+    reg.add("recipe", "grpo", object())
+    assert reg.get("recipe", "grpo").plugin == "first"
+
+
+def test_unknown_trellis_name_gives_pip_command_and_installed_names():
+    reg = make_registry()
+    reg.add("rollout", "hf", object())
+    with pytest.raises(RegistryError) as err:
+        reg.get("rollout", "vllm")
+    assert str(err.value) == "rollout 'vllm' is not installed: pip install trellis-rollout-vllm (installed rollout names: hf)"
+
+
+def test_unknown_name_suggests_close_match():
+    reg = make_registry()
+    with pytest.raises(RegistryError, match=r"did you mean 'grpo'\?"):
+        reg.get("advantage", "grp")
+
+
+def test_unknown_third_party_name_lists_installed_without_pip():
+    reg = make_registry()
+    with pytest.raises(RegistryError) as err:
+        reg.get("tracker", "my_tracker")
+    assert "pip install" not in str(err.value)
+    assert "installed tracker names: none" in str(err.value)
+
+
+def test_unknown_kind_lists_kinds():
+    reg = Registry()
+    with pytest.raises(RegistryError, match=r"unknown kind 'advantages'.*valid kinds: backend, rollout, advantage"):
+        reg.add("advantages", "x", object())
+
+
+def test_options_taken_from_attribute_and_must_be_dataclass():
+    @dataclass
+    class Opts:
+        beta: float = 0.1
+
+    class Comp:
+        Options = Opts
+
+    reg = Registry()
+    reg.add("kl", "mine", Comp)
+    assert reg.get("kl", "mine").options is Opts
+    with pytest.raises(RegistryError, match="options must be a dataclass"):
+        reg.add("kl", "other", Comp, options=dict)
+
+
+def test_remove_plugin_drops_only_its_entries():
+    reg = make_registry()
+    reg.adding_for("second")
+    reg.add("kl", "k9", object())
+    reg.remove_plugin("second")
+    assert reg.names("kl") == [] and reg.names("advantage") == ["grpo"]

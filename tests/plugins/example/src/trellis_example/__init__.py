@@ -1,0 +1,1 @@
+"""Test-only Trellis plugin package."""

@@ -1,0 +1,172 @@
+"""Registers one small, working component of each kind; the core tests use them by name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import MISSING
+
+import trellis
+from trellis.agents import Interaction, InteractionTurn, Tool, ToolResult
+from trellis.batch import Batch
+from trellis.config import component
+from trellis.rollout import RolloutEngine
+from trellis.trackers import Tracker
+from trellis.workers import Worker
+
+
+@dataclass
+class ScaledOptions:
+    scale: float = 1.0
+
+
+def scaled_reward_advantage(data, options: ScaledOptions):
+    """Advantage = scale * sequence reward on every valid token."""
+    adv = options.scale * data.token_rewards.sum(-1, keepdim=True) * data.response_mask
+    return adv, adv
+
+
+def reinforce_loss(data, agg, options):
+    loss = -(data.advantages * data.log_prob * data.response_mask).sum() / data.response_mask.sum()
+    return loss, {"pg_loss": float(loss)}
+
+
+def diff_kl(log_prob, ref_log_prob):
+    return log_prob - ref_log_prob
+
+
+def nll_loss(token_log_probs, loss_mask, agg, options):
+    loss = -(token_log_probs * loss_mask).sum() / loss_mask.sum()
+    return loss, {"loss": float(loss)}
+
+
+def margin_loss(data, options):
+    loss = -torch.nn.functional.logsigmoid((data.chosen - data.rejected) - (data.ref_chosen - data.ref_rejected)).mean()
+    return loss, {"loss": float(loss)}
+
+
+def length_reward(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) == int(ground_truth))
+
+
+class CountingWorker(Worker):
+    """Returns zeros; counts calls (tests check routing through the controller)."""
+
+    def __init__(self, dist):
+        self.dist, self.calls = dist, 0
+
+    def build(self):
+        self.built = True
+
+    def log_prob(self, batch, with_entropy=False):
+        self.calls += 1
+        return Batch({"log_probs": torch.zeros_like(batch["responses"], dtype=torch.float)})
+
+
+class EchoRollout(RolloutEngine):
+    """Responds with the prompt's tokens reversed."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def generate(self, prompts, params):
+        flipped = prompts["input_ids"].flip(-1)
+        out = Batch({"responses": flipped, "response_mask": torch.ones_like(flipped)})
+        return out.repeat_interleave(params.n)
+
+    def load_weights(self, weights):
+        self.loaded = list(weights)
+
+
+class EchoInteraction(Interaction):
+    async def respond(self, instance_id, messages):
+        return InteractionTurn(done=True, message="", score=1.0)
+
+
+class AddTool(Tool):
+    schema = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+    async def execute(self, instance_id, arguments):
+        return ToolResult(text=str(arguments["a"] + arguments["b"]))
+
+
+class ListTracker(Tracker):
+    logged: list = []
+
+    def __init__(self, run_dir, total_steps):
+        pass
+
+    def log(self, step, metrics):
+        ListTracker.logged.append((step, metrics))
+
+
+@dataclass
+class EchoData:
+    path: str = MISSING
+    max_prompt_length: int = 16
+
+
+@dataclass
+class EchoTrainer:
+    total_steps: int = 2
+    lr: float = 1e-3
+    run_dir: str | None = None
+    trackers: list[str] = field(default_factory=lambda: ["jsonl"])
+
+
+@dataclass
+class EchoConfig:
+    recipe: str = "example_echo"
+    seed: int = 0
+    data: EchoData = field(default_factory=EchoData)
+    trainer: EchoTrainer = field(default_factory=EchoTrainer)
+    advantage: dict = component("advantage", "example_scaled", scale=2.0)
+
+
+class EchoRecipe:
+    """Writes its resolved config's advantage section and logs two steps of fake metrics."""
+
+    Config = EchoConfig
+
+    def run(self, cfg, ctx):
+        trackers = [ctx.registry.get("tracker", t).obj(ctx.run_dir, cfg.trainer.total_steps) for t in cfg.trainer.trackers]
+        for step in range(1, cfg.trainer.total_steps + 1):
+            for t in trackers:
+                t.log(step, {"loss": 1.0 / step})
+            ctx.hook.trellis_step_end(step=step, metrics={"loss": 1.0 / step})
+        for t in trackers:
+            t.close()
+        (ctx.run_dir / "advantage.json").write_text(json.dumps(dict(cfg.advantage)))
+        return {"steps": cfg.trainer.total_steps}
+
+
+def json_lines_dataset(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@trellis.hookimpl
+def trellis_register(registry):
+    registry.add("backend", "example_counting", CountingWorker)
+    registry.add("rollout", "example_echo", EchoRollout)
+    registry.add("advantage", "example_scaled", scaled_reward_advantage, options=ScaledOptions)
+    registry.add("policy_loss", "example_reinforce", reinforce_loss)
+    registry.add("kl", "example_diff", diff_kl)
+    registry.add("sft_loss", "example_nll", nll_loss)
+    registry.add("preference_loss", "example_margin", margin_loss)
+    registry.add("reward", "example_length", length_reward)
+    registry.add("interaction", "example_echo", EchoInteraction)
+    registry.add("tool", "example_add", AddTool)
+    registry.add("tracker", "example_list", ListTracker)
+    registry.add("recipe", "example_echo", EchoRecipe(), options=EchoConfig)
+    registry.add("dataset", "example_jsonl", json_lines_dataset)
+
+
+steps_seen: list[int] = []
+
+
+@trellis.hookimpl
+def trellis_step_end(step):
+    steps_seen.append(step)
