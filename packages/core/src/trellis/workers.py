@@ -1,6 +1,6 @@
 """Interface of a training-backend worker: one role (actor, critic, ref, reward_model) on one rank.
 
-A backend plugin registers (kind ``backend``) a factory ``make_worker(role, spec) -> Worker``.
+A backend plugin registers (kind ``backend``) a factory ``make_worker(spec: WorkerSpec) -> Worker``.
 Controllers call workers only through the methods below; ``DISPATCH`` tells a multi-rank
 controller how to route each call, so the same worker code runs under the local controller
 (one rank) and under Ray (N ranks) unchanged.
@@ -58,6 +58,7 @@ class WorkerSpec:
     dist: DistInfo = field(default_factory=DistInfo)
     registry: Any = None
     seed: int = 0
+    total_steps: int = 0  # trainer steps of the run (for LR schedules such as cosine)
 
 
 class Worker(ABC):
@@ -68,6 +69,8 @@ class Worker(ABC):
         "values": Dispatch.DP_SPLIT,
         "score": Dispatch.DP_SPLIT,
         "update": Dispatch.DP_SPLIT,
+        "sft_update": Dispatch.DP_SPLIT,
+        "sft_eval": Dispatch.DP_SPLIT,
         "export_weights": Dispatch.RANK0,
         "save": Dispatch.ALL,
         "load": Dispatch.ALL,
@@ -98,6 +101,15 @@ class Worker(ABC):
     def update(self, batch: Batch) -> dict[str, float]:
         """Train on ``batch`` (the whole step's samples for this rank); return averaged metrics."""
         raise NotImplementedError(f"{type(self).__name__} does not train")
+
+    def sft_update(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning on ``input_ids``, ``attention_mask``,
+        ``position_ids``, ``loss_mask`` ``(batch, seq_len)`` (loss on tokens where the mask is 1)."""
+        raise NotImplementedError(f"{type(self).__name__} does not do supervised training")
+
+    def sft_eval(self, batch: Batch) -> dict[str, float]:
+        """The SFT loss on ``batch`` without training (held-out loss); same inputs as ``sft_update``."""
+        raise NotImplementedError(f"{type(self).__name__} does not do supervised training")
 
     def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
         """Full (unsharded) weights in Hugging Face names, in buckets of about ``bucket_bytes``."""

@@ -1,0 +1,51 @@
+"""Process-group set-up: gloo on CPU, nccl on CUDA; one default group per process, shared by the
+roles colocated in it."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trellis.workers import DistInfo
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device_for(info: DistInfo) -> torch.device:
+    if info.device == "cuda" or (info.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", info.rank % max(torch.cuda.device_count(), 1))))
+    return torch.device("cpu")
+
+
+def ensure_process_group(info: DistInfo) -> DeviceMesh:
+    """Join (or reuse) the default process group and return a 1-D data-parallel mesh over it."""
+    device = device_for(info)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        port = info.master_port if info.world_size > 1 else free_port()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{port}", rank=info.rank, world_size=info.world_size)
+    elif dist.get_world_size() != info.world_size:
+        raise RuntimeError(
+            f"this process already belongs to a process group of {dist.get_world_size()} ranks, "
+            f"but a worker asks for {info.world_size}; colocated roles must share one world size"
+        )
+    return init_device_mesh(device.type, (info.world_size,), mesh_dim_names=("dp",))
+
+
+def all_reduce_sum(value: float, device: torch.device) -> float:
+    """Sum a float over the ranks (a no-op on one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())

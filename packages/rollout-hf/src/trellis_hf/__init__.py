@@ -1,0 +1,1 @@
+"""Hugging Face transformers rollout for Trellis."""

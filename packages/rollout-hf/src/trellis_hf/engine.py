@@ -1,0 +1,140 @@
+"""Rollout on ``transformers`` generate: n samples per prompt, sampled-token log-probs, in-memory
+weight updates from the actor."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from trellis.batch import Batch
+from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class HFRolloutOptions:
+    """dtype: weights and compute. micro_batch_prompts: prompts per generate call (0: all)."""
+
+    dtype: str = "float32"
+    micro_batch_prompts: int = 0
+
+
+def make_engine(spec: RolloutSpec) -> RolloutEngine:
+    return HFRollout(spec)
+
+
+class HFRollout(RolloutEngine):
+    def __init__(self, spec: RolloutSpec) -> None:
+        self.opts: HFRolloutOptions = spec.options if spec.options is not None else HFRolloutOptions()
+        if self.opts.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={self.opts.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
+        self.tokenizer = spec.tokenizer
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[self.opts.dtype]).eval()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        size = self.opts.micro_batch_prompts or len(prompts)
+        parts = [self._generate_tokens(p, params) for p in prompts.split(size)]
+        width = max(p[0].shape[1] for p in parts)
+        responses = torch.cat([_pad_right(r, width, self.pad_id) for r, _ in parts])
+        log_probs = torch.cat([_pad_right(lp, width, 0.0) for _, lp in parts])
+        stops = self.eos_ids | set(params.stop_token_ids)
+        response_mask = _mask_through_first_stop(responses, stops)
+        out = prompts.repeat_interleave(params.n)
+        prompt_mask = out["attention_mask"]
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        out.update(
+            Batch(
+                {
+                    "prompts": out["input_ids"],
+                    "responses": responses,
+                    "response_mask": response_mask,
+                    "rollout_log_probs": log_probs * response_mask,
+                    "input_ids": torch.cat([out["input_ids"], responses], dim=1),
+                    "attention_mask": attention_mask,
+                    "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+                }
+            )
+        )
+        out.meta["temperature"] = 1.0 if params.greedy else params.temperature
+        return out
+
+    def _generate_tokens(self, prompts: Batch, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled tokens ``(b*n, new)`` and their log-probs under softmax(logits / temperature)."""
+        ids = prompts["input_ids"].repeat_interleave(params.n, dim=0)
+        mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0)
+        greedy = params.greedy or params.temperature == 0
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=not greedy,
+                temperature=None if greedy else params.temperature,
+                top_p=None if greedy else params.top_p,
+                top_k=None if greedy or params.top_k <= 0 else params.top_k,
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=sorted(self.eos_ids | set(params.stop_token_ids)),
+                pad_token_id=self.pad_id,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        tokens = out.sequences[:, ids.shape[1] :]
+        temperature = 1.0 if greedy else params.temperature
+        logits = torch.stack(out.logits, dim=1).float() / temperature
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, log_probs
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        one = Batch({"input_ids": torch.tensor([prompt_ids]), "attention_mask": torch.ones(1, len(prompt_ids), dtype=torch.long)})
+        single = SamplingParams(**{**params.__dict__, "n": 1})
+        tokens, log_probs = await asyncio.to_thread(self._generate_tokens, one, single)
+        mask = _mask_through_first_stop(tokens, self.eos_ids | set(params.stop_token_ids))[0].bool()
+        ids = tokens[0][mask].tolist()
+        stopped = bool(ids) and ids[-1] in (self.eos_ids | set(params.stop_token_ids))
+        return Generation(ids, log_probs[0][mask].tolist(), "stop" if stopped else "length")
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors into the model in place. Names and shapes are checked before any copy,
+        so a bad update leaves the old weights whole."""
+        state = self.model.state_dict()
+        incoming = list(weights)
+        for name, tensor in incoming:
+            if name not in state:
+                close = [k for k in state if k.split(".")[-1] == name.split(".")[-1]][:3]
+                raise KeyError(f"rollout weight update: unknown parameter {name!r}; similar names: {close}")
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"rollout weight update: {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(state[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in incoming:
+                state[name].copy_(tensor)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def _mask_through_first_stop(tokens: torch.Tensor, stops: set[int]) -> torch.Tensor:
+    """1 on every token up to and including the first stop token, 0 after: ``(b, len)``."""
+    is_stop = torch.isin(tokens, torch.tensor(sorted(stops), dtype=tokens.dtype)).long()
+    stops_before = is_stop.cumsum(-1) - is_stop
+    return (stops_before == 0).long()
