@@ -1,0 +1,194 @@
+"""FSDP2 workers on a tiny model: parity with an unsharded model (1 and 2 gloo ranks), log-probs,
+weight export, critic, reward model and SFT steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
+
+from trellis.batch import Batch
+from trellis.config import validate
+from trellis.plugins import load_plugins
+from trellis.role_config import ActorConfig, CriticConfig, SFTTrainConfig
+from trellis.signatures import PolicyLossInputs
+from trellis.workers import DistInfo, WorkerSpec
+from trellis_algos.aggregation import aggregation_for
+from trellis_algos.policy_losses import VanillaOptions, vanilla
+from trellis_fsdp.distributed import free_port
+from trellis_fsdp.worker import FSDPOptions, make_worker
+
+LR = 1e-2
+PROMPT, RESPONSE, SAMPLES = 5, 6, 8
+
+
+def rl_batch(vocab: int, seed: int = 0) -> Batch:
+    """8 samples: left-padded prompts, right-padded responses of varied length, random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(2, PROMPT + 1, (SAMPLES,), generator=g)
+    resp_len = torch.randint(1, RESPONSE + 1, (SAMPLES,), generator=g)
+    prompt_mask = (torch.arange(PROMPT) >= PROMPT - prompt_len[:, None]).long()
+    response_mask = (torch.arange(RESPONSE) < resp_len[:, None]).long()
+    prompts = torch.randint(3, vocab, (SAMPLES, PROMPT), generator=g) * prompt_mask
+    responses = torch.randint(3, vocab, (SAMPLES, RESPONSE), generator=g) * response_mask
+    mask = torch.cat([prompt_mask, response_mask], 1)
+    return Batch(
+        {
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": responses,
+            "response_mask": response_mask,
+            "advantages": torch.randn(SAMPLES, 1, generator=g).expand(SAMPLES, RESPONSE) * response_mask,
+        },
+        meta={"temperature": 0.7},
+    )
+
+
+def reference_log_probs(model, batch: Batch) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
+    logits = logits[:, -RESPONSE - 1 : -1].float() / batch.meta["temperature"]
+    return torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def actor_options(registry, **overrides):
+    base = {"micro_batch_samples": 2, "optim": {"lr": LR, "grad_clip": 1.0}, "policy_loss": {"name": "vanilla"}}
+    return validate(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(overrides)), ActorConfig, registry)
+
+
+def reference_step(path: str, batch: Batch):
+    """The same PPO step done by hand on the unsharded model: loss over the whole batch, clip, AdamW."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False
+    log_prob = reference_log_probs(model, batch)
+    data = PolicyLossInputs(log_prob, batch["old_log_probs"], batch["advantages"], batch["response_mask"])
+    loss, _ = vanilla(data, aggregation_for("token-mean", batch["response_mask"]), VanillaOptions())
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0).step()
+    return float(loss.detach()), float(norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def prepared_batch(path: str) -> Batch:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = rl_batch(model.config.vocab_size)
+    with torch.no_grad():
+        lp = reference_log_probs(model, batch)
+    # old log-probs slightly off the current ones, so the ratio and clipping are exercised
+    batch["old_log_probs"] = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1)) * batch["response_mask"]
+    return batch
+
+
+def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
+    torch.set_num_threads(1)
+    registry = load_plugins().registry
+    spec = WorkerSpec("actor", path, FSDPOptions(), actor_options(registry), DistInfo(rank, world, master_port=port), registry)
+    worker = make_worker(spec)
+    worker.build()
+    metrics = worker.update(batch.chunk(world)[rank])
+    weights = dict(b for bucket in worker.export_weights() for b in bucket)
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_update_matches_unsharded_model(tiny_model_path, tmp_path, world):
+    batch = prepared_batch(tiny_model_path)
+    ref_loss, ref_norm, ref_weights = reference_step(tiny_model_path, batch)
+    out = str(tmp_path / "rank0.pt")
+    mp.start_processes(_rank_main, args=(world, free_port(), tiny_model_path, batch, out), nprocs=world, start_method="spawn")
+    result = torch.load(out)
+    assert result["metrics"]["actor/pg_loss"] == pytest.approx(ref_loss, abs=1e-5)
+    assert result["metrics"]["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    assert set(result["weights"]) == set(ref_weights)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(result["weights"][name], ref, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_plugins().registry
+
+
+def build(registry, path, role, role_options=None, **opts):
+    worker = make_worker(WorkerSpec(role, path, FSDPOptions(**opts), role_options, DistInfo(), registry))
+    worker.build()
+    return worker
+
+
+def test_log_prob_and_entropy_match_unsharded_forward(registry, tiny_model_path):
+    batch = prepared_batch(tiny_model_path)
+    ref = build(registry, tiny_model_path, "ref")
+    out = ref.log_prob(batch, with_entropy=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference_log_probs(model, batch)
+    torch.testing.assert_close(out["log_probs"], expected, atol=1e-5, rtol=0)
+    # entropy of a distribution over V tokens lies in [0, log V]
+    assert out["entropy"].shape == (SAMPLES, RESPONSE)
+    assert (out["entropy"] >= 0).all() and (out["entropy"] <= torch.log(torch.tensor(float(model.config.vocab_size)))).all()
+
+
+def test_dynamic_batching_gives_same_log_probs(registry, tiny_model_path):
+    batch = prepared_batch(tiny_model_path)
+    by_samples = build(registry, tiny_model_path, "actor", actor_options(registry)).log_prob(batch)
+    by_tokens = build(registry, tiny_model_path, "actor", actor_options(registry, max_tokens_per_micro_batch=20)).log_prob(batch)
+    torch.testing.assert_close(by_tokens["log_probs"], by_samples["log_probs"], atol=1e-6, rtol=0)
+
+
+def test_export_weights_in_buckets_with_hf_names(registry, tiny_untied_model_path):
+    worker = build(registry, tiny_untied_model_path, "actor", actor_options(registry))
+    buckets = list(worker.export_weights(bucket_bytes=4096))
+    assert len(buckets) > 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_untied_model_path, dtype=torch.float32)
+    exported = dict(b for bucket in buckets for b in bucket)
+    assert set(exported) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_critic_learns_returns(registry, tiny_model_path):
+    opts = validate(OmegaConf.create({"micro_batch_samples": 4, "optim": {"lr": 3e-3}, "cliprange_value": 100.0}), CriticConfig, registry)
+    critic = build(registry, tiny_model_path, "critic", opts)
+    batch = prepared_batch(tiny_model_path)
+    batch["returns"] = torch.full((SAMPLES, RESPONSE), 2.0) * batch["response_mask"]
+    losses = []
+    for _ in range(15):
+        batch["values"] = critic.values(batch)["values"]
+        losses.append(critic.update(batch)["critic/vf_loss"])
+    assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_reward_model_scores_last_token(registry, tiny_model_path):
+    rm = build(registry, tiny_model_path, "reward_model")
+    batch = prepared_batch(tiny_model_path)
+    scores = rm.score(batch)["scores"]
+    assert scores.shape == (SAMPLES,)
+    # the score is the head's output at the last valid token: tokens after it (padding) change nothing
+    changed = Batch({k: v.clone() for k, v in batch.tensors.items()})
+    padding = changed["attention_mask"] == 0
+    assert padding[:, PROMPT:].any(), "the batch must have right padding for this test to mean anything"
+    changed["input_ids"][padding] = 5
+    torch.testing.assert_close(rm.score(changed)["scores"], scores)
+    # and it moves when the last valid token changes
+    last = batch["attention_mask"].cumsum(-1).argmax(-1)
+    changed["input_ids"][torch.arange(SAMPLES), last] = (changed["input_ids"][torch.arange(SAMPLES), last] + 1) % 20 + 3
+    assert not torch.allclose(rm.score(changed)["scores"], scores)
+
+
+def test_sft_steps_lower_the_loss(registry, tiny_model_path, tmp_path):
+    opts = validate(OmegaConf.create({"micro_batch_samples": 4, "optim": {"lr": 1e-2}}), SFTTrainConfig, registry)
+    worker = build(registry, tiny_model_path, "actor", opts)
+    batch = prepared_batch(tiny_model_path)
+    batch["loss_mask"] = torch.cat([torch.zeros(SAMPLES, PROMPT, dtype=torch.long), batch["response_mask"]], 1)
+    first = worker.sft_eval(batch)["val/loss"]
+    for _ in range(10):
+        worker.sft_update(batch)
+    assert worker.sft_eval(batch)["val/loss"] < 0.5 * first
+    (tmp_path / "ok.json").write_text(json.dumps(first))

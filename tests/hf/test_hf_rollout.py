@@ -1,0 +1,113 @@
+"""HF rollout on a tiny model: sample layout, masks, log-probs against a plain forward pass, left
+padding, and in-memory weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trellis.rollout import RolloutSpec, SamplingParams
+from trellis_hf.engine import HFRolloutOptions, make_engine
+
+TEXTS = ["12+35=", "7+8=", "40+41="]
+
+
+@pytest.fixture
+def engine(tiny_model_path):
+    return make_engine(RolloutSpec(tiny_model_path, HFRolloutOptions(), AutoTokenizer.from_pretrained(tiny_model_path)))
+
+
+def forward_log_probs(model, out, temperature):
+    n = out["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+    logits = logits[:, -n - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def test_layout_and_grouping(engine, make_prompts):
+    prompts = make_prompts(engine.tokenizer, TEXTS)
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=0))
+    assert len(out) == 12
+    assert list(out["text"]) == [t for t in TEXTS for _ in range(4)]  # prompt i's samples at 4i..4i+3
+    resp_len = out["responses"].shape[1]
+    assert resp_len <= 8
+    assert out["input_ids"].shape == (12, prompts["input_ids"].shape[1] + resp_len)
+    assert torch.equal(out["prompts"], prompts["input_ids"].repeat_interleave(4, 0))
+    assert out.meta["temperature"] == 1.0
+
+
+def test_mask_stops_after_first_eos(engine, make_prompts):
+    out = engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(n=8, max_new_tokens=12, seed=3))
+    eos = engine.tokenizer.eos_token_id
+    for tokens, mask in zip(out["responses"], out["response_mask"]):
+        valid = int(mask.sum())
+        assert torch.equal(mask[:valid], torch.ones(valid, dtype=mask.dtype))  # mask is a prefix
+        hits = (tokens == eos).nonzero().flatten().tolist()
+        if hits:
+            assert valid == hits[0] + 1  # includes the first EOS, nothing after
+        else:
+            assert valid == 12
+
+
+def test_log_probs_equal_forward_at_temperature(engine, make_prompts, tiny_model_path):
+    out = engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(n=2, temperature=0.7, max_new_tokens=10, seed=1))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    expected = forward_log_probs(model, out, 0.7) * out["response_mask"]
+    torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=0)
+
+
+def test_left_padding_does_not_change_greedy_output(engine, make_prompts):
+    greedy = SamplingParams(greedy=True, max_new_tokens=8)
+    alone = engine.generate(make_prompts(engine.tokenizer, ["7+8="]), greedy)
+    batched = engine.generate(make_prompts(engine.tokenizer, TEXTS), greedy)
+    n = int(alone["response_mask"][0].sum())
+    assert torch.equal(batched["responses"][1, :n], alone["responses"][0, :n])
+
+
+def test_seeded_sampling_is_reproducible(engine, make_prompts):
+    params = SamplingParams(n=3, max_new_tokens=8, seed=42)
+    a = engine.generate(make_prompts(engine.tokenizer, TEXTS), params)
+    b = engine.generate(make_prompts(engine.tokenizer, TEXTS), params)
+    assert torch.equal(a["responses"], b["responses"])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_untied_model_path"])
+def test_load_weights_makes_outputs_follow_new_weights(fixture, request, make_prompts):
+    path = request.getfixturevalue(fixture)
+    engine = make_engine(RolloutSpec(path, HFRolloutOptions(), AutoTokenizer.from_pretrained(path)))
+    other = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.load_weights(other.state_dict().items())
+    out = engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(n=2, max_new_tokens=8, seed=0))
+    expected = forward_log_probs(other, out, 1.0) * out["response_mask"]
+    torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=0)
+
+
+def test_bad_weight_update_fails_clearly_and_keeps_old_weights(engine, make_prompts):
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(KeyError, match=r"unknown parameter 'model.layers.0.mlp.up_projj.weight'"):
+        engine.load_weights([(name, before[name] + 1), ("model.layers.0.mlp.up_projj.weight", before[name])])
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \(3, 3\), the engine expects"):
+        engine.load_weights([("model.norm.weight", before["model.norm.weight"] + 1), (name, torch.zeros(3, 3))])
+    for k, v in engine.model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused update"
+    assert len(engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(max_new_tokens=4))) == 3
+
+
+def test_agenerate_runs_samples_concurrently(engine):
+    ids = engine.tokenizer("12+35=", add_special_tokens=False)["input_ids"]
+
+    async def both():
+        return await asyncio.gather(*[engine.agenerate(ids, SamplingParams(greedy=True, max_new_tokens=6)) for _ in range(2)])
+
+    a, b = asyncio.run(both())
+    assert a.token_ids == b.token_ids and len(a.log_probs) == len(a.token_ids)
+    assert a.finish_reason in ("stop", "length")
