@@ -1,0 +1,21 @@
+"""The trellis-algos plugin: registers every estimator and loss of this package by name."""
+
+from __future__ import annotations
+
+from trellis.hookspecs import hookimpl
+from trellis_algos import advantages, kl, policy_losses, preference, sft_losses
+
+
+@hookimpl
+def trellis_register(registry):
+    """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss`` and ``preference_loss``."""
+    for kind, table in (
+        ("advantage", advantages.ESTIMATORS),
+        ("policy_loss", policy_losses.LOSSES),
+        ("sft_loss", sft_losses.LOSSES),
+        ("preference_loss", preference.LOSSES),
+    ):
+        for name, (fn, options) in table.items():
+            registry.add(kind, name, fn, options=options)
+    for name, fn in kl.ESTIMATORS.items():
+        registry.add("kl", name, fn, options=None)

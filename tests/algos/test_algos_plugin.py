@@ -1,0 +1,75 @@
+"""The plugin loads through the entry point and registers every name; options fit omegaconf."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trellis.plugins import load_plugins
+from trellis.signatures import AdvantageInputs, Aggregation, PolicyLossInputs
+
+EXPECTED = {
+    "advantage": {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"},
+    "policy_loss": {"vanilla", "clip_cov", "kl_cov", "gspo", "cispo", "gmpo", "geo_mean", "reinforce", "gpg"},
+    "kl": {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"},
+    "sft_loss": {"cross_entropy", "dft"},
+    "preference_loss": {"sigmoid", "ipo"},
+}
+SIMPLE_TYPES = {int, float, bool, str}
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return load_plugins()
+
+
+def test_every_name_is_registered_by_the_algos_plugin(plugins):
+    info = next(i for i in plugins.infos if i.name == "algos")
+    assert info.distribution == "trellis-algos" and info.error is None
+    assert set(info.registered) == {(kind, name) for kind, names in EXPECTED.items() for name in names}
+    for kind, names in EXPECTED.items():
+        for name in names:
+            assert plugins.registry.get(kind, name).plugin == "algos"
+
+
+def test_aliases_share_one_function(plugins):
+    get = plugins.registry.get
+    assert get("policy_loss", "geo_mean").obj is get("policy_loss", "gmpo").obj
+    assert get("kl", "low_var_kl").obj is get("kl", "k3").obj
+    assert get("kl", "mse").obj is get("kl", "k2").obj
+
+
+def test_options_are_omegaconf_friendly(plugins):
+    seen = 0
+    for entry in plugins.registry.entries():
+        if entry.plugin != "algos" or entry.options is None:
+            continue
+        seen += 1
+        for f in dataclasses.fields(entry.options):
+            hint = typing.get_type_hints(entry.options)[f.name]
+            allowed = SIMPLE_TYPES | {t | None for t in SIMPLE_TYPES}
+            assert hint in allowed, f"{entry.kind} {entry.name}: field {f.name} has type {hint}"
+            assert f.default is not dataclasses.MISSING, f"{entry.kind} {entry.name}: {f.name} has no default"
+        cfg = OmegaConf.merge(OmegaConf.structured(entry.options), OmegaConf.create({}))
+        assert OmegaConf.to_object(cfg) == entry.options()
+    assert seen >= 10
+
+
+def test_components_run_by_name_with_default_options(plugins):
+    get = plugins.registry.get
+    data = AdvantageInputs(torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.tensor([[1, 1], [1, 0]]), torch.tensor([0, 0]))
+    entry = get("advantage", "grpo")
+    adv, _ = entry.obj(data, entry.options(norm_by_std=False))
+    # R = 1, 0: mean .5 -> .5 on both tokens of sample 0, -.5 on the valid token of sample 1
+    assert adv.tolist() == [[0.5, 0.5], [-0.5, 0.0]]
+    logp = torch.zeros(2, 2, requires_grad=True)
+    pl = get("policy_loss", "vanilla")
+    loss, metrics = pl.obj(
+        PolicyLossInputs(logp, torch.zeros(2, 2), adv, data.response_mask), Aggregation(), pl.options()
+    )
+    # ratio 1: -A per token, token-mean (-.5 - .5 + .5) / 3
+    assert loss.item() == pytest.approx(-0.5 / 3) and {"pg_loss", "clip_frac", "approx_kl"} <= set(metrics)
