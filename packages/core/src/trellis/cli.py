@@ -44,6 +44,52 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trellis.tiny import make_tiny_model
+
+    if args.text_file:
+        path = Path(args.text_file)
+        if not path.is_file():
+            print(f"trellis: error: --text-file {str(path)!r} does not exist; give a text file (one text per line)", file=sys.stderr)
+            return 2
+        texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        from trellis.tasks import task_texts
+
+        texts = task_texts()
+    try:
+        out = make_tiny_model(
+            args.out_dir,
+            texts,
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate_size,
+            vocab_size=args.vocab_size,
+            tie_word_embeddings=not args.untied,
+            seed=args.seed,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+    except (ValueError, FileExistsError) as exc:
+        print(f"trellis: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trellis.plot import DEFAULT_METRICS, plot_metrics
+
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "curves.png"
+    print(plot_metrics([Path(d) for d in args.run_dirs], out, args.metrics or DEFAULT_METRICS))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trellis", description="RL post-training for language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,11 +105,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("make-tiny-model", help="build (or reuse) a tiny local Qwen2 model + tokenizer trained on your text")
+    p.add_argument("out_dir")
+    p.add_argument("--text-file", help="tokenizer training text, one text per line (default: the arithmetic task's text)")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=None, help="default: 4 x hidden size")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: 256 bytes + 3 special tokens + up to 64 merges")
+    p.add_argument("--max-position-embeddings", type=int, default=512)
+    p.add_argument("--untied", action="store_true", help="separate output head (default: tied to the embeddings)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+    sub.add_parser("demo", help="SFT then GRPO on arithmetic with a tiny model; prints a before/after table (see trellis demo -h)")
+    p = sub.add_parser("plot", help="PNG curves of metrics from run folders (several runs overlaid)")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--metric", action="append", dest="metrics", help="metric to plot (repeatable; default reward, entropy, KL, length, step time)")
+    p.add_argument("--out", default=None, help="PNG path (default: <first run>/curves.png)")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # the demo parses its own flags
+        from trellis.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
+from trellis.rewards import gsm8k_score, math_score
+from trellis.rl import RLRecipe
+from trellis.sft import SFTRecipe
 from trellis.trackers import ConsoleTracker, JsonlTracker
 
 
@@ -10,3 +13,7 @@ from trellis.trackers import ConsoleTracker, JsonlTracker
 def trellis_register(registry):
     registry.add("tracker", "console", ConsoleTracker)
     registry.add("tracker", "jsonl", JsonlTracker)
+    registry.add("reward", "gsm8k", gsm8k_score)
+    registry.add("reward", "math", math_score)
+    registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
+    registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)

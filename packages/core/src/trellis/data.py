@@ -1,0 +1,567 @@
+"""Data in verl's schema (parquet or JSONL): prompt datasets for RL, SFT datasets, resumable loaders.
+
+A row of a prompt file has ``prompt`` (chat messages), ``data_source``, ``reward_model.ground_truth``
+and optionally ``ability`` and ``extra_info``, so existing verl data runs unchanged. Loaders give
+a deterministic order per epoch from ``(seed, epoch)`` and resume at the next batch from
+``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+
+logger = logging.getLogger("trellis")
+
+PROMPT_COLUMNS = ("prompt", "data_source", "reward_model.ground_truth")
+_SCHEMA_HINT = "verl's schema: prompt (chat messages), data_source, reward_model.ground_truth, optional ability and extra_info"
+
+
+class DataError(ValueError):
+    """A data file or row is unusable; the message names the file, the row or column, and the fix."""
+
+
+# -- files -----------------------------------------------------------------------------------------
+def load_rows(path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] = PROMPT_COLUMNS) -> list[dict[str, Any]]:
+    """Rows of a ``.parquet`` or ``.jsonl`` file (or of several files, one after another) as dicts.
+
+    required: columns every row must have (not None); a dotted name such as
+        ``reward_model.ground_truth`` looks inside a nested dict. Pass ``()`` to check nothing
+        (SFT data checks its own columns).
+    """
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not paths:
+        raise DataError("load_rows: no data file given; pass the path of a .parquet or .jsonl file")
+    rows: list[dict[str, Any]] = []
+    for p in paths:
+        file_rows = _read_file(Path(p))
+        _check_columns(file_rows, required, Path(p))
+        rows.extend(file_rows)
+    return rows
+
+
+def _read_file(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist; give the path of a .parquet or .jsonl file")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow raises several types for a damaged file
+            raise DataError(f"data file {str(path)!r} is not a readable parquet file: {exc}") from None
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg}); JSONL needs one JSON object per line") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{lineno} holds a {type(row).__name__}, not a JSON object; JSONL needs one object per line")
+                rows.append(row)
+        return rows
+    raise DataError(f"data file {str(path)!r}: unknown format {suffix!r}; use .parquet or .jsonl")
+
+
+def _check_columns(rows: list[dict[str, Any]], required: Sequence[str], path: Path) -> None:
+    if not rows:
+        raise DataError(f"data file {str(path)!r} has no rows")
+    for column in required:
+        for i, row in enumerate(rows):
+            if _get_path(row, column) is None:
+                raise DataError(
+                    f"data file {str(path)!r}: row {i} has no column {column!r} (columns: {sorted(row)}); "
+                    f"add it to every row ({_SCHEMA_HINT})"
+                )
+
+
+def _get_path(row: dict[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _messages(value: Any, where: str) -> list[dict[str, Any]]:
+    """Chat messages from a row's prompt: a list of {role, content}, or a plain string (one user turn)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value) and value:
+        return [dict(m) for m in value]
+    raise DataError(f"{where} must be chat messages [{{'role': ..., 'content': ...}}, ...] or a string, got {value!r:.200}")
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+    if not messages and not generation_prompt:
+        return ""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; use a model folder with "
+            "chat_template.jinja (trellis make-tiny-model writes one) or set tokenizer.chat_template"
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise DataError("the tokenizer has neither a pad token nor an eos token; set tokenizer.pad_token")
+    return int(pad)
+
+
+# -- prompts (RL) ----------------------------------------------------------------------------------
+class PromptDataset:
+    """Prompts tokenized with the tokenizer's chat template (generation prompt added).
+
+    Prompts longer than ``max_prompt_length`` tokens are dropped with one warning that counts them.
+    ``index`` of an item is the row's position in ``rows`` (unique; ``extra_info.index`` stays in
+    ``extra_info``).
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        tokenizer: Any,
+        max_prompt_length: int,
+        *,
+        prompt_key: str = "prompt",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if max_prompt_length <= 0:
+            raise DataError(f"max_prompt_length={max_prompt_length} must be positive")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.pad_token_id = _pad_id(tokenizer)
+        kwargs = dict(chat_template_kwargs or {})
+        self.items: list[dict[str, Any]] = []
+        too_long: list[int] = []
+        for i, row in enumerate(rows):
+            if prompt_key not in row:
+                raise DataError(f"row {i} has no {prompt_key!r} column (columns: {sorted(row)}); {_SCHEMA_HINT}")
+            messages = _messages(row[prompt_key], f"row {i} column {prompt_key!r}")
+            ids = _encode(tokenizer, _render(tokenizer, messages, True, kwargs))
+            if len(ids) > max_prompt_length:
+                too_long.append(len(ids))
+                continue
+            reward_model = row.get("reward_model") or {}
+            self.items.append(
+                {
+                    "input_ids": ids,
+                    "raw_prompt": messages,
+                    "data_source": row.get("data_source"),
+                    "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
+                    "extra_info": row.get("extra_info") or {},
+                    "ability": row.get("ability"),
+                    "index": i,
+                }
+            )
+        if too_long and not self.items:
+            raise DataError(
+                f"all {len(too_long)} prompts are longer than max_prompt_length={max_prompt_length} tokens "
+                f"(shortest {min(too_long)}); raise data.max_prompt_length"
+            )
+        if too_long:
+            logger.warning(
+                "filtered %d of %d prompts longer than max_prompt_length=%d tokens (longest %d); raise max_prompt_length to keep them",
+                len(too_long), len(rows), max_prompt_length, max(too_long),
+            )
+        if not self.items:
+            raise DataError("the prompt dataset is empty; give a data file with rows")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """A left-padded Batch of items ``indices``: ``input_ids``, ``attention_mask``, ``position_ids``
+        ``(batch, longest_prompt)`` plus ``data_source``, ``ground_truth``, ``extra_info``,
+        ``raw_prompt``, ``ability``, ``index``."""
+        items = [self.items[i] for i in indices]
+        input_ids, attention_mask, position_ids = left_pad([it["input_ids"] for it in items], self.pad_token_id)
+        fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "index")
+        return Batch(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+            {k: [it[k] for it in items] for k in fields},
+        )
+
+    def as_batch(self) -> Batch:
+        """Every prompt in one left-padded Batch, in dataset order (for validation)."""
+        return self.collate(range(len(self)))
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)``, each ``(batch, longest)``, padded on the left.
+
+    position_ids = cumsum(attention_mask) - 1, clipped at 0 (padding gets 0).
+    """
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
+            mask[r, width - len(s):] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+# -- loaders ---------------------------------------------------------------------------------------
+class _EpochLoader:
+    """Deterministic, resumable batches of item indices: epoch ``e`` uses the order drawn from
+    ``(seed, e)``. ``position`` counts the batches already given in the current epoch."""
+
+    unit = "items"
+
+    def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool, drop_last: bool) -> None:
+        if batch_size <= 0:
+            raise DataError(f"batch size must be positive, got {batch_size}")
+        if drop_last and num_items < batch_size:
+            raise DataError(
+                f"the dataset has {num_items} {self.unit}, fewer than one batch of {batch_size}; "
+                f"lower the batch size or add data (or set drop_last=False)"
+            )
+        self.num_items = num_items
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n, b = self.num_items, self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def order(self, epoch: int) -> list[int]:
+        """Item indices of ``epoch`` in the order they are served."""
+        if not self.shuffle:
+            return list(range(self.num_items))
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
+        return torch.randperm(self.num_items, generator=g).tolist()
+
+    def next_indices(self) -> tuple[list[int], int]:
+        """The next batch's item indices and its epoch; advances the position (epochs roll over)."""
+        if self._order_epoch != self.epoch:
+            self._order, self._order_epoch = self.order(self.epoch), self.epoch
+        start = self.position * self.batch_size
+        indices, epoch = self._order[start : start + self.batch_size], self.epoch
+        self.position += 1
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        return indices, epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position", "seed"}``: where the next batch comes from."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state`` (from ``state_dict``): the next batch is the one that would have come."""
+        missing = [k for k in ("epoch", "position", "seed") if k not in state]
+        if missing:
+            raise DataError(f"loader state {state} lacks {missing}; pass what state_dict() returned")
+        if not 0 <= int(state["position"]) < max(len(self), 1) or int(state["epoch"]) < 0:
+            raise DataError(
+                f"loader state {state} does not fit this loader ({len(self)} batches per epoch); "
+                "was the dataset or the batch size changed since it was saved?"
+            )
+        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+        self._order_epoch = -1
+
+    def next_batch(self) -> Batch:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Batches without end, epoch after epoch (``epoch`` tells which); stop by step count."""
+        while True:
+            yield self.next_batch()
+
+
+class PromptLoader(_EpochLoader):
+    """Batches of ``batch_size_prompts`` prompts from a :class:`PromptDataset`, left-padded (see
+    :meth:`PromptDataset.collate`). ``batch.meta`` holds ``epoch`` and ``step_in_epoch``."""
+
+    unit = "prompts"
+
+    def __init__(self, dataset: PromptDataset, batch_size_prompts: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True) -> None:
+        super().__init__(len(dataset), batch_size_prompts, seed, shuffle, drop_last)
+        self.dataset = dataset
+
+    def next_batch(self) -> Batch:
+        position = self.position
+        indices, epoch = self.next_indices()
+        batch = self.dataset.collate(indices)
+        batch.meta.update({"epoch": epoch, "step_in_epoch": position})
+        return batch
+
+
+# -- SFT -------------------------------------------------------------------------------------------
+class SFTDataset:
+    """Tokenized SFT samples with a loss mask.
+
+    A row is either chat ``messages`` (loss on every assistant turn) or a ``prompt`` (messages)
+    plus a target in the column ``response_key`` (a dotted name such as ``extra_info.answer``;
+    None = ``extra_info.answer`` when the row has it, else ``response``). The prompt is rendered
+    with the chat template (generation prompt added), the target is followed by the eos token,
+    and both are tokenized separately, as the model will see them when generating.
+
+    An item's ``loss_mask`` is aligned with its ``input_ids``: 1 on response tokens, the eos /
+    ``<|im_end|>`` that ends them included, 0 on prompt tokens (and on the newline a chat template
+    puts after ``<|im_end|>``). The backend predicts ``input_ids[t]`` from position ``t - 1``
+    wherever ``loss_mask[t] == 1``. Samples longer than ``max_length`` are cut on the right with one
+    counted warning; a sample that loses every response token is dropped.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        tokenizer: Any,
+        *,
+        max_length: int | None = None,
+        response_key: str | None = None,
+        prompt_key: str = "prompt",
+        messages_key: str = "messages",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if max_length is not None and max_length <= 1:
+            raise DataError(f"SFT max_length={max_length} must be at least 2")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.pad_token_id = _pad_id(tokenizer)
+        kwargs = dict(chat_template_kwargs or {})
+        self.items: list[dict[str, Any]] = []
+        truncated = dropped = 0
+        for i, row in enumerate(rows):
+            if row.get(messages_key) is not None:
+                ids, mask = _chat_sample(tokenizer, _messages(row[messages_key], f"row {i} column {messages_key!r}"), kwargs, i)
+            elif row.get(prompt_key) is not None:
+                target = _target(row, response_key, i)
+                ids, mask = _prompt_response_sample(tokenizer, _messages(row[prompt_key], f"row {i} column {prompt_key!r}"), target, kwargs)
+            else:
+                raise DataError(
+                    f"SFT row {i} has neither {messages_key!r} nor {prompt_key!r} (columns: {sorted(row)}); "
+                    f"give chat messages, or a prompt plus a response column"
+                )
+            mask[0] = 0  # nothing predicts the first token
+            if max_length is not None and len(ids) > max_length:
+                truncated += 1
+                ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask):
+                dropped += 1
+                continue
+            self.items.append({"input_ids": ids, "loss_mask": mask, "index": i})
+        if truncated:
+            logger.warning(
+                "SFT: %d of %d samples were longer than max_length=%s and were cut on the right (%d lost every "
+                "response token and were dropped); raise max_length to keep them whole",
+                truncated, len(rows), max_length, dropped,
+            )
+        if not self.items:
+            raise DataError("the SFT dataset has no sample with a response token; check the rows and max_length")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+def _target(row: dict[str, Any], response_key: str | None, i: int) -> str:
+    if response_key is None:
+        response_key = "extra_info.answer" if _get_path(row, "extra_info.answer") is not None else "response"
+    value = _get_path(row, response_key)
+    if value is None:
+        raise DataError(
+            f"SFT row {i} has no target column {response_key!r} (columns: {sorted(row)}); "
+            "set response_key to the column holding the answer (e.g. extra_info.answer)"
+        )
+    return str(value)
+
+
+def _prompt_response_sample(tokenizer: Any, messages: list[dict[str, Any]], target: str, kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
+    prompt = _encode(tokenizer, _render(tokenizer, messages, True, kwargs))
+    eos = tokenizer.eos_token or ""
+    response = _encode(tokenizer, target if eos and target.endswith(eos) else target + eos)
+    return prompt + response, [0] * len(prompt) + [1] * len(response)
+
+
+def _chat_sample(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], row: int) -> tuple[list[int], list[int]]:
+    """Tokens of a conversation, one segment per message; the loss covers assistant content up to
+    and including the first eos in it."""
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"SFT row {row}: the messages have no assistant turn, so nothing to learn; add one or drop the row")
+    ids: list[int] = []
+    mask: list[int] = []
+    eos_id = tokenizer.eos_token_id
+    prev = ""
+
+    def extend(text: str, before: str, learn: bool) -> None:
+        if not text.startswith(before):
+            raise DataError(
+                f"SFT row {row}: the chat template does not render turn by turn as prefixes (it rewrites earlier turns), "
+                "so assistant turns cannot be located; use prompt + response rows instead"
+            )
+        tokens = _encode(tokenizer, text[len(before):])
+        if learn:
+            cut = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
+            mask.extend([1] * cut + [0] * (len(tokens) - cut))
+        else:
+            mask.extend([0] * len(tokens))
+        ids.extend(tokens)
+
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            head = _render(tokenizer, messages[:i], True, kwargs)
+            extend(head, prev, learn=False)
+            full = _render(tokenizer, messages[: i + 1], False, kwargs)
+            extend(full, head, learn=True)
+        else:
+            full = _render(tokenizer, messages[: i + 1], False, kwargs)
+            extend(full, prev, learn=False)
+        prev = full
+    return ids, mask
+
+
+def _right_pad(items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(it["input_ids"]) for it in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(items), width), dtype=torch.long)
+    loss = torch.zeros((len(items), width), dtype=torch.long)
+    for r, it in enumerate(items):
+        n = len(it["input_ids"])
+        ids[r, :n] = torch.as_tensor(it["input_ids"])
+        attn[r, :n] = 1
+        loss[r, :n] = torch.as_tensor(it["loss_mask"])
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0), "loss_mask": loss}
+
+
+def _pack(items: list[dict[str, Any]], pad_id: int, row_length: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """First-fit packing (in order) of whole samples into rows of at most ``row_length`` tokens."""
+    rows: list[list[dict[str, Any]]] = []
+    used: list[int] = []
+    for it in items:
+        n = len(it["input_ids"])
+        if n > row_length:
+            raise DataError(
+                f"SFT sample {it['index']} has {n} tokens, more than the packing length {row_length}; "
+                "give SFTDataset a max_length no larger than the packing length"
+            )
+        for r, u in enumerate(used):
+            if u + n <= row_length:
+                rows[r].append(it)
+                used[r] += n
+                break
+        else:
+            rows.append([it])
+            used.append(n)
+    width = max(used)
+    shape = (len(rows), width)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    attn, pos, loss, seg = (torch.zeros(shape, dtype=torch.long) for _ in range(4))
+    for r, row in enumerate(rows):
+        start = 0
+        for k, it in enumerate(row, 1):
+            n = len(it["input_ids"])
+            ids[r, start : start + n] = torch.as_tensor(it["input_ids"])
+            attn[r, start : start + n] = 1
+            pos[r, start : start + n] = torch.arange(n)
+            loss[r, start : start + n] = torch.as_tensor(it["loss_mask"])
+            seg[r, start : start + n] = k
+            start += n
+    tensors = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "loss_mask": loss, "segment_ids": seg}
+    return tensors, [[it["index"] for it in row] for row in rows]
+
+
+class SFTLoader(_EpochLoader):
+    """Batches of ``batch_size_samples`` SFT samples, deterministic by ``(seed, epoch)``, resumable.
+
+    Padding mode (``pack=False``): one sample per row, right-padded to the batch's longest;
+    tensors ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` ``(batch, longest)``;
+    non-tensor ``index`` (row numbers of the source data).
+
+    Packing mode (``pack=True``): the same samples per batch, laid end to end into as few rows of
+    at most ``max_length`` tokens (default: the dataset's ``max_length``) as first-fit allows;
+    ``position_ids`` restart at 0 for each sample and ``segment_ids`` numbers the samples of a row
+    1, 2, ... (0 = padding); non-tensor ``index`` is the list of source rows in each packed row.
+    Honest caveat: with eager or SDPA attention the tokens of a packed row still attend to the
+    earlier samples of that row (the loss mask keeps their *labels* apart, not their context).
+    Only a backend that builds varlen / block-diagonal attention from ``position_ids`` or
+    ``segment_ids`` (e.g. transformers' flash_attention_2 given position_ids and no attention mask)
+    makes packing equivalent to padding.
+
+    ``batch.meta``: ``epoch``, ``step_in_epoch``, ``num_samples``, ``num_loss_tokens``, ``packed``.
+    """
+
+    unit = "samples"
+
+    def __init__(
+        self,
+        dataset: SFTDataset,
+        batch_size_samples: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        *,
+        pack: bool = False,
+        max_length: int | None = None,
+    ) -> None:
+        super().__init__(len(dataset), batch_size_samples, seed, shuffle, drop_last)
+        self.dataset = dataset
+        self.pack = pack
+        self.max_length = max_length if max_length is not None else dataset.max_length
+        if pack and self.max_length is None:
+            raise DataError("SFT packing needs a row length: set max_length (on the loader or the SFTDataset)")
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        items = [self.dataset.items[i] for i in indices]
+        if self.pack:
+            tensors, index = _pack(items, self.dataset.pad_token_id, self.max_length)
+        else:
+            tensors, index = _right_pad(items, self.dataset.pad_token_id), [it["index"] for it in items]
+        meta = {"num_samples": len(items), "num_loss_tokens": int(tensors["loss_mask"].sum()), "packed": self.pack}
+        return Batch(tensors, {"index": index}, meta)
+
+    def next_batch(self) -> Batch:
+        position = self.position
+        indices, epoch = self.next_indices()
+        batch = self.collate(indices)
+        batch.meta.update({"epoch": epoch, "step_in_epoch": position})
+        return batch
+
+
+def sft_batches(
+    dataset: SFTDataset,
+    batch_size_samples: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = False,
+    drop_last: bool = False,
+    pack: bool = False,
+    max_length: int | None = None,
+) -> list[Batch]:
+    """One epoch of SFT batches (by default in order and keeping the last partial batch), e.g. for
+    a held-out loss over every sample."""
+    loader = SFTLoader(dataset, batch_size_samples, seed, shuffle, drop_last, pack=pack, max_length=max_length)
+    return [loader.next_batch() for _ in range(len(loader))]

@@ -1,0 +1,353 @@
+"""Rule rewards (``gsm8k``, ``math``) and the reward manager that scores a batch of responses.
+
+A reward function has verl's signature ``compute_score(data_source, solution_str, ground_truth,
+extra_info, **kwargs) -> float | dict`` (a dict holds ``score``; its other numbers become
+metrics ``reward/<key>``). It is registered under kind ``reward`` by a plugin, or loaded from a
+user's ``.py`` file (``reward.path`` + ``reward.name``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import math
+import re
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from trellis.batch import Batch
+
+logger = logging.getLogger("trellis")
+
+
+class RewardError(RuntimeError):
+    """A reward function could not be found, called or trusted; the message says which and why."""
+
+
+# -- gsm8k: verl's rule ------------------------------------------------------------------------------
+_SOLUTION_CLIP_CHARS = 300
+_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_FLEXIBLE = re.compile(r"(\-?[0-9\.\,]+)")
+
+
+def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
+    """The answer verl's GSM8K rule reads from ``solution_str``, or None.
+
+    Only the last 300 characters are searched. ``strict``: the last ``#### <number>`` match, with
+    commas and ``$`` removed. ``flexible``: the last run of digits / ``.`` / ``,`` (optionally led
+    by ``-``) that is not a lone ``.``, kept as written (commas are *not* removed, as in verl).
+    """
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"gsm8k method={method!r}; use 'strict' or 'flexible'")
+    if len(solution_str) > _SOLUTION_CLIP_CHARS:
+        solution_str = solution_str[-_SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        found = _STRICT.findall(solution_str)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    found = _FLEXIBLE.findall(solution_str)
+    answer = None
+    for answer in reversed(found):
+        if answer not in ("", "."):
+            break
+    return answer
+
+
+def gsm8k_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
+    """verl's GSM8K rule (``verl/utils/reward_score/gsm8k.py``, ``compute_score``): ``score`` when the
+    extracted answer equals the ground truth, ``format_score`` when an answer was extracted but is
+    wrong, 0 when none was. See :func:`extract_gsm8k_answer` for ``method``.
+
+    One deliberate difference: the ground truth is compared as ``str(ground_truth)``, so an integer
+    ground truth from a parquet file matches ``"46"`` (verl compares the raw value and would score 0).
+    """
+    answer = extract_gsm8k_answer(solution_str, method)
+    if answer is None:
+        return 0.0
+    return float(score) if answer == str(ground_truth) else float(format_score)
+
+
+# -- math: math-verify ---------------------------------------------------------------------------------
+def math_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    timeout_seconds: int = 5,
+) -> float:
+    """1.0 when ``math-verify`` finds the answer in ``solution_str`` (a LaTeX or plain expression,
+    ``\\boxed{}`` preferred) equal to ``ground_truth`` (read as ``\\boxed{ground_truth}``, as verl's
+    math_verify reward does), else 0.0. Needs the extra: ``pip install trellis-core[math]``.
+
+    math-verify's timeouts use ``signal.alarm``, which only works in the main thread; elsewhere they
+    are switched off.
+    """
+    try:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    except ImportError:
+        raise RewardError("reward 'math' needs math-verify: pip install trellis-core[math]") from None
+    t = timeout_seconds if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"\\boxed{{{ground_truth}}}", extraction_config=[LatexExtractionConfig()], parsing_timeout=t)
+    pred = parse(solution_str, extraction_config=[ExprExtractionConfig(), LatexExtractionConfig()], parsing_timeout=t)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=t) else 0.0
+
+
+# -- config and resolution -------------------------------------------------------------------------
+@dataclass
+class RewardConfig:
+    """Which reward to use.
+
+    name: a registered reward (``gsm8k``, ``math``, or a plugin's), or with ``path`` the function's
+        name in that file.
+    path: a user's ``.py`` file holding the function; None = use the registry.
+    fail_fast: a reward that raises stops the run (instead of scoring the sample 0).
+    batched: the function scores a whole batch: ``f(data_sources, solution_strs, ground_truths,
+        extra_infos, **kwargs) -> list`` (verl's batch reward manager); also set by a ``batched = True``
+        attribute on the function.
+    kwargs: extra keyword arguments for every call (verl's ``reward_kwargs``), e.g. ``{method: flexible}``.
+    """
+
+    name: str = "gsm8k"
+    path: Optional[str] = None  # noqa: UP045 (omegaconf needs typing.Optional on Python 3.10)
+    fail_fast: bool = False
+    batched: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def load_function(path: str | Path, name: str) -> Callable[..., Any]:
+    """Function ``name`` from the Python file ``path``; errors name the file and what it defines."""
+    path = Path(path)
+    if not path.is_file():
+        raise RewardError(f"reward.path {str(path)!r} does not exist; give the path of a .py file that defines {name!r}")
+    module_name = f"trellis_user_reward_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"reward.path {str(path)!r} cannot be imported as Python; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise RewardError(f"reward.path {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module_name)
+        what = "is not callable" if fn is not None else "is not defined there"
+        raise RewardError(f"reward.name {name!r} {what} in {str(path)!r}; functions found: {', '.join(found) or 'none'}; set reward.name")
+    return fn
+
+
+def resolve_reward(cfg: RewardConfig, registry: Any) -> Callable[..., Any]:
+    """The reward function ``cfg`` names, with ``cfg.kwargs`` checked against its signature.
+
+    Call it while checking a config: it builds nothing and fails with the fix.
+    """
+    if cfg.path:
+        fn = load_function(cfg.path, cfg.name)
+        where = f"{cfg.name!r} from {cfg.path!r}"
+    else:
+        fn = registry.get("reward", cfg.name).obj
+        where = f"{cfg.name!r}"
+    kwargs = dict(cfg.kwargs or {})
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn
+    batched = cfg.batched or getattr(fn, "batched", False)
+    probe = ("data_sources", "solution_strs", "ground_truths", "extra_infos") if batched else ("data_source", "solution_str", "ground_truth", "extra_info")
+    try:
+        sig.bind(**dict.fromkeys(probe), **kwargs)
+    except TypeError as exc:
+        raise RewardError(
+            f"reward {where} cannot be called as {fn.__name__}({', '.join(probe)}, **reward.kwargs) with "
+            f"reward.kwargs={kwargs}: {exc}; its parameters are ({', '.join(sig.parameters)})"
+        ) from None
+    return fn
+
+
+# -- manager ---------------------------------------------------------------------------------------
+class RewardResult(NamedTuple):
+    """token_scores: ``(batch, response_len)`` float, the score on each response's last valid token.
+    metrics: ``reward/mean``, ``reward/max``, ``reward/min``, ``reward/errors``, ``reward/<key>``.
+    scores: ``(batch,)`` float, the per-sample scores (also for empty responses, whose token row is 0)."""
+
+    token_scores: torch.Tensor
+    metrics: dict[str, float]
+    scores: torch.Tensor
+
+
+class RewardManager:
+    """Scores a batch of responses with the reward ``cfg`` names.
+
+    ``manager(batch) -> (token_scores, metrics)``; ``manager.score(batch)`` returns a
+    :class:`RewardResult` that adds the per-sample ``scores`` ``(batch,)``.
+
+    The batch needs ``responses`` and ``response_mask`` ``(batch, response_len)`` (right-padded;
+    in multi-turn, environment tokens have mask 0), ``data_source`` and ``ground_truth`` (or
+    ``reward_model``), and optionally ``extra_info``. A response is decoded from its first token
+    up to its last mask-1 token (environment tokens between model turns included, as verl does)
+    with special tokens skipped, and its score goes on that last mask-1 token.
+
+    A function that raises (or returns no number) scores the sample 0, counts in ``reward/errors``
+    and has its first traceback logged (once per manager); with ``fail_fast`` it raises
+    :class:`RewardError` naming the sample index and data source.
+    """
+
+    def __init__(self, cfg: RewardConfig, registry: Any, tokenizer: Any) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.fn = resolve_reward(cfg, registry)
+        self.kwargs = dict(cfg.kwargs or {})
+        self.batched = bool(cfg.batched or getattr(self.fn, "batched", False))
+        self.name = f"{cfg.name} ({cfg.path})" if cfg.path else cfg.name
+        self._logged_error = False
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        result = self.score(batch)
+        return result.token_scores, result.metrics
+
+    def score(self, batch: Batch) -> RewardResult:
+        responses, mask = batch["responses"], batch["response_mask"]
+        n = len(batch)
+        last = _last_valid(mask)
+        solutions = [self.tokenizer.decode(responses[i, : last[i] + 1].tolist(), skip_special_tokens=True) for i in range(n)]
+        data_sources = list(batch["data_source"]) if "data_source" in batch else _missing(batch, "data_source")
+        ground_truths = _ground_truths(batch)
+        extra_infos = list(batch["extra_info"]) if "extra_info" in batch else [None] * n
+
+        if self.batched:
+            raw = self._call_batched(data_sources, solutions, ground_truths, extra_infos)
+        else:
+            raw = [self._call_one(i, data_sources[i], solutions[i], ground_truths[i], extra_infos[i]) for i in range(n)]
+
+        scores = torch.zeros(n, dtype=torch.float32)
+        extras: dict[str, list[float]] = {}
+        errors = 0
+        for i, r in enumerate(raw):
+            if isinstance(r, _Failed):
+                errors += 1
+                continue
+            try:
+                value, extra = _as_score(r)
+            except RewardError as exc:
+                errors += 1
+                self._failed(i, data_sources[i], exc)
+                continue
+            scores[i] = value
+            for k, v in extra.items():
+                extras.setdefault(k, []).append(v)
+
+        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
+        rows = torch.nonzero(last >= 0).flatten()
+        token_scores[rows, last[rows]] = scores[rows]
+        metrics = {
+            "reward/mean": float(scores.mean()) if n else 0.0,
+            "reward/max": float(scores.max()) if n else 0.0,
+            "reward/min": float(scores.min()) if n else 0.0,
+            "reward/errors": float(errors),
+        }
+        metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items()})
+        return RewardResult(token_scores, metrics, scores)
+
+    def _call_one(self, i: int, data_source: Any, solution: str, ground_truth: Any, extra_info: Any) -> Any:
+        try:
+            return self.fn(data_source=data_source, solution_str=solution, ground_truth=ground_truth, extra_info=extra_info, **self.kwargs)
+        except Exception as exc:
+            self._failed(i, data_source, exc)
+            return _Failed()
+
+    def _call_batched(self, data_sources: list, solutions: list[str], ground_truths: list, extra_infos: list) -> list[Any]:
+        n = len(solutions)
+        try:
+            out = list(self.fn(data_sources=data_sources, solution_strs=solutions, ground_truths=ground_truths, extra_infos=extra_infos, **self.kwargs))
+            if len(out) != n:
+                raise RewardError(f"batched reward {self.name!r} returned {len(out)} scores for {n} samples")
+            return out
+        except Exception as exc:
+            self._failed(None, data_sources[0] if data_sources else None, exc)
+            return [_Failed() for _ in range(n)]
+
+    def _failed(self, i: int | None, data_source: Any, exc: Exception) -> None:
+        what = f"sample {i} (data_source={data_source!r})" if i is not None else "a batch"
+        if self.cfg.fail_fast:
+            raise RewardError(f"reward {self.name!r} failed on {what}: {type(exc).__name__}: {exc} (reward.fail_fast=true)") from exc
+        if not self._logged_error:
+            self._logged_error = True
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            logger.error(
+                "reward %r failed on %s; it scores 0 and counts in reward/errors (later failures are counted, not logged; "
+                "set reward.fail_fast=true to stop instead)\n%s",
+                self.name, what, tb,
+            )
+
+
+class _Failed:
+    """Marks a sample whose reward function raised."""
+
+
+def _as_score(result: Any) -> tuple[float, dict[str, float]]:
+    extra: dict[str, float] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise RewardError(f"the reward returned a dict without 'score' (keys: {sorted(result)}); return a number or a dict with 'score'")
+        for k, v in result.items():
+            if k != "score" and _is_number(v):
+                extra[k] = float(v)
+        result = result["score"]
+    if not _is_number(result):
+        raise RewardError(f"the reward returned {result!r:.100}, not a number; return a float or a dict with 'score'")
+    value = float(result)
+    if not math.isfinite(value):
+        raise RewardError(f"the reward returned {value}; return a finite number")
+    return value, extra
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1
+    if isinstance(v, (bool, int, float)):
+        return True
+    return type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "size", 0) == 1
+
+
+def _last_valid(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of ``mask`` ``(batch, len)``, -1 for an all-zero row."""
+    if mask.shape[1] == 0:
+        return torch.full((mask.shape[0],), -1, dtype=torch.long)
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
+
+
+def _ground_truths(batch: Batch) -> list[Any]:
+    if "ground_truth" in batch:
+        return list(batch["ground_truth"])
+    if "reward_model" in batch:
+        return [(rm or {}).get("ground_truth") for rm in batch["reward_model"]]
+    return _missing(batch, "ground_truth")
+
+
+def _missing(batch: Batch, key: str) -> list[Any]:
+    raise RewardError(
+        f"the batch has no {key!r} for the reward (fields: {sorted(batch.keys())}); load prompts with "
+        "trellis.data.PromptDataset, whose batches carry data_source and ground_truth"
+    )

@@ -1,0 +1,255 @@
+"""Tiny local models for tests and the demo: a trained tokenizer plus a random Qwen2, never downloaded.
+
+``make_tiny_model`` trains a byte-level BPE tokenizer on the task's own text with exactly the
+pipeline that ``transformers``' ``Qwen2Tokenizer`` rebuilds on load (NFC, Qwen2's split regex,
+which isolates every digit, then byte-level), so ``AutoTokenizer.from_pretrained`` and
+``PreTrainedTokenizerFast(tokenizer_file=...)`` tokenize identically; numbers tokenize digit by
+digit. It then builds a ``Qwen2ForCausalLM`` with random weights seeded by ``seed`` and saves a
+normal Hugging Face folder. The folder is cached: a fingerprint of the arguments, the texts and
+the library versions is stored in it, and a call with the same inputs returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("trellis")
+
+FINGERPRINT_FILE = "trellis_tiny_model.json"
+FORMAT_VERSION = 1
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)  # ids 0, 1, 2
+BYTE_ALPHABET_SIZE = 256
+DEFAULT_MERGES = 64  # BPE merges learned when vocab_size is None
+
+# Qwen2's pre-tokenizer regex (transformers' tokenization_qwen2.PRETOKENIZE_REGEX): ``\p{N}`` takes
+# one digit at a time, so "1234" is four tokens.
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# ChatML as Qwen2 writes it, without Qwen2's default system message (shorter prompts for tiny models).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Role words the chat template adds, so that BPE learns them as whole tokens.
+_SCAFFOLD = "system\nuser\nassistant\n"
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    texts: Iterable[str],
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Build (or reuse) a tiny Qwen2 model folder at ``out_dir`` and return its path.
+
+    texts: the text the tokenizer is trained on (e.g. ``trellis.tasks.task_texts()``).
+    intermediate_size: MLP width; None = ``4 * hidden_size``.
+    vocab_size: embedding rows and the BPE trainer's cap; None = 256 bytes + 3 special tokens +
+        up to 64 learned merges. Rows past the trained vocabulary are never produced by the tokenizer.
+    seed: seeds the weights (the tokenizer depends on ``texts`` only). Same inputs, same folder.
+
+    The folder holds ``model.safetensors``, ``config.json``, ``generation_config.json`` (eos =
+    ``<|im_end|>``, pad = ``<|endoftext|>``), ``tokenizer.json``, ``tokenizer_config.json``,
+    ``chat_template.jinja`` and the fingerprint ``trellis_tiny_model.json``. It is written to a
+    temporary sibling folder and renamed into place, so a crash never leaves half a folder.
+    """
+    out = Path(out_dir)
+    texts = list(texts)
+    if not texts:
+        raise ValueError("make_tiny_model: texts is empty; pass the task's text, e.g. trellis.tasks.task_texts()")
+    bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+    if bad:
+        raise TypeError(f"make_tiny_model: texts[{bad[0]}] is {type(texts[bad[0]]).__name__}, not str; pass strings")
+    _check_sizes(hidden_size, num_layers, num_heads, num_kv_heads, vocab_size, max_position_embeddings)
+    args = {
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "intermediate_size": intermediate_size if intermediate_size is not None else 4 * hidden_size,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": bool(tie_word_embeddings),
+        "seed": seed,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    fingerprint = _fingerprint(args, texts)
+    if _read_fingerprint(out) == fingerprint:
+        logger.debug("tiny model at %s is up to date", out)
+        return out
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and _read_fingerprint(out) is None)):
+        raise FileExistsError(
+            f"make_tiny_model: {str(out)!r} exists and was not made by make_tiny_model (no {FINGERPRINT_FILE}); "
+            "choose another out_dir or delete it"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        _build(tmp, texts, args)
+        (tmp / FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True) + "\n")
+        _swap_into_place(tmp, out, fingerprint)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built tiny model at %s (hidden %d, %d layers, seed %d)", out, hidden_size, num_layers, seed)
+    return out
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int | None = None) -> Any:
+    """A ``tokenizers.Tokenizer`` (byte-level BPE, Qwen2's pipeline) trained on ``texts``.
+
+    Ids 0, 1, 2 are ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    texts = list(texts)
+    cap = vocab_size if vocab_size is not None else BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS) + DEFAULT_MERGES
+    trainer = BpeTrainer(
+        vocab_size=cap,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts + [_SCAFFOLD] * max(2, len(texts) // 4), trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise RuntimeError(f"tokenizer training put {t!r} at id {tok.token_to_id(t)}, expected {i}")
+    return tok
+
+
+def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    tok = train_tokenizer(texts, args["vocab_size"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, chat_template=CHAT_TEMPLATE
+    )
+    eos_id, pad_id = tok.token_to_id(IM_END), tok.token_to_id(PAD_TOKEN)
+    config = Qwen2Config(
+        vocab_size=max(tok.get_vocab_size(), args["vocab_size"] or 0),
+        hidden_size=args["hidden_size"],
+        intermediate_size=args["intermediate_size"],
+        num_hidden_layers=args["num_layers"],
+        num_attention_heads=args["num_heads"],
+        num_key_value_heads=args["num_kv_heads"],
+        max_position_embeddings=args["max_position_embeddings"],
+        tie_word_embeddings=args["tie_word_embeddings"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args["seed"])
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder)
+        fast.save_pretrained(folder)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    # transformers picks Qwen2Tokenizer for model_type qwen2 whatever this says; say so honestly.
+    # That class rebuilds the same normalizer / pre-tokenizer / decoder as ours, so both load paths agree.
+    cfg_path = folder / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg.update({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": args["max_position_embeddings"]})
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _swap_into_place(tmp: Path, out: Path, fingerprint: dict) -> None:
+    """Rename ``tmp`` to ``out``; an older (different) tiny model at ``out`` is replaced."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        # Another process built the same folder meanwhile: keep theirs when it matches.
+        if _read_fingerprint(out) != fingerprint:
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fingerprint(args: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return {
+        "format": FORMAT_VERSION,
+        "args": args,
+        "texts_sha256": h.hexdigest(),
+        "num_texts": len(texts),
+        "versions": {name: metadata.version(name) for name in ("transformers", "tokenizers", "torch")},
+    }
+
+
+def _read_fingerprint(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_sizes(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int | None, max_pos: int) -> None:
+    for name, v in (("hidden_size", hidden), ("num_layers", layers), ("num_heads", heads), ("num_kv_heads", kv_heads)):
+        if v <= 0:
+            raise ValueError(f"make_tiny_model: {name}={v} must be positive")
+    if hidden % heads:
+        raise ValueError(f"make_tiny_model: hidden_size={hidden} must divide by num_heads={heads}; change one of them")
+    if heads % kv_heads:
+        raise ValueError(f"make_tiny_model: num_heads={heads} must divide by num_kv_heads={kv_heads}; change one of them")
+    if (hidden // heads) % 2:
+        raise ValueError(f"make_tiny_model: head size hidden_size/num_heads={hidden // heads} must be even (rotary embeddings)")
+    minimum = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
+    if vocab is not None and vocab < minimum:
+        raise ValueError(f"make_tiny_model: vocab_size={vocab} is below the byte-level minimum {minimum}; use >= {minimum} or None")
+    if max_pos <= 0:
+        raise ValueError(f"make_tiny_model: max_position_embeddings={max_pos} must be positive")
