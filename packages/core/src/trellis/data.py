@@ -30,12 +30,15 @@ class DataError(ValueError):
 
 
 # -- files -----------------------------------------------------------------------------------------
-def load_rows(path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] = PROMPT_COLUMNS) -> list[dict[str, Any]]:
+def load_rows(
+    path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file (or of several files, one after another) as dicts.
 
     required: columns every row must have (not None); a dotted name such as
-        ``reward_model.ground_truth`` looks inside a nested dict. Pass ``()`` to check nothing
-        (SFT data checks its own columns).
+        ``reward_model.ground_truth`` looks inside a nested dict. None (default) = ``messages`` when
+        the file's first row has it (chat SFT data), else ``prompt``. RL callers that want verl's full
+        schema checked pass ``required=PROMPT_COLUMNS``; ``()`` checks nothing.
     """
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     if not paths:
@@ -43,7 +46,10 @@ def load_rows(path: str | os.PathLike | Sequence[str | os.PathLike], *, required
     rows: list[dict[str, Any]] = []
     for p in paths:
         file_rows = _read_file(Path(p))
-        _check_columns(file_rows, required, Path(p))
+        if not file_rows:
+            raise DataError(f"data file {str(p)!r} has no rows")
+        need = required if required is not None else (("messages",) if file_rows[0].get("messages") is not None else ("prompt",))
+        _check_columns(file_rows, need, Path(p))
         rows.extend(file_rows)
     return rows
 
@@ -77,8 +83,6 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
 
 
 def _check_columns(rows: list[dict[str, Any]], required: Sequence[str], path: Path) -> None:
-    if not rows:
-        raise DataError(f"data file {str(path)!r} has no rows")
     for column in required:
         for i, row in enumerate(rows):
             if _get_path(row, column) is None:

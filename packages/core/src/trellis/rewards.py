@@ -174,7 +174,9 @@ def resolve_reward(cfg: RewardConfig, registry: Any) -> Callable[..., Any]:
     except (TypeError, ValueError):
         return fn
     batched = cfg.batched or getattr(fn, "batched", False)
-    probe = ("data_sources", "solution_strs", "ground_truths", "extra_infos") if batched else ("data_source", "solution_str", "ground_truth", "extra_info")
+    probe = ("data_source", "solution_str", "ground_truth", "extra_info")
+    if batched:
+        probe = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
     try:
         sig.bind(**dict.fromkeys(probe), **kwargs)
     except TypeError as exc:
@@ -279,7 +281,9 @@ class RewardManager:
     def _call_batched(self, data_sources: list, solutions: list[str], ground_truths: list, extra_infos: list) -> list[Any]:
         n = len(solutions)
         try:
-            out = list(self.fn(data_sources=data_sources, solution_strs=solutions, ground_truths=ground_truths, extra_infos=extra_infos, **self.kwargs))
+            out = list(
+                self.fn(data_sources=data_sources, solution_strs=solutions, ground_truths=ground_truths, extra_infos=extra_infos, **self.kwargs)
+            )
             if len(out) != n:
                 raise RewardError(f"batched reward {self.name!r} returned {len(out)} scores for {n} samples")
             return out

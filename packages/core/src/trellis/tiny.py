@@ -155,15 +155,23 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int | None = None) -> Any:
     return tok
 
 
+def make_tiny_tokenizer(texts: Iterable[str], vocab_size: int | None = None) -> Any:
+    """A ``transformers`` fast tokenizer around :func:`train_tokenizer`: eos ``<|im_end|>``, pad
+    ``<|endoftext|>``, the ChatML template. In memory only (tests that need no model use it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(texts, vocab_size), eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, chat_template=CHAT_TEMPLATE
+    )
+
+
 def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
     import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
-    tok = train_tokenizer(texts, args["vocab_size"])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, chat_template=CHAT_TEMPLATE
-    )
+    fast = make_tiny_tokenizer(texts, args["vocab_size"])
+    tok = fast.backend_tokenizer
     eos_id, pad_id = tok.token_to_id(IM_END), tok.token_to_id(PAD_TOKEN)
     config = Qwen2Config(
         vocab_size=max(tok.get_vocab_size(), args["vocab_size"] or 0),
