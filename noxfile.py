@@ -16,9 +16,13 @@ TEST_TOOLS = ["pytest>=8", "hypothesis>=6"]
 
 # session -> (local packages to install, extra requirements, tests folder)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
-    "core": (["packages/core", "tests/plugins/example"], [], "tests/core"),
+    "core": (["packages/core[math]", "tests/plugins/example"], [], "tests/core"),
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
+    "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp"], [], "tests/fsdp"),
+    "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
+    "integration": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/integration"),
 }
+DEMO_PACKAGES = PACKAGE_SESSIONS["integration"][0]
 
 
 def _install(session: nox.Session, packages: list[str], extra: list[str]) -> None:
@@ -56,6 +60,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job. Placeholder until the first training slice lands."""
-    _install(session, ["packages/core"], [])
-    session.run("trellis", "plugins")
+    """The main job: a tiny model learns arithmetic, SFT then GRPO; prints the before/after table."""
+    session.install(TORCH)
+    session.install(*[f"./{p}" for p in DEMO_PACKAGES])
+    session.run("trellis", "demo", *session.posargs)

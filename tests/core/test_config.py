@@ -12,7 +12,10 @@ from trellis.plugins import load_plugins
 
 @pytest.fixture(scope="module")
 def registry():
-    return load_plugins().registry
+    """Core plus the example plugin only, whatever else this venv has installed."""
+    import trellis_example.plugin
+
+    return load_plugins(entry_points=False, extra=[("example", trellis_example.plugin)]).registry
 
 
 @pytest.fixture
@@ -76,7 +79,8 @@ def test_section_given_a_scalar(registry, yaml_file):
         compose(yaml_file(BASE), ["trainer=5"], registry)
 
 
-def test_unknown_component_name_gives_install_command(registry, yaml_file):
+def test_unknown_component_name_gives_install_command(registry, yaml_file, monkeypatch):
+    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
     with pytest.raises(ConfigError) as err:
         compose(yaml_file(BASE), ["advantage.name=grpo"], registry)
     msg = str(err.value)
@@ -109,3 +113,10 @@ def test_bad_override_and_missing_file(registry, yaml_file, tmp_path):
 def test_component_shorthand_keeps_recipe_defaults_for_same_name(registry, yaml_file):
     cfg = compose(yaml_file(BASE + "advantage: example_scaled\n"), [], registry)
     assert dict(cfg.advantage) == {"name": "example_scaled", "scale": 2.0}
+
+
+def test_installed_provider_gets_no_pip_hint(registry, yaml_file, monkeypatch):
+    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: True)
+    with pytest.raises(ConfigError) as err:
+        compose(yaml_file(BASE), ["advantage.name=grpo"], registry)
+    assert "pip install" not in str(err.value) and "installed advantage names: example_scaled" in str(err.value)

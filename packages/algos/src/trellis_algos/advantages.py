@@ -209,3 +209,9 @@ ESTIMATORS = {
     "opo": (opo, None),
     "gpg": (gpg, GPGOptions),
 }
+
+
+# What an estimator needs beyond rewards; the rl recipe reads ``needs`` to set up a critic or a
+# greedy rollout, so a plugin's estimator can ask for the same.
+gae.needs = ("values",)
+remax.needs = ("greedy_baseline",)

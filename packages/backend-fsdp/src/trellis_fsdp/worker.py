@@ -238,7 +238,7 @@ class FSDPWorker(Worker):
             old_log_prob=micro["old_log_probs"].to(self.device),
             advantages=micro["advantages"].to(self.device),
             response_mask=mask,
-            rollout_log_prob=micro.get("rollout_log_probs"),
+            rollout_log_prob=micro["rollout_log_probs"].to(self.device) if "rollout_log_probs" in micro else None,
         )
         loss, metrics = policy_loss.obj(data, agg, options)
         metrics = dict(metrics)
@@ -247,7 +247,8 @@ class FSDPWorker(Worker):
             loss = loss - cfg.entropy_coeff * ent
             metrics["entropy_loss"] = float(ent)
         if cfg.use_kl_loss:
-            kl, kl_metrics = kl_loss(log_prob, micro["ref_log_probs"].to(self.device), mask, agg, cfg.kl_loss_type)
+            estimator = self.registry.get("kl", cfg.kl_loss_type).obj
+            kl, kl_metrics = kl_loss(log_prob, micro["ref_log_probs"].to(self.device), mask, agg, estimator)
             loss = loss + cfg.kl_loss_coef * kl
             metrics.update(kl_metrics)
         return loss, metrics
@@ -279,7 +280,7 @@ class FSDPWorker(Worker):
         for micro in self._micro_batches(batch, self.cfg):
             loss, _ = self._sft_loss(micro, agg)
             (loss * world).backward()
-            total += float(loss)
+            total += float(loss.detach())
         metrics = {"loss": all_reduce_sum(total, self.device), **self._optimizer_step(), "lr": self.scheduler.get_last_lr()[0]}
         self.scheduler.step()
         return {f"sft/{k}": v for k, v in metrics.items()}

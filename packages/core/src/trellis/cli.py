@@ -7,10 +7,13 @@ import logging
 import sys
 
 from omegaconf import OmegaConf
+from pluggy import PluginValidationError
 
 from trellis import config as config_mod
+from trellis.data import DataError
 from trellis.plugins import load_plugins
 from trellis.registry import KINDS, RegistryError
+from trellis.rewards import RewardError
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (config_mod.ConfigError, RegistryError) as exc:
+    except (config_mod.ConfigError, RegistryError, DataError, RewardError, PluginValidationError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,12 +129,20 @@ class Registry:
         if provider and provider in self._load_errors:
             return f"{kind} {name!r} is not available: {self._load_errors[provider]}"
         msg = f"{kind} {name!r} is not installed"
-        if provider:
+        if provider and not _distribution_installed(provider):
             msg += f": pip install {provider}"
         msg += f" (installed {kind} names: {have})"
         close = difflib.get_close_matches(name, installed, n=1)
         if close:
             msg += f"; did you mean {close[0]!r}?"
-        if self._load_errors and not provider:
+        if self._load_errors:
             msg += "; plugins that failed to load: " + "; ".join(self._load_errors.values())
         return msg
+
+
+def _distribution_installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

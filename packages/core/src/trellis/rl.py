@@ -16,9 +16,10 @@ from transformers import AutoTokenizer
 
 from trellis.batch import Batch
 from trellis.config import ConfigError, component, instantiate_options
-from trellis.data import PromptDataset, PromptLoader, load_rows
+from trellis.data import PROMPT_COLUMNS, PromptDataset, PromptLoader, load_rows
 from trellis.recipe import RunContext
-from trellis.rewards import RewardConfig, RewardManager
+from trellis.registry import RegistryError
+from trellis.rewards import RewardConfig, RewardError, RewardManager, resolve_reward
 from trellis.role_config import AGG_MODES, ActorConfig, CriticConfig
 from trellis.rollout import RolloutSpec, SamplingParams
 from trellis.signatures import AdvantageInputs
@@ -36,9 +37,12 @@ from trellis.training import (
 
 log = logging.getLogger("trellis")
 
-# Estimators that need a critic's values, or a greedy rollout as baseline.
-NEEDS_CRITIC = {"gae"}
-NEEDS_GREEDY_BASELINE = {"remax"}
+
+
+def needs(estimator) -> tuple[str, ...]:
+    """What a registered advantage estimator asks for beyond rewards: ``values`` (a critic) and/or
+    ``greedy_baseline`` (a greedy rollout per prompt), from its ``needs`` attribute."""
+    return tuple(getattr(estimator.obj, "needs", ()))
 
 
 @dataclass
@@ -102,8 +106,16 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built."""
+    for i, name in enumerate(cfg.trainer.trackers):
+        _lookup(registry, "tracker", name, f"trainer.trackers[{i}]")
+    for key, name in (("actor.kl_loss_type", cfg.actor.kl_loss_type), ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
+        _lookup(registry, "kl", name, key)
+    try:
+        resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
+    except (RewardError, RegistryError) as exc:
+        raise ConfigError(f"config key 'reward': {exc}") from None
     for key in ("train_path", "val_path"):
         path = cfg.data[key]
         if path is not None and not Path(path).is_file():
@@ -124,30 +136,38 @@ def check(cfg: DictConfig) -> None:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
 
 
+def _lookup(registry, kind: str, name: str, key: str):
+    try:
+        return registry.get(kind, name)
+    except RegistryError as exc:
+        raise ConfigError(f"config key {key!r}: {exc}") from None
+
+
 class RLRecipe:
     """PPO-family training of a policy with a rollout engine, from config alone."""
 
     Config = RLConfig
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-        check(cfg)
         registry = ctx.registry
+        check(cfg, registry)
         set_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.seed)
         estimator = registry.get("advantage", cfg.algorithm.advantage.name)
         estimator_options = instantiate_options(cfg.algorithm.advantage, estimator.options) if estimator.options else None
-        use_critic = cfg.algorithm.advantage.name in NEEDS_CRITIC
+        use_critic = "values" in needs(estimator)
         use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         kl_ctrl = _kl_controller(cfg) if cfg.algorithm.use_kl_in_reward else None
+        kl_penalty = registry.get("kl", cfg.algorithm.kl_penalty).obj
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         train = PromptLoader(
-            PromptDataset(load_rows(cfg.data.train_path), tokenizer, cfg.data.max_prompt_length),
+            PromptDataset(load_rows(cfg.data.train_path, required=PROMPT_COLUMNS), tokenizer, cfg.data.max_prompt_length),
             cfg.data.train_batch_prompts,
             seed=cfg.seed,
             shuffle=cfg.data.shuffle,
         )
-        val_rows = load_rows(cfg.data.val_path) if cfg.data.val_path else []
+        val_rows = load_rows(cfg.data.val_path, required=PROMPT_COLUMNS) if cfg.data.val_path else []
         if cfg.data.val_max_prompts:
             val_rows = val_rows[: cfg.data.val_max_prompts]
         val = PromptDataset(val_rows, tokenizer, cfg.data.max_prompt_length) if val_rows else None
@@ -193,11 +213,10 @@ class RLRecipe:
                 with timer("reward"):
                     token_scores, reward_metrics = reward_fn(batch)
                     batch["token_scores"] = token_scores
-                if estimator.name in NEEDS_GREEDY_BASELINE:
+                if "greedy_baseline" in needs(estimator):
                     with timer("gen_greedy"):
                         greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
-                        baseline, _ = reward_fn(greedy)
-                        batch["baseline_rewards"] = baseline.sum(-1).repeat_interleave(params.n)
+                        batch["baseline_rewards"] = reward_fn.score(greedy).scores.repeat_interleave(params.n)
                 with timer("old_log_prob"):
                     old = actor.log_prob(batch, with_entropy=True)
                     batch["old_log_probs"] = old["log_probs"]
@@ -208,7 +227,7 @@ class RLRecipe:
                     with timer("values"):
                         batch["values"] = critic.values(batch)["values"]
                 with timer("adv"):
-                    kl_metrics = self.compute_advantages(batch, estimator, estimator_options, kl_ctrl, cfg, params.n)
+                    kl_metrics = self.compute_advantages(batch, estimator, estimator_options, kl_ctrl, kl_penalty, params.n)
                 update_metrics: dict[str, float] = {}
                 if critic is not None:
                     with timer("update_critic"):
@@ -247,14 +266,21 @@ class RLRecipe:
         return summary
 
     @staticmethod
-    def compute_advantages(batch: Batch, estimator, options, kl_ctrl, cfg: DictConfig, n: int) -> dict[str, float]:
+    def compute_advantages(batch: Batch, estimator, options, kl_ctrl, kl_penalty, n: int) -> dict[str, float]:
+        """Token rewards (minus ``kl_ctrl.value`` x ``kl_penalty`` when KL is in the reward), then the
+        estimator's advantages and returns into ``batch``."""
         token_rewards = batch["token_scores"]
         metrics: dict[str, float] = {}
         if kl_ctrl is not None:
             from trellis_algos.kl import apply_kl_penalty
 
             token_rewards, kl = apply_kl_penalty(
-                token_rewards, batch["old_log_probs"], batch["ref_log_probs"], batch["response_mask"], kl_ctrl, cfg.algorithm.kl_penalty
+                token_rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                batch["response_mask"],
+                kl_ctrl,
+                kl_penalty,
             )
             metrics = {"actor/reward_kl": kl["kl"], "actor/reward_kl_coef": kl["kl_coef"]}
         data = AdvantageInputs(
@@ -278,9 +304,10 @@ class RLRecipe:
         sampled = rollout.generate(
             prompts, SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
         )
-        g, _ = reward_fn(greedy)
-        s, _ = reward_fn(sampled)
-        return {"greedy_reward_mean": float(g.sum(-1).mean()), "reward_mean": float(s.sum(-1).mean())}
+        return {
+            "greedy_reward_mean": float(reward_fn.score(greedy).scores.mean()),
+            "reward_mean": float(reward_fn.score(sampled).scores.mean()),
+        }
 
 
 def _kl_controller(cfg: DictConfig):

@@ -16,7 +16,7 @@ from trellis.config import ConfigError
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.recipe import RunContext
 from trellis.role_config import AGG_MODES, SFTTrainConfig
-from trellis.training import ModelConfig, StageTimer, TrainerConfig, Trackers, backend_field, make_controller, save_hf_folder, set_threads, spawn_role
+from trellis.training import ModelConfig, StageTimer, Trackers, TrainerConfig, backend_field, make_controller, save_hf_folder, set_threads, spawn_role
 
 
 @dataclass

@@ -39,7 +39,7 @@ class DistInfo:
     world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    device: str = "cpu"
+    device: str = "auto"  # auto: cuda when available, else cpu
 
 
 @dataclass

@@ -18,10 +18,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class HFRolloutOptions:
-    """dtype: weights and compute. micro_batch_prompts: prompts per generate call (0: all)."""
+    """dtype: weights and compute. micro_batch_prompts: prompts per generate call (0: all).
+    device: ``auto`` (cuda when available), ``cuda`` or ``cpu``."""
 
     dtype: str = "float32"
     micro_batch_prompts: int = 0
+    device: str = "auto"
 
 
 def make_engine(spec: RolloutSpec) -> RolloutEngine:
@@ -34,7 +36,9 @@ class HFRollout(RolloutEngine):
         if self.opts.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.opts.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
         self.tokenizer = spec.tokenizer
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[self.opts.dtype]).eval()
+        use_cuda = self.opts.device == "cuda" or (self.opts.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[self.opts.dtype]).to(self.device).eval()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
 
@@ -70,8 +74,8 @@ class HFRollout(RolloutEngine):
 
     def _generate_tokens(self, prompts: Batch, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled tokens ``(b*n, new)`` and their log-probs under softmax(logits / temperature)."""
-        ids = prompts["input_ids"].repeat_interleave(params.n, dim=0)
-        mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0)
+        ids = prompts["input_ids"].repeat_interleave(params.n, dim=0).to(self.device)
+        mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0).to(self.device)
         greedy = params.greedy or params.temperature == 0
         with torch.no_grad():
             out = self.model.generate(
@@ -91,7 +95,7 @@ class HFRollout(RolloutEngine):
         temperature = 1.0 if greedy else params.temperature
         logits = torch.stack(out.logits, dim=1).float() / temperature
         log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return tokens, log_probs
+        return tokens.cpu(), log_probs.cpu()
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         one = Batch({"input_ids": torch.tensor([prompt_ids]), "attention_mask": torch.ones(1, len(prompt_ids), dtype=torch.long)})
@@ -118,7 +122,7 @@ class HFRollout(RolloutEngine):
                 )
         with torch.no_grad():
             for name, tensor in incoming:
-                state[name].copy_(tensor)
+                state[name].copy_(tensor.to(self.device))
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

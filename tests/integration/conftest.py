@@ -1,0 +1,46 @@
+"""Fixtures for end-to-end runs: arithmetic data files in verl's schema and a helper to run recipes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trellis.recipe import train
+from trellis.tasks import make_arithmetic_split, write_rows
+
+
+@pytest.fixture(scope="session")
+def data_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    return {
+        "train": str(write_rows(make_arithmetic_split(64, 0, max_value=50), folder / "train.parquet")),
+        "test": str(write_rows(make_arithmetic_split(8, 0, split="test", max_value=50), folder / "test.jsonl")),
+    }
+
+
+@pytest.fixture
+def run_rl(tiny_model_path, data_files, tmp_path):
+    """``run_rl(*overrides)`` runs a 2-step rl recipe on the tiny model; returns (summary, metrics rows)."""
+
+    def run(*overrides: str):
+        run_dir = tmp_path / "rl"
+        base = [
+            "recipe=rl",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={data_files['train']}",
+            f"data.val_path={data_files['test']}",
+            "data.train_batch_prompts=4",
+            "sampling.n=4",
+            "sampling.max_new_tokens=6",
+            "actor.micro_batch_samples=8",
+            "actor.optim.lr=1e-3",
+            "trainer.total_steps=2",
+            "trainer.trackers=[jsonl]",
+            f"trainer.run_dir={run_dir}",
+        ]
+        summary = train(None, [*base, *overrides])
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return summary, rows
+
+    return run

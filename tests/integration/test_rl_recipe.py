@@ -1,0 +1,163 @@
+"""The rl recipe end to end on a tiny model: every estimator and policy loss runs from config alone,
+bad configs fail before any model is built, and the rollout tracks the actor's weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from trellis.config import ConfigError
+from trellis.data import PromptDataset, load_rows
+from trellis.plugins import load_plugins
+from trellis.recipe import train
+from trellis.rollout import RolloutSpec, SamplingParams
+
+STEP_KEYS = {
+    "reward/mean", "actor/entropy", "actor/pg_loss", "response/length_mean", "timing/step_s",
+    "timing/gen_s", "timing/reward_s", "timing/old_log_prob_s", "timing/adv_s", "timing/update_actor_s", "timing/weight_sync_s",
+}  # fmt: skip
+
+
+def train_steps(rows):
+    return [r for r in rows if "reward/mean" in r]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.advantage.name=grpo"],
+        ["algorithm.advantage.name=grpo", "algorithm.advantage.norm_by_std=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
+        ["algorithm.advantage.name=gae", "critic.micro_batch_samples=8"],
+        ["algorithm.advantage.name=rloo"],
+        ["algorithm.advantage.name=reinforce_plus_plus"],
+        ["algorithm.advantage.name=reinforce_plus_plus_baseline"],
+        ["algorithm.advantage.name=remax"],
+        ["algorithm.advantage.name=opo"],
+        ["algorithm.advantage.name=gpg"],
+        ["actor.policy_loss.name=clip_cov"],
+        ["actor.policy_loss.name=kl_cov"],
+        ["actor.policy_loss.name=gspo"],
+        ["actor.policy_loss.name=cispo"],
+        ["actor.policy_loss.name=gmpo"],
+        ["actor.policy_loss.name=reinforce"],
+        ["actor.use_kl_loss=true", "actor.kl_loss_type=k3+", "actor.entropy_coeff=0.01"],
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl_type=adaptive", "actor.ppo_epochs=2", "actor.mini_batch_samples=8"],
+    ],
+    ids=lambda o: " ".join(x.split("=", 1)[1] for x in o),
+)
+def test_two_step_run_from_config(run_rl, overrides):
+    summary, rows = run_rl(*overrides)
+    steps = train_steps(rows)
+    assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:
+        missing = STEP_KEYS - set(row)
+        assert not missing, missing
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+    if not any(o.startswith("actor.policy_loss.name=") for o in overrides):  # vanilla PPO clip
+        assert 0.0 <= steps[0]["actor/clip_frac"] <= 1.0
+    assert rows[0] == {"step": 0, **{f"val/{k}": v for k, v in summary["val_before"].items()}}
+    assert 0.0 <= summary["val_after"]["reward_mean"] <= 1.0
+    if "algorithm.advantage.name=gae" in overrides:
+        assert "critic/vf_loss" in steps[0] and "timing/values_s" in steps[0]
+    if "actor.use_kl_loss=true" in overrides:
+        assert "actor/kl_loss" in steps[0] and "timing/ref_s" in steps[0]
+    if "algorithm.use_kl_in_reward=true" in overrides:
+        assert "actor/reward_kl" in steps[0]
+
+
+@pytest.fixture
+def no_model_building(monkeypatch):
+    """Fail the test if the recipe gets as far as building a worker."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the config error was found")
+
+    monkeypatch.setattr("trellis.rl.spawn_role", refuse)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.advantage.name=grpoo", r"config key 'algorithm.advantage.name': advantage 'grpoo' is not installed.*did you mean 'grpo'"),
+        ("sampling.n=four", r"config key 'sampling.n' has value 'four' but expects type int"),
+        ("data.train_path=/nowhere/train.parquet", r"config key 'data.train_path': file '/nowhere/train.parquet' does not exist"),
+        ("actor.mini_batch_samples=5", r"config key 'actor.mini_batch_samples' is 5, but a step has .* = 16 samples; choose a divisor of 16"),
+        ("actor.loss_agg_mode=token_mean", r"config key 'actor.loss_agg_mode' is 'token_mean'; valid: token-mean"),
+        ("rollout.name=vllm", r"rollout 'vllm' is not installed: pip install trellis-rollout-vllm"),
+    ],
+)
+def test_bad_config_fails_before_any_model_is_built(run_rl, no_model_building, override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_rl(override)
+
+
+@pytest.fixture
+def actor_and_rollout(tiny_model_path, data_files):
+    from omegaconf import OmegaConf
+
+    from trellis.config import validate
+    from trellis.role_config import ActorConfig
+    from trellis.workers import WorkerSpec
+    from trellis_fsdp.worker import FSDPOptions, make_worker
+    from trellis_hf.engine import make_engine
+
+    registry = load_plugins().registry
+    options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 8}), ActorConfig, registry)
+    actor = make_worker(WorkerSpec("actor", tiny_model_path, FSDPOptions(), options, registry=registry))
+    actor.build()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rollout = make_engine(RolloutSpec(tiny_model_path, None, tokenizer))
+    prompts = PromptDataset(load_rows(data_files["train"])[:6], tokenizer, 32).as_batch()
+    return actor, rollout, prompts
+
+
+def test_backend_log_prob_equals_rollout_log_probs(actor_and_rollout):
+    actor, rollout, prompts = actor_and_rollout
+    out = rollout.generate(prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=8, seed=0))
+    lp = actor.log_prob(out)["log_probs"] * out["response_mask"]
+    torch.testing.assert_close(lp, out["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_rollout_follows_actor_after_update_and_sync(actor_and_rollout):
+    actor, rollout, prompts = actor_and_rollout
+    params = SamplingParams(n=2, max_new_tokens=8, seed=1)
+    out = rollout.generate(prompts, params)
+    out["old_log_probs"] = actor.log_prob(out)["log_probs"]
+    out["advantages"] = torch.linspace(-1, 1, len(out))[:, None] * out["response_mask"]
+    actor.update(out)
+    before_sync = rollout.generate(prompts, params)
+    new_lp = actor.log_prob(before_sync)["log_probs"] * before_sync["response_mask"]
+    assert (new_lp - before_sync["rollout_log_probs"]).abs().max() > 1e-3  # the actor moved, the rollout did not
+    rollout.load_weights(w for bucket in actor.export_weights() for w in bucket)
+    after = rollout.generate(prompts, params)
+    torch.testing.assert_close(actor.log_prob(after)["log_probs"] * after["response_mask"], after["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_sft_recipe_with_dft_loss_saves_loadable_model(tiny_model_path, data_files, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "sft"
+    train(
+        None,
+        [
+            "recipe=sft",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={data_files['train']}",
+            f"data.val_path={data_files['test']}",
+            "data.batch_samples=16",
+            "train.loss.name=dft",
+            "train.optim.lr=1e-2",
+            "trainer.total_steps=3",
+            "trainer.trackers=[jsonl]",
+            "trainer.save_hf_model=true",
+            f"trainer.run_dir={run_dir}",
+        ],
+    )
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 3 and "val/loss" in rows[-1]
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
+    assert model.config.vocab_size == AutoTokenizer.from_pretrained(run_dir / "hf_model").vocab_size or model is not None
+    assert (run_dir / "config.yaml").read_text().count("name: dft") == 1
