@@ -4,6 +4,7 @@ weight export, critic, reward model and SFT steps."""
 from __future__ import annotations
 
 import json
+from itertools import chain
 
 import pytest
 import torch
@@ -192,3 +193,49 @@ def test_sft_steps_lower_the_loss(registry, tiny_model_path, tmp_path):
         worker.sft_update(batch)
     assert worker.sft_eval(batch)["val/loss"] < 0.5 * first
     (tmp_path / "ok.json").write_text(json.dumps(first))
+
+
+def _save_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
+    torch.set_num_threads(1)
+    registry = load_plugins().registry
+    spec = WorkerSpec("actor", path, FSDPOptions(), actor_options(registry), DistInfo(rank, world, master_port=port), registry)
+    worker = make_worker(spec)
+    worker.build()
+    worker.update(batch.chunk(world)[rank])
+    worker.log_prob(batch)  # a no_grad forward just before saving (leaves the root unsharded)
+    worker.save(f"{out}/ckpt")
+    weights = dict(b for bucket in worker.export_weights() for b in bucket)
+    if rank == 0:
+        torch.save(weights, f"{out}/weights.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_checkpoint_resumes_training_exactly(registry, tiny_model_path, tmp_path):
+    """Two steps in a row equal one step, save, load into a fresh worker, one step: same loss, weights, LR."""
+    batch = prepared_batch(tiny_model_path)
+    opts = actor_options(registry, optim={"lr": LR, "lr_schedule": "cosine", "warmup_steps": 1}, shuffle=True, mini_batch_samples=4)
+    spec = WorkerSpec("actor", tiny_model_path, FSDPOptions(), opts, DistInfo(), registry, total_steps=4)
+    straight = make_worker(spec)
+    straight.build()
+    straight.update(batch)
+    straight.log_prob(batch)
+    straight.save(tmp_path / "ckpt")
+    expected = straight.update(batch)
+    resumed = make_worker(spec)
+    resumed.build()
+    resumed.log_prob(batch)  # the pitfall: a no_grad forward before loading
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.update(batch) == expected  # same loss, grad norm and LR to the last bit
+    for (name, a), (_, b) in zip(*(chain.from_iterable(w.export_weights()) for w in (straight, resumed))):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_written_by_two_ranks_loads_on_one(registry, tiny_model_path, tmp_path):
+    batch = prepared_batch(tiny_model_path)
+    mp.start_processes(_save_main, args=(2, free_port(), tiny_model_path, batch, str(tmp_path)), nprocs=2, start_method="spawn")
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt"}
+    ref = build(registry, tiny_model_path, "ref")  # no optimizer: loads the weights alone
+    ref.load(tmp_path / "ckpt")
+    saved = torch.load(tmp_path / "weights.pt")
+    for name, tensor in chain.from_iterable(ref.export_weights()):
+        assert torch.equal(tensor, saved[name]), name

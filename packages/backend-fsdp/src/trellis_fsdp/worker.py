@@ -6,15 +6,18 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from trellis.batch import Batch
 from trellis.config import instantiate_options
+from trellis.rng import get_rng_state, set_rng_state
 from trellis.signatures import Aggregation, PolicyLossInputs
 from trellis.workers import WeightBucket, Worker, WorkerSpec
 from trellis_algos.aggregation import aggregation_for
@@ -301,6 +304,39 @@ class FSDPWorker(Worker):
             return iter(())
         return _buckets(state.items(), bucket_bytes)
 
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def _sharded_state(self) -> dict:
+        self._reshard()  # set_model_state_dict needs the sharded layout, which a no_grad forward leaves behind
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def save(self, path: Path) -> None:
+        """Model and optimizer through ``torch.distributed.checkpoint`` (each rank writes its own
+        shard into ``path``), plus ``rank<r>.pt``: this rank's LR scheduler and RNG states."""
+        path = Path(path)
+        dcp.save(self._sharded_state(), checkpoint_id=path)
+        extra = {"scheduler": self.scheduler.state_dict() if self.scheduler else None, "rng": get_rng_state()}
+        torch.save(extra, path / f"rank{self.spec.dist.rank}.pt")
+
+    def load(self, path: Path) -> None:
+        """Restore what :meth:`save` wrote (any number of ranks may have written it: DCP reshards).
+        A role without an optimizer (``ref``) loads the model weights alone."""
+        path = Path(path)
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=path)
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra_file = path / f"rank{self.spec.dist.rank}.pt"
+        if extra_file.is_file():
+            extra = torch.load(extra_file, weights_only=True)
+            if self.scheduler is not None and extra["scheduler"] is not None:
+                self.scheduler.load_state_dict(extra["scheduler"])
+            set_rng_state(extra["rng"])
 
 def _buckets(items, bucket_bytes: int) -> Iterator[WeightBucket]:
     bucket: WeightBucket = []

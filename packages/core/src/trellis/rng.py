@@ -1,0 +1,34 @@
+"""This process's random-number states (python, numpy, torch CPU and CUDA), to save in a checkpoint
+and restore, so a resumed run draws the same numbers as one that was never stopped."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Every generator's state, in plain types and tensors (loadable with ``torch.load(weights_only=True)``)."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned (CUDA states only where CUDA is in use)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
