@@ -21,6 +21,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
     "integration": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/integration"),
+    "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/ray"),
 }
 DEMO_PACKAGES = PACKAGE_SESSIONS["integration"][0]
 

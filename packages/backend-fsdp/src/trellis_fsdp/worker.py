@@ -296,14 +296,14 @@ class FSDPWorker(Worker):
         return {"val/loss": all_reduce_sum(total, self.device)}
 
     # -- weights ---------------------------------------------------------------------------------------
-    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
         """Full tensors under Hugging Face names, in buckets of about ``bucket_bytes``. Every rank
-        takes part in the gather; ranks other than 0 get an empty iterator."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() != 0:
+        takes part in the gather; ranks other than 0 get an empty iterator unless ``all_ranks``."""
+        # cpu_offload gathers to rank 0 only; without it every rank receives the full tensors.
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks))
+        if dist.get_rank() != 0 and not all_ranks:
             return iter(())
         return _buckets(state.items(), bucket_bytes)
-
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _sharded_state(self) -> dict:
@@ -337,6 +337,7 @@ class FSDPWorker(Worker):
             if self.scheduler is not None and extra["scheduler"] is not None:
                 self.scheduler.load_state_dict(extra["scheduler"])
             set_rng_state(extra["rng"])
+
 
 def _buckets(items, bucket_bytes: int) -> Iterator[WeightBucket]:
     bucket: WeightBucket = []

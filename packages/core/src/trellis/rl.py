@@ -15,13 +15,14 @@ from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
 from trellis.batch import Batch
+from trellis.checkpoint import Checkpointer
 from trellis.config import ConfigError, component, instantiate_options
 from trellis.data import PROMPT_COLUMNS, PromptDataset, PromptLoader, load_rows
 from trellis.recipe import RunContext
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardError, RewardManager, resolve_reward
 from trellis.role_config import AGG_MODES, ActorConfig, CriticConfig
-from trellis.rollout import RolloutSpec, SamplingParams
+from trellis.rollout import SamplingParams
 from trellis.signatures import AdvantageInputs
 from trellis.training import (
     ModelConfig,
@@ -30,9 +31,11 @@ from trellis.training import (
     TrainerConfig,
     backend_field,
     make_controller,
+    rollout_factory,
     save_hf_folder,
     set_threads,
     spawn_role,
+    world_size,
 )
 
 log = logging.getLogger("trellis")
@@ -108,8 +111,7 @@ class RLConfig:
 
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built."""
-    for i, name in enumerate(cfg.trainer.trackers):
-        _lookup(registry, "tracker", name, f"trainer.trackers[{i}]")
+    Trackers.check(cfg.trainer.trackers, registry)
     for key, name in (("actor.kl_loss_type", cfg.actor.kl_loss_type), ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
         _lookup(registry, "kl", name, key)
     try:
@@ -123,8 +125,16 @@ def check(cfg: DictConfig, registry) -> None:
     if not Path(cfg.model.path).exists():
         raise ConfigError(f"config key 'model.path': {cfg.model.path!r} does not exist; give a Hugging Face model folder")
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
+    world = world_size(cfg.trainer)
+    if samples % world:
+        raise ConfigError(
+            f"a step has data.train_batch_prompts x sampling.n = {samples} samples, which {world} data-parallel ranks "
+            f"(trainer.nnodes x trainer.procs_per_node) cannot share evenly; make it a multiple of {world}"
+        )
     for role in ("actor", "critic"):
         mini = cfg[role].mini_batch_samples
+        if mini and mini % world:
+            raise ConfigError(f"config key '{role}.mini_batch_samples' is {mini}; it must be a multiple of the {world} data-parallel ranks")
         if mini and samples % mini:
             raise ConfigError(
                 f"config key '{role}.mini_batch_samples' is {mini}, but a step has data.train_batch_prompts x sampling.n = "
@@ -151,7 +161,10 @@ class RLRecipe:
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         registry = ctx.registry
         check(cfg, registry)
-        set_threads(cfg.trainer.threads)
+        ckpt = Checkpointer(cfg, ctx)  # where to resume from; a changed config is refused here, before any model is built
+        if ckpt.finished:
+            return {"finished_at_step": ckpt.start_step}
+        set_threads(cfg.trainer)
         torch.manual_seed(cfg.seed)
         estimator = registry.get("advantage", cfg.algorithm.advantage.name)
         estimator_options = instantiate_options(cfg.algorithm.advantage, estimator.options) if estimator.options else None
@@ -174,19 +187,11 @@ class RLRecipe:
         reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
 
         steps = cfg.trainer.total_steps
-        controller = make_controller(cfg.trainer.controller)
+        controller = make_controller(cfg.trainer)
         actor = spawn_role(controller, registry, cfg, "actor", cfg.model.path, cfg.actor, steps)
         ref = spawn_role(controller, registry, cfg, "ref", cfg.model.path, None, steps) if use_ref else None
         critic = spawn_role(controller, registry, cfg, "critic", cfg.critic.model_path or cfg.model.path, cfg.critic, steps) if use_critic else None
-        rollout_entry = registry.get("rollout", cfg.rollout.name)
-        rollout = rollout_entry.obj(
-            RolloutSpec(
-                cfg.model.path,
-                instantiate_options(cfg.rollout, rollout_entry.options) if rollout_entry.options else None,
-                tokenizer,
-                seed=cfg.seed,
-            )
-        )
+        rollout = controller.spawn_rollout(rollout_factory(registry, cfg.rollout, cfg.model.path, tokenizer, cfg.seed), actor)
         sampling = SamplingParams(
             n=cfg.sampling.n,
             temperature=cfg.sampling.temperature,
@@ -194,16 +199,19 @@ class RLRecipe:
             top_k=cfg.sampling.top_k,
             max_new_tokens=cfg.sampling.max_new_tokens,
         )
-        trackers = Trackers(cfg.trainer.trackers, registry, ctx.run_dir, steps)
+        resumed = ckpt.restore(roles={"actor": actor, "critic": critic}, state={"data": train, "kl": kl_ctrl})  # 0: a fresh run
+        if resumed:
+            rollout.sync_weights()
+        trackers = Trackers(cfg.trainer.trackers, registry, ctx.run_dir, steps, start_step=resumed)
         ctx.hook.trellis_train_start(config=cfg, run_dir=ctx.run_dir)
         timer = StageTimer()
         metrics: dict[str, float] = {}
         summary: dict[str, Any] = {}
         try:
-            if val is not None and cfg.validation.before_train:
+            if val is not None and cfg.validation.before_train and not resumed:
                 summary["val_before"] = self.validate(rollout, val, reward_fn, cfg)
                 trackers.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
-            for step in range(1, steps + 1):
+            for step in range(resumed + 1, steps + 1):
                 start = time.perf_counter()
                 prompts = train.next_batch()
                 params = SamplingParams(**{**sampling.__dict__, "seed": cfg.seed * 100003 + step})
@@ -235,7 +243,7 @@ class RLRecipe:
                 with timer("update_actor"):
                     update_metrics.update(actor.update(batch))
                 with timer("weight_sync"):
-                    rollout.load_weights(chain.from_iterable(actor.export_weights()))
+                    rollout.sync_weights()
 
                 mask = batch["response_mask"].float()
                 metrics = {
@@ -253,6 +261,7 @@ class RLRecipe:
                 metrics["timing/step_s"] = time.perf_counter() - start
                 trackers.log(step, metrics)
                 ctx.hook.trellis_step_end(step=step, metrics=metrics)
+                ckpt.after_step(step)
             if val is not None:
                 summary["val_after"] = self.validate(rollout, val, reward_fn, cfg)
                 metrics.update({f"val/{k}": v for k, v in summary["val_after"].items()})

@@ -12,6 +12,7 @@ import torch
 from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
+from trellis.checkpoint import Checkpointer
 from trellis.config import ConfigError
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.recipe import RunContext
@@ -43,7 +44,8 @@ class SFTConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: DictConfig, registry) -> None:
+    Trackers.check(cfg.trainer.trackers, registry)
     for key in ("train_path", "val_path"):
         path = cfg.data[key]
         if path is not None and not Path(path).is_file():
@@ -60,8 +62,11 @@ class SFTRecipe:
     Config = SFTConfig
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-        check(cfg)
-        set_threads(cfg.trainer.threads)
+        check(cfg, ctx.registry)
+        ckpt = Checkpointer(cfg, ctx)  # where to resume from; a changed config is refused here, before any model is built
+        if ckpt.finished:
+            return {"finished_at_step": ckpt.start_step}
+        set_threads(cfg.trainer)
         torch.manual_seed(cfg.seed)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         data = cfg.data
@@ -77,14 +82,15 @@ class SFTRecipe:
             val_set = SFTDataset(load_rows(data.val_path), tokenizer, max_length=data.max_length, response_key=data.response_key)
             val = sft_batches(val_set, data.batch_samples)
         steps = cfg.trainer.total_steps
-        controller = make_controller(cfg.trainer.controller)
+        controller = make_controller(cfg.trainer)
         model = spawn_role(controller, ctx.registry, cfg, "actor", cfg.model.path, cfg.train, steps)
-        trackers = Trackers(cfg.trainer.trackers, ctx.registry, ctx.run_dir, steps)
+        resumed = ckpt.restore(roles={"actor": model}, state={"data": train})  # 0: a fresh run
+        trackers = Trackers(cfg.trainer.trackers, ctx.registry, ctx.run_dir, steps, start_step=resumed)
         ctx.hook.trellis_train_start(config=cfg, run_dir=ctx.run_dir)
         timer = StageTimer()
         metrics: dict[str, float] = {}
         try:
-            for step in range(1, steps + 1):
+            for step in range(resumed + 1, steps + 1):
                 start = time.perf_counter()
                 batch = train.next_batch()
                 with timer("update"):
@@ -97,6 +103,7 @@ class SFTRecipe:
                 metrics["timing/step_s"] = time.perf_counter() - start
                 trackers.log(step, metrics)
                 ctx.hook.trellis_step_end(step=step, metrics=metrics)
+                ckpt.after_step(step)
             if cfg.trainer.save_hf_model:
                 save_hf_folder(cfg.model.path, chain.from_iterable(model.export_weights()), tokenizer, ctx.run_dir / "hf_model")
         finally:

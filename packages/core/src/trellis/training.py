@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,8 @@ from omegaconf import MISSING, DictConfig
 
 from trellis.config import ConfigError, component, instantiate_options
 from trellis.controller import Controller, LocalController, WorkerGroup
-from trellis.registry import Registry
+from trellis.registry import Registry, RegistryError
+from trellis.rollout import RolloutSpec
 from trellis.workers import WorkerSpec
 
 log = logging.getLogger("trellis")
@@ -40,25 +43,46 @@ class TrainerConfig:
     trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     val_every_steps: int = 0  # 0: validate only before and after training
     threads: int = 0
-    controller: str = "local"
+    controller: str = "local"  # local | ray
+    nnodes: int = 1  # ray: nodes
+    procs_per_node: int = 1  # ray: ranks per node (GPUs, or CPU processes)
+    separate_pools: list[str] = field(default_factory=list)  # ray: roles (critic, reward_model) on pools of their own
+    ray_timeout_s: float = 120.0  # ray: placement must succeed within this
+    ray_call_timeout_s: float = 3600.0  # ray: any one call to the ranks must finish within this
     save_hf_model: bool = False  # write the final policy as a Hugging Face folder in <run_dir>/hf_model
+    save_every_steps: int = 0  # a checkpoint every N steps (0: only at the last step)
+    keep_checkpoints: int = 2  # the latest complete checkpoints kept (0: write none)
+    resume: str = "auto"  # auto (the latest complete checkpoint in run_dir, if any) | never | a checkpoint or run folder
+    resume_allow_changes: list[str] = field(default_factory=list)  # dotted keys that may differ from the checkpoint's config
 
 
 def backend_field() -> Any:
     return component("backend", "fsdp")
 
 
-def set_threads(n: int) -> int:
-    """Pin torch to ``n`` threads (0: the usable cores); oversubscribing a few cores costs 10-30x."""
-    n = n or len(os.sched_getaffinity(0))
+def set_threads(trainer: DictConfig) -> int:
+    """Pin torch to ``trainer.threads`` threads (0: the usable cores, shared by the ranks this
+    machine runs); oversubscribing a few cores makes steps 10-30x slower."""
+    n = trainer.threads or max(1, len(os.sched_getaffinity(0)) // (trainer.procs_per_node if trainer.controller == "ray" else 1))
     torch.set_num_threads(n)
     return n
 
 
-def make_controller(name: str) -> Controller:
-    if name == "local":
+def make_controller(trainer: DictConfig) -> Controller:
+    """The controller ``trainer.controller`` names, with its placement options."""
+    if trainer.controller == "local":
         return LocalController()
-    raise ConfigError(f"config key 'trainer.controller' is {name!r}; valid: local (the ray controller arrives with trellis-core[ray])")
+    if trainer.controller == "ray":
+        from trellis.ray_controller import RayController
+
+        return RayController(
+            trainer.nnodes, trainer.procs_per_node, trainer.ray_timeout_s, trainer.ray_call_timeout_s, list(trainer.separate_pools)
+        )
+    raise ConfigError(f"config key 'trainer.controller' is {trainer.controller!r}; valid: local, ray")
+
+
+def world_size(trainer: DictConfig) -> int:
+    return 1 if trainer.controller == "local" else trainer.nnodes * trainer.procs_per_node
 
 
 def spawn_role(
@@ -74,11 +98,39 @@ def spawn_role(
     return controller.spawn(role, make)
 
 
-class Trackers:
-    """Every tracker named in ``trainer.trackers``, fed together, closed together."""
+def rollout_factory(registry: Registry, node: DictConfig, model_path: str, tokenizer: Any, seed: int) -> Callable[[], Any]:
+    """A picklable function that builds the rollout engine ``node.name`` (run where the engine lives)."""
+    entry = registry.get("rollout", node.name)
+    spec = RolloutSpec(model_path, instantiate_options(node, entry.options) if entry.options else None, tokenizer, seed=seed)
+    return functools.partial(entry.obj, spec)
 
-    def __init__(self, names: Iterable[str], registry: Registry, run_dir: Path, total_steps: int) -> None:
+
+class Trackers:
+    """Every tracker named in ``trainer.trackers``, fed together, closed together. A run resumed
+    after ``start_step`` tells each tracker that has ``resume(step)`` to drop what came later."""
+
+    def __init__(self, names: Iterable[str], registry: Registry, run_dir: Path, total_steps: int, start_step: int = 0) -> None:
         self.trackers = [registry.get("tracker", n).obj(run_dir, total_steps) for n in names]
+        for t in self.trackers:
+            if start_step and hasattr(t, "resume"):
+                t.resume(start_step)
+
+    @staticmethod
+    def check(names: Iterable[str], registry: Registry) -> None:
+        """Each tracker is installed and its library imports (``requires``: module, pip requirement),
+        so a missing one fails at start-up, not at the first log."""
+        for i, name in enumerate(names):
+            key = f"trainer.trackers[{i}]"
+            try:
+                factory = registry.get("tracker", name).obj
+            except RegistryError as exc:
+                raise ConfigError(f"config key {key!r}: {exc}") from None
+            module, requirement = getattr(factory, "requires", None) or (None, None)
+            if module is not None:
+                try:
+                    importlib.import_module(module)
+                except ImportError as exc:
+                    raise ConfigError(f"config key {key!r}: tracker {name!r} needs {module} ({exc}): pip install '{requirement}'") from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for t in self.trackers:

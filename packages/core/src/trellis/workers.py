@@ -111,8 +111,10 @@ class Worker(ABC):
         """The SFT loss on ``batch`` without training (held-out loss); same inputs as ``sft_update``."""
         raise NotImplementedError(f"{type(self).__name__} does not do supervised training")
 
-    def export_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[WeightBucket]:
-        """Full (unsharded) weights in Hugging Face names, in buckets of about ``bucket_bytes``."""
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
+        """Full (unsharded) weights in Hugging Face names, in buckets of about ``bucket_bytes``.
+        Every rank must call it (it gathers shards); rank 0 gets the weights, and with
+        ``all_ranks`` every rank does (each feeds its own colocated rollout engine)."""
         raise NotImplementedError(f"{type(self).__name__} does not export weights")
 
     def save(self, path: Path) -> None:

@@ -1,0 +1,220 @@
+"""Ray controller: N ranks per role as Ray actors in placement groups; actor, ref and rollout
+share one process per rank (hybrid engine). Every wait on Ray has a timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import Any
+
+from trellis.batch import Batch
+from trellis.config import ConfigError
+from trellis.controller import Controller, RolloutGroup, WorkerGroup
+from trellis.rollout import RolloutEngine, SamplingParams
+from trellis.workers import DistInfo, Worker
+
+
+class RankFailure(RuntimeError):
+    """A rank died or raised; the message names the role, rank, node and the remote traceback."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("config key 'trainer.controller' is 'ray' but Ray is not installed: pip install trellis-core[ray]") from None
+    return ray
+
+
+class RankProcess:
+    """One process of one rank: holds the workers of every role colocated here and, for the
+    actor's pool, a rollout engine. Runs as a Ray actor."""
+
+    def __init__(self, rank: int, threads: int) -> None:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        self.rank = rank
+        self.workers: dict[str, Worker] = {}
+        self.engine: RolloutEngine | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (rank 0's becomes the process-group master)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def add_worker(self, role: str, make_worker: Callable[[DistInfo], Worker], dist: DistInfo) -> dict:
+        worker = make_worker(dist)
+        worker.build()
+        self.workers[role] = worker
+        return type(worker).DISPATCH
+
+    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
+        result = getattr(self.workers[role], method)(*args, **kwargs)
+        return list(result) if isinstance(result, Iterator) else result  # generators do not cross processes
+
+    def add_rollout(self, make_engine: Callable[[], RolloutEngine]) -> None:
+        self.engine = make_engine()
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self.engine.generate(prompts, params)
+
+    def sync_rollout(self, role: str) -> None:
+        self.engine.load_weights(chain.from_iterable(self.workers[role].export_weights(all_ranks=True)))
+
+
+class RayPool:
+    """A placement group of ``world`` bundles and one ``RankProcess`` per bundle."""
+
+    def __init__(self, ray, name: str, world: int, procs_per_node: int, use_gpu: bool, timeouts: tuple[float, float], threads: int) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        timeout_s, self.timeout_s = timeouts  # placement, then every call
+        self.ray, self.name = ray, name
+        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK" if world <= procs_per_node else "SPREAD")
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"Ray could not place pool {name!r} within trainer.ray_timeout_s={timeout_s:g} s: it asks for {world} x {bundle} "
+                f"but the cluster has {ray.available_resources()} available of {ray.cluster_resources()}; lower "
+                f"trainer.procs_per_node / trainer.nnodes or add resources"
+            ) from None
+        remote = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(RankProcess)
+        self.ranks = [
+            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote(i, threads)
+            for i in range(world)
+        ]
+        self.nodes = self.get([r.address.remote() for r in self.ranks], "start")
+        self.device = "cuda" if use_gpu else "cpu"
+
+    def get(self, refs: list, what: str, role: str | None = None) -> list:
+        """``ray.get`` with a timeout; a dead or failing rank becomes a ``RankFailure`` that says where."""
+        ray = self.ray
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RankFailure(f"pool {self.name!r}: {what} did not finish within {self.timeout_s:g} s (trainer.ray_call_timeout_s)") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            rank = self._failed_rank(refs)
+            node = self.nodes[rank][0] if rank is not None and hasattr(self, "nodes") else "?"
+            cause = getattr(exc, "traceback_str", None) or "".join(traceback.format_exception_only(exc))
+            raise RankFailure(
+                f"role {role or self.name!r} rank {rank} on node {node} failed in {what}: {cause.strip()}\n"
+                "the run can be resumed from its last checkpoint (trainer.resume=auto)"
+            ) from None
+
+    def _failed_rank(self, refs: list) -> int | None:
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        for i, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    self.ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - we only want to know which one failed
+                    return i
+        return None
+
+
+class RayWorkerGroup(WorkerGroup):
+    def __init__(self, role: str, pool: RayPool, dispatch: dict) -> None:
+        super().__init__(role, len(pool.ranks), dispatch)
+        self.pool = pool
+
+    def _execute(self, method: str, per_rank_args: list[tuple], kwargs: dict[str, Any]) -> list[Any]:
+        refs = [r.call.remote(self.role, method, a, kwargs) for r, a in zip(self.pool.ranks, per_rank_args)]
+        return self.pool.get(refs, f"{self.role}.{method}", self.role)
+
+
+class RayRollout(RolloutGroup):
+    def __init__(self, pool: RayPool, actor_role: str) -> None:
+        self.pool, self.actor_role = pool, actor_role
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        ranks = self.pool.ranks
+        size = -(-len(prompts) // len(ranks))
+        parts = prompts.split(size)
+        # each rank samples its own prompts; offset the seed so ranks do not repeat each other
+        refs = [
+            r.generate.remote(p, SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i}))
+            for i, (r, p) in enumerate(zip(ranks, parts))
+        ]
+        return Batch.cat(self.pool.get(refs, "rollout.generate", "rollout"))
+
+    def sync_weights(self) -> None:
+        self.pool.get([r.sync_rollout.remote(self.actor_role) for r in self.pool.ranks], "weight sync", self.actor_role)
+
+
+class RayController(Controller):
+    """Roles on Ray: one pool of ``nnodes x procs_per_node`` ranks for actor, ref and rollout
+    (colocated), and the critic / reward model there too or, if asked, on a pool of their own.
+
+    Joins the cluster at ``RAY_ADDRESS`` if set; otherwise starts a private local cluster (own temp
+    dir) and stops it at the end. It never runs ``ray stop``, which would kill other users' Ray.
+    """
+
+    COLOCATED = ("actor", "ref")
+
+    def __init__(self, nnodes: int, procs_per_node: int, timeout_s: float, call_timeout_s: float, separate_pools: list[str] = ()) -> None:
+        ray = import_ray()
+        self.ray = ray
+        self.world = nnodes * procs_per_node
+        self.procs_per_node = procs_per_node
+        self.timeout_s, self.call_timeout_s = timeout_s, call_timeout_s
+        self.separate = set(separate_pools)
+        self.started_cluster = False
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+            else:
+                ray.init(
+                    num_cpus=os.cpu_count() or 1,
+                    include_dashboard=False,
+                    _temp_dir=tempfile.mkdtemp(prefix="trellis-ray-"),
+                    log_to_driver=True,
+                )
+                self.started_cluster = True
+        self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        self.threads = max(1, (os.cpu_count() or 1) // procs_per_node)
+        self.pools: dict[str, RayPool] = {}
+
+    def _pool(self, role: str) -> RayPool:
+        name = role if role in self.separate else "actor"
+        if name not in self.pools:
+            timeouts = (self.timeout_s, self.call_timeout_s)
+            self.pools[name] = RayPool(self.ray, name, self.world, self.procs_per_node, self.use_gpu, timeouts, self.threads)
+        return self.pools[name]
+
+    def spawn(self, role: str, make_worker: Callable[[DistInfo], Worker]) -> WorkerGroup:
+        pool = self._pool(role)
+        master, port = pool.nodes[0]
+        refs = [
+            r.add_worker.remote(role, make_worker, DistInfo(rank=i, world_size=self.world, master_addr=master, master_port=port, device=pool.device))
+            for i, r in enumerate(pool.ranks)
+        ]
+        dispatch = pool.get(refs, f"building {role}", role)[0]
+        return RayWorkerGroup(role, pool, dispatch)
+
+    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup) -> RolloutGroup:
+        pool = self._pool("actor")
+        pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
+        return RayRollout(pool, actor.role)
+
+    def shutdown(self) -> None:
+        for pool in self.pools.values():
+            for r in pool.ranks:
+                self.ray.kill(r)
+            self.ray.util.remove_placement_group(pool.pg)
+        self.pools.clear()
+        if self.started_cluster:
+            self.ray.shutdown()

@@ -1,0 +1,162 @@
+"""The Ray controller on a real local Ray cluster (loopback): parity with the local controller,
+placement that cannot be satisfied, a rank that dies mid-step, Ray missing, a recipe run."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trellis.batch import Batch
+from trellis.config import ConfigError, validate
+from trellis.controller import LocalController
+from trellis.plugins import load_plugins
+from trellis.role_config import ActorConfig
+from trellis.workers import Worker, WorkerSpec
+from trellis_fsdp.worker import FSDPOptions, make_worker
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local cluster for this module (own temp dir; shut down after, never `ray stop`)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="trellis-ray-test-"), log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def controller(procs: int = 2, timeout: float = 60.0):
+    from trellis.ray_controller import RayController
+
+    return RayController(nnodes=1, procs_per_node=procs, timeout_s=timeout, call_timeout_s=120.0)
+
+
+def grpo_batch(tiny_model_path) -> Batch:
+    """8 samples with responses, old log-probs and advantages: one GRPO step's actor input."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    n, p, r = 8, 4, 5
+    resp_mask = (torch.arange(r) < torch.randint(1, r + 1, (n,), generator=g)[:, None]).long()
+    mask = torch.cat([torch.ones(n, p, dtype=torch.long), resp_mask], 1)
+    responses = torch.randint(3, vocab, (n, r), generator=g) * resp_mask
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    adv = ((scores - scores.view(2, 4).mean(1).repeat_interleave(4)) / (scores.view(2, 4).std(1).repeat_interleave(4) + 1e-6))
+    return Batch(
+        {
+            "input_ids": torch.cat([torch.randint(3, vocab, (n, p), generator=g), responses], 1),
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": responses,
+            "response_mask": resp_mask,
+            "advantages": adv[:, None] * resp_mask,
+        },
+        meta={"temperature": 1.0},
+    )
+
+
+def actor_factory(tiny_model_path):
+    registry = load_plugins().registry
+    options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 2, "mini_batch_samples": 4}), ActorConfig, registry)
+    return lambda dist: make_worker(WorkerSpec("actor", tiny_model_path, FSDPOptions(), options, dist, registry=registry, seed=0))
+
+
+def grpo_step(ctrl, make, batch):
+    actor = ctrl.spawn("actor", make)
+    batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
+    metrics = actor.update(batch)
+    weights = dict(w for bucket in actor.export_weights() for w in bucket)
+    return batch["old_log_probs"], metrics, weights
+
+
+def test_ray_two_ranks_match_local_one_rank(ray_cluster, tiny_model_path):
+    make = actor_factory(tiny_model_path)
+    batch = grpo_batch(tiny_model_path)
+    ray_ctrl = controller(2)
+    try:
+        ray_lp, ray_metrics, ray_weights = grpo_step(ray_ctrl, make, Batch(batch.tensors.clone(), meta=batch.meta))
+    finally:
+        ray_ctrl.shutdown()
+    local_lp, local_metrics, local_weights = grpo_step(LocalController(), make, batch)
+    torch.distributed.destroy_process_group()
+    torch.testing.assert_close(ray_lp, local_lp, atol=1e-5, rtol=0)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert ray_metrics[key] == pytest.approx(local_metrics[key], abs=1e-5), key
+    assert set(ray_weights) == set(local_weights)
+    for name, tensor in local_weights.items():
+        torch.testing.assert_close(ray_weights[name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_unsatisfiable_placement_fails_fast_with_resources(ray_cluster):
+    with pytest.raises(RuntimeError, match=r"could not place pool 'actor' within trainer.ray_timeout_s=2 s: it asks for 3 x \{'CPU': 1\}"):
+        controller(procs=3, timeout=2.0).spawn("actor", lambda dist: None)
+
+
+class DiesOnRankOne(Worker):
+    """Test-only worker: rank 1's process exits in the middle of ``log_prob``."""
+
+    def __init__(self, dist):
+        self.dist = dist
+
+    def build(self):
+        pass
+
+    def log_prob(self, batch, with_entropy=False):
+        if self.dist.rank == 1:
+            os._exit(1)
+        return Batch({"log_probs": torch.zeros(len(batch), 1)})
+
+
+def test_dead_rank_fails_the_step_with_role_rank_and_node(ray_cluster):
+    ctrl = controller(2)
+    try:
+        group = ctrl.spawn("actor", DiesOnRankOne)
+        with pytest.raises(Exception, match=r"role 'actor' rank 1 on node \S+ failed in actor.log_prob") as err:
+            group.log_prob(Batch({"x": torch.zeros(4, 1)}))
+        assert "resumed from its last checkpoint" in str(err.value)
+    finally:
+        ctrl.shutdown()
+
+
+def test_ray_not_installed_names_the_pip_command(monkeypatch):
+    from trellis.ray_controller import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ConfigError, match=r"pip install trellis-core\[ray\]"):
+        import_ray()
+
+
+def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path):
+    from trellis.recipe import train
+    from trellis.tasks import make_arithmetic_split, write_rows
+
+    data = write_rows(make_arithmetic_split(32, 0, max_value=50), tmp_path / "train.parquet")
+    val = write_rows(make_arithmetic_split(6, 0, split="test", max_value=50), tmp_path / "val.parquet")
+    summary = train(
+        None,
+        [
+            "recipe=rl",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={data}",
+            f"data.val_path={val}",
+            "data.train_batch_prompts=4",
+            "sampling.n=4",
+            "sampling.max_new_tokens=6",
+            "actor.use_kl_loss=true",
+            "trainer.total_steps=2",
+            "trainer.trackers=[jsonl]",
+            "trainer.controller=ray",
+            "trainer.procs_per_node=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"reward/mean"' in r for r in rows) == 2
+    assert 0.0 <= summary["val_after"]["reward_mean"] <= 1.0
