@@ -239,3 +239,15 @@ def test_checkpoint_written_by_two_ranks_loads_on_one(registry, tiny_model_path,
     saved = torch.load(tmp_path / "weights.pt")
     for name, tensor in chain.from_iterable(ref.export_weights()):
         assert torch.equal(tensor, saved[name]), name
+
+
+@pytest.mark.parametrize("opts", [{"activation_checkpointing": True}, {"param_dtype": "bfloat16", "reduce_dtype": "float32"}])
+def test_checkpointing_and_mixed_precision_update_like_fp32(registry, tiny_model_path, opts):
+    """Activation checkpointing recomputes the same forward (same result to fp32 precision);
+    bf16 compute stays close to the fp32 update (loose tolerance: bf16 has 8 bits of mantissa)."""
+    batch = prepared_batch(tiny_model_path)
+    plain = build(registry, tiny_model_path, "actor", actor_options(registry)).update(batch)
+    other = build(registry, tiny_model_path, "actor", actor_options(registry), **opts).update(batch)
+    tol = 1e-5 if "activation_checkpointing" in opts else 5e-2
+    assert other["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], abs=tol)
+    assert other["actor/grad_norm"] == pytest.approx(plain["actor/grad_norm"], rel=tol * 10)

@@ -64,8 +64,9 @@ def test_two_step_run_from_config(run_rl, overrides):
         assert "critic/vf_loss" in steps[0] and "timing/values_s" in steps[0]
     if "actor.use_kl_loss=true" in overrides:
         assert "actor/kl_loss" in steps[0] and "timing/ref_s" in steps[0]
+        assert steps[0]["actor/kl"] == steps[0]["actor/kl_loss"]
     if "algorithm.use_kl_in_reward=true" in overrides:
-        assert "actor/reward_kl" in steps[0]
+        assert steps[0]["actor/kl"] == steps[0]["actor/reward_kl"]
 
 
 @pytest.fixture

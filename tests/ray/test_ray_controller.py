@@ -160,3 +160,29 @@ def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"reward/mean"' in r for r in rows) == 2
     assert 0.0 <= summary["val_after"]["reward_mean"] <= 1.0
+
+
+def test_critic_on_a_pool_of_its_own(ray_cluster, tiny_model_path, tmp_path):
+    """PPO with GAE: actor+ref+rollout in one pool, the critic in another (1 rank each)."""
+    from trellis.recipe import train
+    from trellis.tasks import make_arithmetic_split, write_rows
+
+    data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
+    train(
+        None,
+        [
+            "recipe=rl",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={data}",
+            "data.train_batch_prompts=2",
+            "sampling.n=2",
+            "sampling.max_new_tokens=4",
+            "algorithm.advantage.name=gae",
+            "trainer.total_steps=1",
+            "trainer.trackers=[jsonl]",
+            "trainer.controller=ray",
+            "trainer.separate_pools=[critic]",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    assert "critic/vf_loss" in (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -76,6 +76,11 @@ class Controller:
         """A rollout engine in each process of ``actor``'s ranks."""
         raise NotImplementedError
 
+    def dispatch_seconds(self) -> float:
+        """Seconds spent moving calls and results between this process and the ranks (not computing)
+        since the last call; 0 for the local controller."""
+        return 0.0
+
     def shutdown(self) -> None:
         """Stop every worker this controller started."""
 

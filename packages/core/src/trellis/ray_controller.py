@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -57,18 +58,24 @@ class RankProcess:
         self.workers[role] = worker
         return type(worker).DISPATCH
 
-    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
+    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        """The method's result (generators listed: they do not cross processes) and its seconds."""
+        start = time.perf_counter()
         result = getattr(self.workers[role], method)(*args, **kwargs)
-        return list(result) if isinstance(result, Iterator) else result  # generators do not cross processes
+        result = list(result) if isinstance(result, Iterator) else result
+        return result, time.perf_counter() - start
 
     def add_rollout(self, make_engine: Callable[[], RolloutEngine]) -> None:
         self.engine = make_engine()
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        return self.engine.generate(prompts, params)
+    def generate(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, float]:
+        start = time.perf_counter()
+        return self.engine.generate(prompts, params), time.perf_counter() - start
 
-    def sync_rollout(self, role: str) -> None:
+    def sync_rollout(self, role: str) -> tuple[None, float]:
+        start = time.perf_counter()
         self.engine.load_weights(chain.from_iterable(self.workers[role].export_weights(all_ranks=True)))
+        return None, time.perf_counter() - start
 
 
 class RayPool:
@@ -98,6 +105,15 @@ class RayPool:
         ]
         self.nodes = self.get([r.address.remote() for r in self.ranks], "start")
         self.device = "cuda" if use_gpu else "cpu"
+        self.dispatch_s = 0.0
+
+    def timed(self, refs: list, what: str, role: str) -> list:
+        """Results of timed rank calls; adds the wall time not spent computing on the slowest rank
+        (serialisation, transfer, scheduling) to ``dispatch_s``."""
+        start = time.perf_counter()
+        pairs = self.get(refs, what, role)
+        self.dispatch_s += time.perf_counter() - start - max(seconds for _, seconds in pairs)
+        return [result for result, _ in pairs]
 
     def get(self, refs: list, what: str, role: str | None = None) -> list:
         """``ray.get`` with a timeout; a dead or failing rank becomes a ``RankFailure`` that says where."""
@@ -133,7 +149,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def _execute(self, method: str, per_rank_args: list[tuple], kwargs: dict[str, Any]) -> list[Any]:
         refs = [r.call.remote(self.role, method, a, kwargs) for r, a in zip(self.pool.ranks, per_rank_args)]
-        return self.pool.get(refs, f"{self.role}.{method}", self.role)
+        return self.pool.timed(refs, f"{self.role}.{method}", self.role)
 
 
 class RayRollout(RolloutGroup):
@@ -149,10 +165,10 @@ class RayRollout(RolloutGroup):
             r.generate.remote(p, SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i}))
             for i, (r, p) in enumerate(zip(ranks, parts))
         ]
-        return Batch.cat(self.pool.get(refs, "rollout.generate", "rollout"))
+        return Batch.cat(self.pool.timed(refs, "rollout.generate", "rollout"))
 
     def sync_weights(self) -> None:
-        self.pool.get([r.sync_rollout.remote(self.actor_role) for r in self.pool.ranks], "weight sync", self.actor_role)
+        self.pool.timed([r.sync_rollout.remote(self.actor_role) for r in self.pool.ranks], "weight sync", self.actor_role)
 
 
 class RayController(Controller):
@@ -209,6 +225,12 @@ class RayController(Controller):
         pool = self._pool("actor")
         pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
         return RayRollout(pool, actor.role)
+
+    def dispatch_seconds(self) -> float:
+        total = sum(p.dispatch_s for p in self.pools.values())
+        for p in self.pools.values():
+            p.dispatch_s = 0.0
+        return total
 
     def shutdown(self) -> None:
         for pool in self.pools.values():

@@ -250,11 +250,13 @@ class RLRecipe:
                     **reward_metrics,
                     **update_metrics,
                     **kl_metrics,
+                    **_kl_summary(update_metrics, kl_metrics),
                     "actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
                     "response/length_mean": float(mask.sum(-1).mean()),
                     "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                     "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
                     **timer.metrics(),
+                    "timing/dispatch_s": controller.dispatch_seconds(),
                 }
                 if val is not None and cfg.trainer.val_every_steps and step % cfg.trainer.val_every_steps == 0 and step < steps:
                     metrics.update({f"val/{k}": v for k, v in self.validate(rollout, val, reward_fn, cfg).items()})
@@ -317,6 +319,12 @@ class RLRecipe:
             "greedy_reward_mean": float(reward_fn.score(greedy).scores.mean()),
             "reward_mean": float(reward_fn.score(sampled).scores.mean()),
         }
+
+
+def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:
+    """``actor/kl``: the KL to the reference in use (as a loss term, else in the reward), if any."""
+    kl = update_metrics.get("actor/kl_loss", kl_metrics.get("actor/reward_kl"))
+    return {} if kl is None else {"actor/kl": kl}
 
 
 def _kl_controller(cfg: DictConfig):
