@@ -4,6 +4,7 @@ weight export, critic, reward model and SFT steps."""
 from __future__ import annotations
 
 import json
+import math
 from itertools import chain
 
 import pytest
@@ -251,3 +252,22 @@ def test_checkpointing_and_mixed_precision_update_like_fp32(registry, tiny_model
     tol = 1e-5 if "activation_checkpointing" in opts else 5e-2
     assert other["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], abs=tol)
     assert other["actor/grad_norm"] == pytest.approx(plain["actor/grad_norm"], rel=tol * 10)
+
+
+def test_other_architecture_loads_and_trains(registry, tiny_model_path, tmp_path):
+    """Nothing is tied to Qwen2: a Llama folder shards (its own decoder-layer class) and trains."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    batch = prepared_batch(str(tmp_path / "llama"))
+    worker = build(registry, str(tmp_path / "llama"), "actor", actor_options(registry))
+    sharded = [type(m).__name__ for m in worker.model.modules() if type(m).__name__.startswith("FSDP")]
+    assert "FSDPLlamaDecoderLayer" in sharded and "FSDPLlamaForCausalLM" in sharded
+    metrics = worker.update(batch)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
