@@ -16,11 +16,11 @@ TEST_TOOLS = ["pytest>=8", "hypothesis>=6"]
 
 # session -> (local packages to install, extra requirements, tests folder)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
-    "core": (["packages/core[math]", "tests/plugins/example"], [], "tests/core"),
+    "core": (["packages/core[math,tensorboard,wandb,mlflow]", "tests/plugins/example"], [], "tests/core"),
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
     "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
-    "integration": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/integration"),
+    "integration": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], ["tensorboard>=2.14"], "tests/integration"),
     "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/ray"),
 }
 DEMO_PACKAGES = PACKAGE_SESSIONS["integration"][0]

@@ -1,4 +1,4 @@
-"""The ``trellis`` command: plugins, config show, train (and tools added by later commands)."""
+"""The ``trellis`` command: plugins, config show, train, make-tiny-model, demo, plot, export."""
 
 from __future__ import annotations
 
@@ -88,8 +88,28 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     from trellis.plot import DEFAULT_METRICS, plot_metrics
 
-    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "curves.png"
-    print(plot_metrics([Path(d) for d in args.run_dirs], out, args.metrics or DEFAULT_METRICS))
+    runs = [Path(a) for a in args.runs_and_metrics if Path(a).is_dir()]
+    metrics = [a for a in args.runs_and_metrics if not Path(a).is_dir()] + (args.metrics or [])
+    if not runs:
+        print(f"trellis: error: none of {args.runs_and_metrics} is a run folder; give at least one folder holding metrics.jsonl", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else runs[0] / "curves.png"
+    try:
+        print(plot_metrics(runs, out, metrics or DEFAULT_METRICS))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"trellis: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from trellis.export import export_checkpoint
+
+    try:
+        print(export_checkpoint(args.checkpoint, args.out_dir))
+    except FileNotFoundError as exc:
+        print(f"trellis: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -122,11 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
     sub.add_parser("demo", help="SFT then GRPO on arithmetic with a tiny model; prints a before/after table (see trellis demo -h)")
-    p = sub.add_parser("plot", help="PNG curves of metrics from run folders (several runs overlaid)")
-    p.add_argument("run_dirs", nargs="+")
-    p.add_argument("--metric", action="append", dest="metrics", help="metric to plot (repeatable; default reward, entropy, KL, length, step time)")
+    p = sub.add_parser(
+        "plot",
+        help="PNG curves of metrics from run folders (several runs overlaid)",
+        description="trellis plot RUN_DIR [RUN_DIR ...] [METRIC ...]: arguments that are folders are runs, the others metric "
+        "names (e.g. reward/mean actor/entropy); default metrics: reward, entropy, KL, response length, step time.",
+    )
+    p.add_argument("runs_and_metrics", nargs="+", metavar="RUN_DIR_OR_METRIC")
+    p.add_argument("--metric", action="append", dest="metrics", help="another metric to plot (repeatable)")
     p.add_argument("--out", default=None, help="PNG path (default: <first run>/curves.png)")
     p.set_defaults(func=cmd_plot)
+    p = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (loads without Trellis)")
+    p.add_argument("checkpoint", help="RUN_DIR/checkpoint-N, or a run folder (its latest complete checkpoint)")
+    p.add_argument("out_dir")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -6,13 +6,16 @@ from trellis.hookspecs import hookimpl
 from trellis.rewards import gsm8k_score, math_score
 from trellis.rl import RLRecipe
 from trellis.sft import SFTRecipe
-from trellis.trackers import ConsoleTracker, JsonlTracker
+from trellis.trackers import ConsoleTracker, JsonlTracker, MlflowTracker, TensorBoardTracker, WandbTracker
 
 
 @hookimpl
 def trellis_register(registry):
     registry.add("tracker", "console", ConsoleTracker)
     registry.add("tracker", "jsonl", JsonlTracker)
+    registry.add("tracker", "tensorboard", TensorBoardTracker)
+    registry.add("tracker", "wandb", WandbTracker)
+    registry.add("tracker", "mlflow", MlflowTracker)
     registry.add("reward", "gsm8k", gsm8k_score)
     registry.add("reward", "math", math_score)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)

@@ -6,7 +6,11 @@ import json
 import math
 from pathlib import Path
 
-DEFAULT_METRICS = ("reward/mean", "actor/entropy", "actor/kl_loss", "response/length_mean", "timing/step_s")
+# Drawn when no metric is named; each only where some run has it.
+DEFAULT_METRICS = (
+    "reward/mean", "val/reward_mean", "actor/entropy", "actor/kl_loss", "actor/reward_kl", "response/length_mean",
+    "sft/loss", "val/loss", "timing/step_s",
+)  # fmt: skip
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -27,7 +31,8 @@ def plot_metrics(run_dirs: list[Path], out_png: Path, metrics: tuple[str, ...] |
     runs = {str(d): read_metrics(d) for d in run_dirs}
     present = [m for m in metrics if any(m in row for rows in runs.values() for row in rows)]
     if not present:
-        raise ValueError(f"none of the metrics {list(metrics)} appear in {list(runs)}")
+        have = sorted({k for rows in runs.values() for row in rows for k in row if k != "step"})
+        raise ValueError(f"none of the metrics {list(metrics)} appear in {list(runs)}; they have: {', '.join(have)}")
     cols = min(3, len(present))
     rows_n = math.ceil(len(present) / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.5 * cols, 3.2 * rows_n), squeeze=False)

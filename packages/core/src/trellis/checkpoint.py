@@ -1,0 +1,315 @@
+"""Checkpoints of a run, ``<run_dir>/checkpoint-<step>/``, written atomically, and resuming from them.
+
+A checkpoint holds one folder per trainable role (whatever the backend's ``save`` writes: each
+rank its own shard), ``trainer_state.pt`` (the step, the state of the recipe's stateful objects
+such as the data loader and the KL controller, and this process's RNG states), the resolved
+``config.yaml`` and, written last, ``manifest.json`` (step, every file with its size, a hash of
+the config, the Trellis version). It is written to ``.checkpoint-<step>.tmp`` and renamed only
+when complete, so a crash mid-save leaves the previous checkpoints as they were. A checkpoint is
+*complete* when its manifest parses and every file it lists is there with its size.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trellis.config import ConfigError
+from trellis.rng import get_rng_state, set_rng_state
+
+log = logging.getLogger("trellis")
+
+PREFIX = "checkpoint-"
+MANIFEST = "manifest.json"
+STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"
+
+# Keys that change how a run is watched, paced, saved or placed, not what it computes: they may
+# differ between a checkpoint's config and the resuming run's. Any other difference (model, data,
+# batch sizes, algorithm, optimizer, seed...) stops the resume unless trainer.resume_allow_changes
+# names it. A prefix covers the keys under it.
+RESUME_SAFE_KEYS = (
+    "trainer.run_dir",
+    "trainer.total_steps",
+    "trainer.trackers",
+    "trainer.val_every_steps",
+    "trainer.threads",
+    "trainer.save_every_steps",
+    "trainer.keep_checkpoints",
+    "trainer.resume",
+    "trainer.resume_allow_changes",
+    "trainer.save_hf_model",
+    "trainer.controller",
+    "trainer.nnodes",
+    "trainer.procs_per_node",
+    "trainer.separate_pools",
+    "trainer.ray_timeout_s",
+    "trainer.ray_call_timeout_s",
+    "validation",
+    "data.val_path",
+    "data.val_max_prompts",
+)
+
+
+# -- finding checkpoints ----------------------------------------------------------------------------
+def checkpoint_step(path: Path) -> int | None:
+    """The step in a ``checkpoint-<step>`` folder name, else None."""
+    name = Path(path).name
+    if not name.startswith(PREFIX) or not name[len(PREFIX) :].isdigit():
+        return None
+    return int(name[len(PREFIX) :])
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a complete checkpoint; None when the manifest is missing or unreadable, or
+    a file it lists is missing or has another size."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != size:
+            return None
+    return manifest
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints in ``run_dir``, oldest step first."""
+    run_dir = Path(run_dir)
+    found = [p for p in run_dir.glob(f"{PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None] if run_dir.is_dir() else []
+    complete = []
+    for p in sorted(found, key=checkpoint_step):
+        if read_manifest(p) is None:
+            log.warning("ignoring incomplete checkpoint %s (manifest missing or files missing)", p)
+        else:
+            complete.append(p)
+    return complete
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``run_dir``, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(where: str | Path) -> Path:
+    """A checkpoint folder as given, or the latest complete one when ``where`` is a run folder;
+    raises ``FileNotFoundError`` saying what is there when neither is complete."""
+    where = Path(where)
+    path = where if checkpoint_step(where) is not None or (where / MANIFEST).exists() else latest_checkpoint(where)
+    if path is None or read_manifest(path) is None:
+        there = [p.name for p in complete_checkpoints(where.parent if checkpoint_step(where) is not None else where)]
+        raise FileNotFoundError(
+            f"{str(where)!r} is not a complete checkpoint nor a run folder holding one"
+            + (f"; complete checkpoints beside it: {', '.join(there)}" if there else "")
+        )
+    return path
+
+
+# -- resuming ---------------------------------------------------------------------------------------
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> leaf value of a config (lists are leaves)."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _covered(key: str, prefixes) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def config_changes(saved: Any, current: Any, allowed: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """``key: saved -> current`` for every key whose value changed the meaning of the run: neither
+    in :data:`RESUME_SAFE_KEYS` nor in ``allowed``."""
+    old, new = flatten(saved), flatten(current)
+    missing = "<absent>"
+    return [
+        f"{key}: {old.get(key, missing)!r} -> {new.get(key, missing)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key, missing) != new.get(key, missing) and not _covered(key, RESUME_SAFE_KEYS) and not _covered(key, allowed)
+    ]
+
+
+def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from per ``trainer.resume`` (``auto``: the latest complete one in
+    ``run_dir``, if any; ``never``; or a checkpoint or run folder), checked against ``cfg``."""
+    resume = str(cfg.trainer.resume)
+    if resume == "never":
+        if complete_checkpoints(run_dir):
+            raise ConfigError(
+                f"config key 'trainer.resume' is 'never', but {run_dir} already holds checkpoints of an earlier run; "
+                "choose another trainer.run_dir, delete them, or resume with trainer.resume=auto"
+            )
+        return None
+    if resume == "auto":
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            return None
+    else:
+        try:
+            path = resolve_checkpoint(resume)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config key 'trainer.resume': {exc}; give a checkpoint-<step> folder, a run folder, auto or never") from None
+    saved = OmegaConf.load(path / CONFIG_FILE)
+    changes = config_changes(saved, cfg, list(cfg.trainer.resume_allow_changes))
+    if changes:
+        keys = ",".join(c.split(":", 1)[0] for c in changes)
+        raise ConfigError(
+            f"config key 'trainer.resume': the config differs from that of {path} in keys that change the run: "
+            + "; ".join(changes)
+            + f". Resume with the saved values, start a new run (another trainer.run_dir, or trainer.resume=never there), "
+            f"or allow the changes: trainer.resume_allow_changes=[{keys}]"
+        )
+    return path
+
+
+def restore(path: Path, roles: Mapping[str, Any], state: Mapping[str, Any]) -> int:
+    """Load ``path`` into each role (``group.load``) and each stateful object
+    (``load_state_dict``), then restore the RNG states; returns the checkpoint's step."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (manifest missing, or files missing)")
+    for role, group in roles.items():
+        if role not in manifest["roles"]:
+            raise ConfigError(f"checkpoint {path} holds no state for role {role!r} (it has: {', '.join(manifest['roles'])})")
+        group.load(path / role)
+    blob = torch.load(path / STATE_FILE, weights_only=True)
+    for name, obj in state.items():
+        obj.load_state_dict(blob["state"][name])
+    set_rng_state(blob["rng"])
+    return int(manifest["step"])
+
+
+# -- saving -----------------------------------------------------------------------------------------
+def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], state: Mapping[str, Any], keep: int) -> Path:
+    """Write ``<run_dir>/checkpoint-<step>`` atomically, then keep only the latest ``keep``."""
+    from trellis import __version__
+
+    run_dir = Path(run_dir)
+    _remove_leftovers(run_dir)
+    final = run_dir / f"{PREFIX}{step}"
+    tmp = run_dir / f".{PREFIX}{step}.tmp"
+    tmp.mkdir(parents=True)
+    blob = {"step": step, "state": {name: obj.state_dict() for name, obj in state.items()}, "rng": get_rng_state()}
+    for role, group in roles.items():
+        group.save(tmp / role)
+    torch.save(blob, tmp / STATE_FILE)
+    config_text = OmegaConf.to_yaml(cfg, resolve=True)
+    (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync(f)
+        files[str(f.relative_to(tmp))] = f.stat().st_size
+    manifest = {
+        "step": step,
+        "recipe": cfg.get("recipe"),
+        "roles": sorted(roles),
+        "files": files,
+        "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+        "trellis_version": __version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    _fsync(tmp / MANIFEST)
+    for old in [p for p in run_dir.glob(f"{PREFIX}*") if (checkpoint_step(p) or -1) >= step]:
+        # a checkpoint at or after this step is from a timeline this run rolled back from
+        log.warning("replacing %s: this run resumed from an earlier step", old)
+        _delete(old)
+    tmp.rename(final)
+    _fsync(run_dir)
+    _prune(run_dir, keep)
+    return final
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    found = sorted((p for p in run_dir.glob(f"{PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None), key=checkpoint_step)
+    for old in found[: max(len(found) - keep, 0)]:
+        _delete(old)
+
+
+def _delete(path: Path) -> None:
+    """Rename first (one atomic step), then remove: a kill never leaves half a checkpoint under its name."""
+    doomed = path.with_name(f".{path.name}.deleting")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    path.rename(doomed)
+    shutil.rmtree(doomed)
+
+
+def _remove_leftovers(run_dir: Path) -> None:
+    """Temporary and half-deleted folders that a killed run left behind."""
+    if run_dir.is_dir():
+        for p in list(run_dir.glob(f".{PREFIX}*.tmp")) + list(run_dir.glob(f".{PREFIX}*.deleting")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the recipe's view ------------------------------------------------------------------------------
+class Checkpointer:
+    """A recipe's checkpoints: where to resume from (found and checked before any model is built),
+    restoring, and saving every ``trainer.save_every_steps`` steps and at the last step."""
+
+    def __init__(self, cfg: DictConfig, ctx: Any) -> None:
+        self.cfg, self.run_dir, self.hook = cfg, Path(ctx.run_dir), ctx.hook
+        self.resume_from = find_resume(cfg, self.run_dir)
+        self.start_step = read_manifest(self.resume_from)["step"] if self.resume_from else 0
+        self.roles: dict[str, Any] = {}
+        self.state: dict[str, Any] = {}
+        total = cfg.trainer.total_steps
+        if self.finished:
+            log.info(
+                "run already finished: %s is at step %d of trainer.total_steps=%d; nothing to do "
+                "(raise trainer.total_steps to train on, or use another trainer.run_dir to start over)",
+                self.resume_from, self.start_step, total,
+            )  # fmt: skip
+
+    @property
+    def finished(self) -> bool:
+        """The checkpoint to resume from is at (or past) the last step."""
+        return self.resume_from is not None and self.start_step >= self.cfg.trainer.total_steps
+
+    def restore(self, roles: Mapping[str, Any], state: Mapping[str, Any]) -> int:
+        """Remember what to save (``None`` entries are skipped) and, when resuming, load it all;
+        returns the step the run resumes after (0 for a fresh run)."""
+        self.roles = {k: v for k, v in roles.items() if v is not None}
+        self.state = {k: v for k, v in state.items() if v is not None}
+        if self.resume_from is not None:
+            restore(self.resume_from, self.roles, self.state)
+            log.info("resumed from %s: next step %d of %d", self.resume_from, self.start_step + 1, self.cfg.trainer.total_steps)
+        return self.start_step
+
+    def after_step(self, step: int) -> Path | None:
+        """Save when ``step`` is due; fire ``trellis_checkpoint_saved``."""
+        t = self.cfg.trainer
+        due = step == t.total_steps or (t.save_every_steps > 0 and step % t.save_every_steps == 0)
+        if not due or t.keep_checkpoints <= 0:
+            return None
+        path = save(self.run_dir, step, self.cfg, self.roles, self.state, t.keep_checkpoints)
+        self.hook.trellis_checkpoint_saved(step=step, path=path)
+        return path

@@ -1,0 +1,165 @@
+"""The checkpoint module without models: atomic folders with a manifest, pruning, incomplete
+checkpoints ignored, recipe state and RNG restored, changed configs refused."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trellis import checkpoint
+from trellis.checkpoint import config_changes, find_resume, latest_checkpoint, read_manifest, restore, save
+from trellis.config import ConfigError
+from trellis.data import _EpochLoader
+
+
+class FakeRole:
+    """A role group whose every rank writes one file (``weights``) into its folder."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        self.value = value
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True)
+        (path / "weights").write_text(str(self.value))
+
+    def load(self, path: Path) -> None:
+        self.value = float((path / "weights").read_text())
+
+
+def cfg(**trainer):
+    return OmegaConf.create({"recipe": "sft", "seed": 0, "data": {"batch_samples": 4}, "trainer": {"total_steps": 10, "resume": "auto",
+                             "resume_allow_changes": [], **trainer}})  # fmt: skip
+
+
+def write(run_dir: Path, step: int, keep: int = 2, config=None, value: float | None = None) -> Path:
+    return save(run_dir, step, config or cfg(), {"actor": FakeRole(step if value is None else value)}, {}, keep)
+
+
+def test_checkpoint_folder_has_a_manifest_listing_every_file(tmp_path):
+    path = write(tmp_path, 3)
+    assert path == tmp_path / "checkpoint-3"
+    manifest = read_manifest(path)
+    assert manifest["step"] == 3 and manifest["roles"] == ["actor"] and manifest["recipe"] == "sft"
+    assert set(manifest["files"]) == {"actor/weights", "trainer_state.pt", "config.yaml"}
+    assert len(manifest["config_sha256"]) == 64 and manifest["trellis_version"]
+    assert OmegaConf.load(path / "config.yaml") == cfg()
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-3"]  # no temporary folder left
+
+
+def test_only_the_latest_checkpoints_are_kept(tmp_path):
+    for step in (1, 2, 3, 4):
+        write(tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: (p / "manifest.json").unlink(),
+        lambda p: (p / "actor" / "weights").unlink(),
+        lambda p: (p / "actor" / "weights").write_text("a different size"),
+        lambda p: (p / "manifest.json").write_text('{"step": 4, "fi'),
+    ],
+    ids=["no-manifest", "missing-file", "truncated-file", "torn-manifest"],
+)
+def test_incomplete_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage):
+    write(tmp_path, 2)
+    damage(write(tmp_path, 4))
+    assert read_manifest(tmp_path / "checkpoint-4") is None
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_and_the_next_save_cleans_up(tmp_path):
+    write(tmp_path, 2)
+
+    class Crashing(FakeRole):
+        def save(self, path):
+            super().save(path)
+            raise KeyboardInterrupt  # stands for a kill after this role's files
+
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 4, cfg(), {"actor": Crashing(4)}, {}, 2)
+    assert (tmp_path / ".checkpoint-4.tmp" / "actor" / "weights").is_file()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    write(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_restore_brings_back_roles_loader_position_and_every_rng(tmp_path):
+    loader = _EpochLoader(10, 3, seed=0, shuffle=True, drop_last=True)
+    for _ in range(4):  # into the second epoch
+        loader.next_indices()
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    save(tmp_path, 4, cfg(), {"actor": FakeRole(4.0)}, {"data": loader}, 2)
+    expected = (loader.next_indices(), torch.rand(3), random.random(), np.random.rand())
+
+    role, fresh = FakeRole(), _EpochLoader(10, 3, seed=0, shuffle=True, drop_last=True)
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    assert restore(tmp_path / "checkpoint-4", {"actor": role}, {"data": fresh}) == 4
+    assert role.value == 4.0
+    got = (fresh.next_indices(), torch.rand(3), random.random(), np.random.rand())
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and got[2:] == expected[2:]
+
+
+def test_config_changes_ignore_pacing_keys_and_allowed_keys():
+    saved = {"model": {"path": "/m"}, "actor": {"optim": {"lr": 0.001, "betas": [0.9, 0.99]}}, "trainer": {"total_steps": 4, "trackers": ["jsonl"]}}
+    now = {"model": {"path": "/other"}, "actor": {"optim": {"lr": 0.01, "betas": [0.9, 0.95]}, "new": 1},
+           "trainer": {"total_steps": 8, "trackers": ["console"]}}  # fmt: skip
+    assert config_changes(saved, now) == [
+        "actor.new: '<absent>' -> 1",
+        "actor.optim.betas: [0.9, 0.99] -> [0.9, 0.95]",
+        "actor.optim.lr: 0.001 -> 0.01",
+        "model.path: '/m' -> '/other'",
+    ]
+    assert config_changes(saved, now, ["actor", "model.path"]) == []
+    assert config_changes(saved, now, ["actor.optim.l"]) != config_changes(saved, now, ["actor.optim.lr"])  # whole keys only
+
+
+def test_find_resume_per_trainer_resume(tmp_path):
+    assert find_resume(cfg(), tmp_path) is None  # auto, nothing yet: a fresh run
+    write(tmp_path, 2)
+    assert find_resume(cfg(), tmp_path) == tmp_path / "checkpoint-2"
+    assert find_resume(cfg(resume=str(tmp_path)), tmp_path / "elsewhere") == tmp_path / "checkpoint-2"
+    with pytest.raises(ConfigError, match=r"'never', but .* already holds checkpoints of an earlier run; choose another trainer.run_dir"):
+        find_resume(cfg(resume="never"), tmp_path)
+    with pytest.raises(ConfigError, match=r"config key 'trainer.resume': '.*checkpoint-7' is not a complete checkpoint .*beside it: checkpoint-2"):
+        find_resume(cfg(resume=str(tmp_path / "checkpoint-7")), tmp_path)
+    changed = cfg()
+    changed.data.batch_samples = 8
+    with pytest.raises(ConfigError, match=r"data.batch_samples: 4 -> 8.*trainer.resume_allow_changes=\[data.batch_samples\]"):
+        find_resume(changed, tmp_path)
+
+
+def test_a_run_resumed_from_an_older_checkpoint_replaces_the_newer_ones(tmp_path):
+    write(tmp_path, 2, keep=3)
+    write(tmp_path, 4, keep=3)
+    write(tmp_path, 3, keep=3, value=33.0)  # resumed from checkpoint-2, now saving step 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-3"
+
+
+def test_checkpointer_saves_when_due_and_fires_the_hook(tmp_path):
+    fired = []
+
+    class Ctx:
+        run_dir = tmp_path
+
+        class hook:
+            @staticmethod
+            def trellis_checkpoint_saved(step, path):
+                fired.append((step, path))
+
+    ckpt = checkpoint.Checkpointer(cfg(total_steps=5, save_every_steps=2, keep_checkpoints=5), Ctx)
+    assert ckpt.restore({"actor": FakeRole(), "critic": None}, {"kl": None}) == 0
+    for step in range(1, 6):
+        ckpt.after_step(step)
+    assert [s for s, _ in fired] == [2, 4, 5]  # every 2 steps and at the last
+    assert fired[-1][1] == tmp_path / "checkpoint-5"
+    assert checkpoint.Checkpointer(cfg(total_steps=5), Ctx).finished
+    assert not checkpoint.Checkpointer(cfg(total_steps=6), Ctx).finished

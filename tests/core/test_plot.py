@@ -1,0 +1,58 @@
+"""``trellis plot``: curves of several runs overlaid in one PNG; run folders and metric names as
+positional arguments."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trellis.cli import main
+
+COLORS = {"C0": (0x1F, 0x77, 0xB4), "C1": (0xFF, 0x7F, 0x0E), "C2": (0x2C, 0xA0, 0x2C)}  # matplotlib's first line colours
+
+
+def write_run(folder, rewards):
+    folder.mkdir()
+    rows = [{"step": i + 1, "reward/mean": r, "actor/entropy": 1.0 - r, "timing/step_s": 0.5} for i, r in enumerate(rewards)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
+
+
+def has_colour(image, rgb) -> bool:
+    return bool((np.abs(image[..., :3] * 255 - np.array(rgb)) < 8).all(-1).any())
+
+
+def test_several_runs_overlay_into_one_png(tmp_path, capsys):
+    import matplotlib.image
+
+    a = write_run(tmp_path / "a", [0.1, 0.2, 0.4])
+    b = write_run(tmp_path / "b", [0.3, 0.3, 0.5])
+    out = tmp_path / "curves.png"
+    assert main(["plot", a, b, "reward/mean", "actor/entropy", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    image = matplotlib.image.imread(out)
+    assert has_colour(image, COLORS["C0"]) and has_colour(image, COLORS["C1"])  # one line per run...
+    assert not has_colour(image, COLORS["C2"])  # ...and only two runs
+    assert image.shape[1] > image.shape[0]  # two panels side by side
+
+
+def test_default_metrics_and_default_output(tmp_path):
+    a = write_run(tmp_path / "a", [0.1, 0.2])
+    assert main(["plot", a]) == 0
+    assert (tmp_path / "a" / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["no/such/run", "reward/mean"], "none of ['no/such/run', 'reward/mean'] is a run folder"),
+        (["{a}", "reward/maen"], "none of the metrics ['reward/maen'] appear in"),
+        (["{a}", "reward/maen"], "; they have: actor/entropy, reward/mean, timing/step_s"),
+    ],
+)
+def test_plot_errors_name_the_fix(tmp_path, capsys, args, message):
+    a = write_run(tmp_path / "a", [0.1])
+    assert main(["plot", *[x.format(a=a) for x in args]]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,50 @@
+"""Test helper, run as a script: a recipe that kills itself with SIGKILL at a chosen point.
+
+    python killable.py update N key=value ...      # inside step N, as the actor's update starts
+    python killable.py checkpoint N key=value ...  # while checkpoint N is written: after the actor's
+                                                   # shard, before the manifest and the rename
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from trellis.recipe import train
+from trellis_fsdp.worker import FSDPWorker
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_at(point: str, step: int) -> None:
+    if point == "update":
+        update, calls = FSDPWorker.update, []
+
+        def counting_update(self, batch):
+            calls.append(self.role)
+            if calls.count("actor") == step and self.role == "actor":
+                die()
+            return update(self, batch)
+
+        FSDPWorker.update = counting_update
+    elif point == "checkpoint":
+        save = FSDPWorker.save
+
+        def save_then_die(self, path):
+            save(self, path)
+            if self.role == "actor" and Path(path).parent.name == f".checkpoint-{step}.tmp":
+                die()
+
+        FSDPWorker.save = save_then_die
+    else:
+        raise SystemExit(f"unknown kill point {point!r}; valid: update, checkpoint")
+
+
+if __name__ == "__main__":
+    kill_at(sys.argv[1], int(sys.argv[2]))
+    train(None, sys.argv[3:])
+    raise SystemExit("the run ended without being killed")

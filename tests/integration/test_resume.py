@@ -1,0 +1,242 @@
+"""Runs that survive: killed with SIGKILL mid-step or mid-checkpoint, ``resume=auto`` continues from
+the last complete checkpoint and the steps after it equal those of an uninterrupted run; a resume at
+an epoch boundary trains the next epoch; a finished run says so; a changed config is refused; a
+checkpoint exports to a Hugging Face folder that loads without Trellis and gives the actor's logits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trellis.checkpoint import read_manifest
+from trellis.cli import main as cli_main
+from trellis.config import ConfigError
+from trellis.hookspecs import hookimpl
+from trellis.plugins import load_plugins
+from trellis.recipe import train
+from trellis.tasks import make_arithmetic_split, write_rows
+
+KILLABLE = Path(__file__).with_name("killable.py")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
+    """Same steps, same metric names, same values to 1e-6 (wall times aside)."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        keys = {k for k in w if not k.startswith("timing/")}
+        assert keys == {k for k in g if not k.startswith("timing/")}
+        for k in keys:
+            assert g[k] == pytest.approx(w[k], abs=1e-6, rel=0), f"step {w['step']}: {k}"
+
+
+@pytest.fixture(scope="module")
+def rl_overrides(tiny_model_path, tmp_path_factory):
+    """4 steps over 8 prompts (2 steps an epoch), with everything a resume must restore: actor and
+    critic (GAE) with their optimizers and a cosine LR, shuffled mini-batches, clip_cov's random
+    token choice, an adaptive in-reward KL coefficient, the data order. Checkpoints at steps 2 and 4."""
+    train_file = write_rows(make_arithmetic_split(8, 0, max_value=50), tmp_path_factory.mktemp("data") / "train.parquet")
+    return [
+        "recipe=rl",
+        f"model.path={tiny_model_path}",
+        f"data.train_path={train_file}",
+        "data.train_batch_prompts=4",
+        "sampling.n=4",
+        "sampling.max_new_tokens=6",
+        "actor.micro_batch_samples=8",
+        "actor.mini_batch_samples=8",
+        "actor.shuffle=true",
+        "actor.optim.lr=1e-3",
+        "actor.optim.lr_schedule=cosine",
+        "actor.optim.warmup_steps=1",
+        "actor.policy_loss.name=clip_cov",
+        "algorithm.advantage.name=gae",
+        "critic.micro_batch_samples=8",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl_type=adaptive",
+        "trainer.total_steps=4",
+        "trainer.save_every_steps=2",
+        "trainer.trackers=[jsonl]",
+        "trainer.threads=1",
+    ]
+
+
+class SavedCheckpoints:
+    """A plugin that records ``trellis_checkpoint_saved`` calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Path]] = []
+
+    @hookimpl
+    def trellis_checkpoint_saved(self, step, path):
+        self.calls.append((step, Path(path)))
+
+
+@pytest.fixture(scope="module")
+def reference(rl_overrides, tmp_path_factory):
+    """The uninterrupted run: its folder, its metrics and the checkpoint hook's calls."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    saved = SavedCheckpoints()
+    train(None, [*rl_overrides, f"trainer.run_dir={run_dir}"], plugins=load_plugins(extra=[("saved", saved)]))
+    return run_dir, rows(run_dir), saved.calls
+
+
+def test_uninterrupted_run_keeps_its_checkpoints_and_fires_the_hook(reference):
+    run_dir, metrics, calls = reference
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert calls == [(2, run_dir / "checkpoint-2"), (4, run_dir / "checkpoint-4")]
+    manifest = read_manifest(run_dir / "checkpoint-4")
+    assert manifest["step"] == 4 and manifest["roles"] == ["actor", "critic"]
+    assert {"actor/.metadata", "critic/.metadata", "trainer_state.pt", "config.yaml"} <= set(manifest["files"])
+
+
+def killed_run(overrides: list[str], point: str, step: int, cwd: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(KILLABLE), point, str(step), *overrides], cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("point", "step", "logged_before_kill", "leftover"),
+    [
+        ("update", 3, [1, 2], None),  # inside step 3: steps 1-2 are checkpointed, step 3 is lost
+        ("checkpoint", 4, [1, 2, 3, 4], ".checkpoint-4.tmp"),  # steps 3-4 ran, but their checkpoint never completed
+    ],
+    ids=["during-a-step", "during-a-checkpoint-write"],
+)
+def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(rl_overrides, reference, tmp_path, point, step, logged_before_kill, leftover):
+    run_dir = tmp_path / "run"
+    overrides = [*rl_overrides, f"trainer.run_dir={run_dir}"]
+    killed_run(overrides, point, step, tmp_path)
+    assert [r["step"] for r in rows(run_dir)] == logged_before_kill
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert read_manifest(run_dir / "checkpoint-2") is not None  # the previous checkpoint is intact
+    if leftover:
+        assert read_manifest(run_dir / leftover) is None and (run_dir / leftover / "actor").is_dir()
+
+    train(None, overrides)  # trainer.resume=auto is the default
+
+    assert_same_metrics(rows(run_dir), reference[1])
+    assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == ["checkpoint-2", "checkpoint-4"]
+
+
+@pytest.fixture
+def run_sft(tiny_model_path, data_files, tmp_path):
+    """``run_sft(run_dir, total_steps, *overrides)``: 2 steps an epoch over the 64 training rows."""
+
+    def run(run_dir: Path, total_steps: int, *overrides: str):
+        base = [
+            "recipe=sft",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={data_files['train']}",
+            "data.batch_samples=32",
+            "train.optim.lr=1e-2",
+            "trainer.trackers=[jsonl]",
+            "trainer.threads=1",
+            f"trainer.total_steps={total_steps}",
+            f"trainer.run_dir={run_dir}",
+        ]
+        return train(None, [*base, *overrides])
+
+    return run
+
+
+def test_resume_at_an_epoch_boundary_trains_the_next_epoch(run_sft, tmp_path, caplog):
+    run_sft(tmp_path / "straight", 3)
+    run_sft(tmp_path / "stopped", 2)  # ends exactly at the end of epoch 0, with checkpoint-2
+    with caplog.at_level(logging.INFO, logger="trellis"):
+        assert run_sft(tmp_path / "stopped", 2) == {"finished_at_step": 2}
+    assert "run already finished" in caplog.text
+    run_sft(tmp_path / "stopped", 3)  # extended by one step: resumes after step 2
+
+    resumed = rows(tmp_path / "stopped")
+    assert [(r["step"], r["sft/epoch"]) for r in resumed] == [(1, 0.0), (2, 0.0), (3, 1.0)]
+    assert_same_metrics(resumed, rows(tmp_path / "straight"))
+
+
+@pytest.fixture
+def no_model_building(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr("trellis.rl.spawn_role", refuse)
+
+
+def test_changed_config_is_refused_with_the_differing_keys(rl_overrides, reference, no_model_building):
+    run_dir = reference[0]
+    config_before = (run_dir / "config.yaml").read_text()
+    overrides = [*rl_overrides, f"trainer.run_dir={run_dir}", "trainer.total_steps=6"]
+    changed = ["data.train_batch_prompts=2", "actor.optim.lr=0.01"]
+    with pytest.raises(ConfigError) as err:
+        train(None, [*overrides, *changed])
+    message = str(err.value)
+    assert "actor.optim.lr: 0.001 -> 0.01" in message and "data.train_batch_prompts: 4 -> 2" in message
+    assert "trainer.resume_allow_changes=[actor.optim.lr,data.train_batch_prompts]" in message
+    assert "total_steps" not in message  # extending a run is not a change of meaning
+    with pytest.raises(ConfigError) as err:
+        train(None, [*overrides, *changed, "trainer.resume_allow_changes=[actor.optim]"])
+    assert "data.train_batch_prompts" in str(err.value) and "actor.optim.lr" not in str(err.value)
+    assert (run_dir / "config.yaml").read_text() == config_before  # a refused resume leaves the run folder as it was
+
+
+def test_finished_run_exits_cleanly_without_building_models(rl_overrides, reference, no_model_building):
+    assert train(None, [*rl_overrides, f"trainer.run_dir={reference[0]}"]) == {"finished_at_step": 4}
+
+
+NO_TRELLIS_LOGITS = """
+import sys
+sys.modules.update(dict.fromkeys(["trellis", "trellis_fsdp", "trellis_algos", "trellis_hf"]))  # import trellis fails
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+out, dest = sys.argv[1], sys.argv[2]
+tokenizer = AutoTokenizer.from_pretrained(out)
+GenerationConfig.from_pretrained(out)
+ids = tokenizer("12+7=19 #### 19", return_tensors="pt")["input_ids"]
+model = AutoModelForCausalLM.from_pretrained(out)
+with torch.no_grad():
+    torch.save({"ids": ids, "logits": model(ids).logits}, dest)
+"""
+
+
+def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from trellis.config import validate
+    from trellis.role_config import ActorConfig
+    from trellis.workers import WorkerSpec
+    from trellis_fsdp.worker import FSDPOptions, make_worker
+
+    checkpoint = reference[0] / "checkpoint-4"
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(checkpoint), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", NO_TRELLIS_LOGITS, str(out), str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = torch.load(tmp_path / "logits.pt")
+
+    cfg = OmegaConf.load(checkpoint / "config.yaml")
+    registry = load_plugins().registry
+    actor = make_worker(WorkerSpec("actor", cfg.model.path, FSDPOptions(), validate(cfg.actor, ActorConfig, registry), registry=registry))
+    actor.build()
+    actor.load(checkpoint / "actor")
+    with torch.no_grad():
+        logits = actor.model(input_ids=exported["ids"]).logits
+    torch.testing.assert_close(exported["logits"], logits, atol=1e-6, rtol=0)
+    untrained = make_worker(WorkerSpec("ref", cfg.model.path, FSDPOptions(), None, registry=registry))
+    untrained.build()
+    with torch.no_grad():
+        assert not torch.allclose(untrained.model(input_ids=exported["ids"]).logits, logits, atol=1e-3)  # training moved it
