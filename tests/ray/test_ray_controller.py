@@ -160,6 +160,13 @@ def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"reward/mean"' in r for r in rows) == 2
     assert 0.0 <= summary["val_after"]["reward_mean"] <= 1.0
+    # the final checkpoint: each rank wrote its own shard; one rank reads them all back for an export
+    from trellis.checkpoint import read_manifest
+    from trellis.export import export_checkpoint
+
+    files = read_manifest(tmp_path / "run" / "checkpoint-2")["files"]
+    assert {"actor/__0_0.distcp", "actor/__1_0.distcp", "actor/rank0.pt", "actor/rank1.pt"} <= set(files)
+    assert (export_checkpoint(tmp_path / "run", tmp_path / "hf") / "model.safetensors").is_file()
 
 
 def test_critic_on_a_pool_of_its_own(ray_cluster, tiny_model_path, tmp_path):

@@ -204,7 +204,7 @@ def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], st
     """Write ``<run_dir>/checkpoint-<step>`` atomically, then keep only the latest ``keep``."""
     from trellis import __version__
 
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()  # the ranks of a role may run in other processes, with another working folder
     _remove_leftovers(run_dir)
     final = run_dir / f"{PREFIX}{step}"
     tmp = run_dir / f".{PREFIX}{step}.tmp"
