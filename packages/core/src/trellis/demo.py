@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import time
 from importlib import resources
 from pathlib import Path
@@ -41,7 +42,9 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
     times["setup_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    sft_dir = out / "sft"
+    sft_dir, rl_dir = out / "sft", out / "rl"
+    for stage in (sft_dir, rl_dir):  # the demo always trains from scratch (a run folder would otherwise resume)
+        shutil.rmtree(stage, ignore_errors=True)
     train(
         config_path("demo_sft.yaml"),
         [
@@ -56,7 +59,6 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
     times["sft_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    rl_dir = out / "rl"
     summary = train(
         config_path("demo_rl.yaml"),
         [
