@@ -163,3 +163,14 @@ def test_checkpointer_saves_when_due_and_fires_the_hook(tmp_path):
     assert fired[-1][1] == tmp_path / "checkpoint-5"
     assert checkpoint.Checkpointer(cfg(total_steps=5), Ctx).finished
     assert not checkpoint.Checkpointer(cfg(total_steps=6), Ctx).finished
+
+
+def test_export_of_a_folder_without_a_complete_checkpoint_names_what_is_there(tmp_path, capsys):
+    from trellis.cli import main
+
+    write(tmp_path, 2)
+    (tmp_path / "checkpoint-4").mkdir()  # a folder with no manifest
+    assert main(["export", str(tmp_path / "checkpoint-4"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-4' is not a complete checkpoint nor a run folder holding one; complete checkpoints beside it: checkpoint-2" in err
+    assert not (tmp_path / "hf").exists()
