@@ -230,7 +230,7 @@ def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], st
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     _fsync(tmp / MANIFEST)
-    for old in [p for p in run_dir.glob(f"{PREFIX}*") if (checkpoint_step(p) or -1) >= step]:
+    for old in [p for p in run_dir.glob(f"{PREFIX}*") if p.is_dir() and (checkpoint_step(p) or -1) >= step]:
         # a checkpoint at or after this step is from a timeline this run rolled back from
         log.warning("replacing %s: this run resumed from an earlier step", old)
         _delete(old)
