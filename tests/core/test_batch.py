@@ -103,3 +103,14 @@ def test_split_by_tokens_respects_budget():
     b = Batch({"mask": mask}, {"tag": [str(n) for n in lengths]})
     groups = b.split_by_tokens(6, "mask")
     assert [list(g["tag"]) for g in groups] == [["3", "1"], ["4"], ["2", "2"]]
+
+
+def test_cat_with_padding_right_pads_differing_widths():
+    a = Batch({"ids": torch.tensor([[1, 2, 3]]), "mask": torch.tensor([[1, 1, 0]]), "score": torch.tensor([0.5])}, {"tag": ["a"]})
+    b = Batch({"ids": torch.tensor([[4, 5, 6, 7, 8]]), "mask": torch.tensor([[1, 1, 1, 1, 1]]), "score": torch.tensor([1.0])}, {"tag": ["b"]})
+    with pytest.raises(RuntimeError):
+        Batch.cat([a, b])
+    out = Batch.cat([a, b], pad=True)
+    assert out["ids"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert out["mask"].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert out["score"].tolist() == [0.5, 1.0] and list(out["tag"]) == ["a", "b"]

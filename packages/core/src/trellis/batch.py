@@ -123,8 +123,13 @@ class Batch:
         return self[order]
 
     @staticmethod
-    def cat(batches: Iterable[Batch]) -> Batch:
-        """Samples of all ``batches`` one after another; fields must match. Meta of the first."""
+    def cat(batches: Iterable[Batch], pad: bool = False) -> Batch:
+        """Samples of all ``batches`` one after another; fields must match. Meta of the first.
+
+        ``pad``: tensors of a field may differ in their last dimension (e.g. responses generated on
+        different ranks); each is right-padded with zeros to the widest. Only right-padded,
+        masked fields may differ, so the zeros are never read as tokens.
+        """
         batches = list(batches)
         if not batches:
             raise ValueError("Batch.cat needs at least one batch")
@@ -132,6 +137,8 @@ class Batch:
         for b in batches[1:]:
             if set(b.keys()) != keys:
                 raise ValueError(f"cannot concatenate batches with different fields: {sorted(keys)} vs {sorted(b.keys())}")
+        if pad:
+            batches = _right_padded(batches)
         tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else TensorDict(
             {}, batch_size=[sum(len(b) for b in batches)]
         )
@@ -177,6 +184,17 @@ class Batch:
     def __repr__(self) -> str:
         t = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.tensors.items())
         return f"Batch(n={len(self)}, tensors={{{t}}}, non_tensors={sorted(self.non_tensors)})"
+
+
+def _right_padded(batches: list[Batch]) -> list[Batch]:
+    widths = {k: max(b.tensors[k].shape[-1] for b in batches) for k in batches[0].tensors.keys() if batches[0].tensors[k].dim() > 1}
+    out = []
+    for b in batches:
+        tensors = {
+            k: torch.nn.functional.pad(t, (0, widths[k] - t.shape[-1])) if k in widths else t for k, t in b.tensors.items()
+        }
+        out.append(Batch(tensors, b.non_tensors, b.meta))
+    return out
 
 
 def _object_array(values: Sequence[Any] | np.ndarray) -> np.ndarray:

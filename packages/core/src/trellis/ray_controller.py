@@ -165,7 +165,8 @@ class RayRollout(RolloutGroup):
             r.generate.remote(p, SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i}))
             for i, (r, p) in enumerate(zip(ranks, parts))
         ]
-        return Batch.cat(self.pool.timed(refs, "rollout.generate", "rollout"))
+        # ranks pad responses to their own longest: pad to the longest overall
+        return Batch.cat(self.pool.timed(refs, "rollout.generate", "rollout"), pad=True)
 
     def sync_weights(self) -> None:
         self.pool.timed([r.sync_rollout.remote(self.actor_role) for r in self.pool.ranks], "weight sync", self.actor_role)
