@@ -133,3 +133,13 @@ def test_missing_tracker_library_fails_the_config_check_with_the_pip_command(reg
 def test_unknown_tracker_fails_the_config_check_with_the_installed_names(registry):
     with pytest.raises(ConfigError, match=r"config key 'trainer.trackers\[0\]': tracker 'tensorbord' is not installed.*tensorboard"):
         Trackers.check(["tensorbord"], registry)
+
+
+def test_console_prints_a_bar_and_a_bounded_number_of_lines(registry, tmp_path, capsys):
+    console = registry.get("tracker", "console").obj(tmp_path, 100)
+    for step in range(1, 101):
+        console.log(step, {"reward/mean": step / 100, **({"val/reward_mean": 0.5} if step == 50 else {})})
+    console.close()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    # every 100 // 25 = 4 steps, plus step 1 (the first), step 50 (validation) and step 100 (the last)
+    assert [int(x.split(":")[0].split()[1]) for x in lines] == sorted({1, 50, 100, *range(4, 101, 4)})

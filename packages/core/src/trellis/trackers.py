@@ -35,16 +35,22 @@ KEY_FIGURES = ("reward/mean", "val/reward_mean", "actor/pg_loss", "actor/entropy
 
 
 class ConsoleTracker(Tracker):
-    """A progress bar showing the key figures, and one compact line per step on stderr."""
+    """A progress bar showing the key figures every step, and a line with every metric on stderr
+    for the first step, every ``total_steps / LINES`` steps, validation steps and the last step."""
+
+    LINES = 25
 
     def __init__(self, run_dir: Path, total_steps: int) -> None:
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.total = total_steps
+        self.every = max(1, total_steps // self.LINES)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = {k.split("/", 1)[-1] if k != "val/reward_mean" else "val": v for k, v in metrics.items() if k in KEY_FIGURES}
         self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=False)
         self.bar.update(step - self.bar.n)
-        self.bar.write(f"step {step}: " + " ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())), file=sys.stderr)
+        if step in (1, self.total) or step % self.every == 0 or any(k.startswith("val/") for k in metrics):
+            self.bar.write(f"step {step}: " + " ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())), file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()
