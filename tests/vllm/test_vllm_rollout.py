@@ -218,6 +218,43 @@ def test_agenerate_batches_concurrent_samples(engine, make_prompts):
         assert g.token_ids == ref["responses"][i % 3, :n].tolist()
         torch.testing.assert_close(torch.tensor(g.log_probs), ref["rollout_log_probs"][i % 3, :n], atol=1e-5, rtol=0)
         assert g.finish_reason == ("stop" if g.token_ids[-1] in engine.eos_ids else "length")
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_cancelled_agenerate_is_aborted_and_others_finish(engine, make_prompts):
+    ids = [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+
+    async def run():
+        slow = asyncio.ensure_future(engine.agenerate(ids[0], SamplingParams(max_new_tokens=200, stop_token_ids=[], seed=0)))
+        fast = asyncio.ensure_future(engine.agenerate(ids[1], SamplingParams(greedy=True, max_new_tokens=4)))
+        await asyncio.sleep(0)
+        slow.cancel()
+        return await fast, slow
+
+    fast, slow = asyncio.run(run())
+    assert slow.cancelled() and 1 <= len(fast.token_ids) <= 4
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert len(greedy(engine, make_prompts)) == 3
+
+
+def test_calls_from_another_thread_are_refused(engine, make_prompts):
+    import threading
+
+    prompts = make_prompts(engine.tokenizer, TEXTS)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_raises(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=2)))))
+    thread.start()
+    thread.join()
+    assert "called from another thread than the one that built the engine" in errors[0]
+    assert len(greedy(engine, make_prompts)) == 3
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
 
 
 def test_sleep_on_cpu_says_so_once_and_carries_on(engine, make_prompts, caplog):

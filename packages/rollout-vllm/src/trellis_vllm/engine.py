@@ -114,7 +114,8 @@ class VLLMRollout(RolloutEngine):
         self.asleep = False
         self.weights_dropped = False
         self.last_sync_s = 0.0
-        self._lock = threading.Lock()  # one thread drives the engine at a time
+        self._lock = threading.Lock()
+        self._owner = threading.get_ident()  # vLLM is driven from the thread that built it
         self._ids = itertools.count()
         self._waiting: list[tuple[str, list[int], Any]] = []  # async requests not yet in the engine
         self._futures: dict[str, asyncio.Future] = {}
@@ -148,6 +149,7 @@ class VLLMRollout(RolloutEngine):
         from vllm.inputs import TokensPrompt
 
         self._ready("generate")
+        self._check_thread("generate")
         if self._futures or self._waiting:
             raise RuntimeError(f"rollout 'vllm': generate() called while {len(self._futures)} agenerate() samples are in flight")
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
@@ -197,10 +199,12 @@ class VLLMRollout(RolloutEngine):
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """One sample. Concurrent calls share engine steps (continuous batching): each call adds a
-        request, and one driver task steps the engine in a worker thread until all are done."""
+        request, and one driver task steps the engine until all are done, yielding to the event
+        loop between steps so that the other samples' coroutines (tools, interactions) run."""
         from vllm.inputs import TokensPrompt
 
         self._ready("agenerate")
+        self._check_thread("agenerate")
         loop = asyncio.get_running_loop()
         request_id = f"trellis-async-{next(self._ids)}"
         future = loop.create_future()
@@ -208,11 +212,7 @@ class VLLMRollout(RolloutEngine):
         self._waiting.append((request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(params, 1, params.seed)))
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive())
-        try:
-            out = await future
-        except asyncio.CancelledError:
-            self._futures.pop(request_id, None)
-            raise
+        out = await future
         sample = out.outputs[0]
         if sample.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"rollout 'vllm': request {request_id} ended with finish_reason={sample.finish_reason!r}")
@@ -222,14 +222,14 @@ class VLLMRollout(RolloutEngine):
         try:
             while self._futures or self._waiting:
                 waiting, self._waiting = self._waiting, []
-                abandoned = [rid for rid, f in self._futures.items() if f.done()]
-                finished = await asyncio.to_thread(self._step, waiting, abandoned)
-                for out in finished:
+                abandoned = [rid for rid, f in self._futures.items() if f.done()]  # cancelled callers
+                for rid in abandoned:
+                    self._futures.pop(rid)
+                for out in self._step(waiting, abandoned):
                     future = self._futures.pop(out.request_id, None)
                     if future is not None and not future.done():
                         future.set_result(out)
-                for rid in abandoned:
-                    self._futures.pop(rid, None)
+                await asyncio.sleep(0)
         except BaseException as exc:
             for future in self._futures.values():
                 if not future.done():
@@ -239,6 +239,10 @@ class VLLMRollout(RolloutEngine):
             raise
 
     def _step(self, waiting: list[tuple[str, Any, Any]], abandoned: list[str]) -> list[Any]:
+        """One engine step, in the calling (event-loop) thread: vLLM keeps per-thread state (the CPU
+        attention kernels' OpenMP thread count, the current CUDA device), so it must not be stepped
+        from a worker thread."""
+        self._check_thread("agenerate")
         engine = self.llm.llm_engine
         with self._lock:
             for request_id, prompt, sampling in waiting:
@@ -249,12 +253,20 @@ class VLLMRollout(RolloutEngine):
                 return []
             return [out for out in engine.step() if out.finished]
 
+    def _check_thread(self, what: str) -> None:
+        if threading.get_ident() != self._owner:
+            raise RuntimeError(
+                f"rollout 'vllm': {what}() called from another thread than the one that built the engine; vLLM keeps "
+                "per-thread state (OpenMP threads on CPU, the CUDA device on GPU): call it from the building thread"
+            )
+
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload weights in place through vLLM's ``reload_weights`` (checkpoint format, Hugging
         Face names). The whole update is checked before vLLM sees any of it; a refused update raises
         :class:`~trellis_vllm.weights.WeightSyncError` and leaves the engine as it was."""
         self._ready("load_weights")
+        self._check_thread("load_weights")
         if self._futures or self._waiting:
             raise RuntimeError("rollout 'vllm': load_weights() called while agenerate() samples are in flight")
         start = time.perf_counter()
