@@ -7,7 +7,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from trellis.training import (
     Trackers,
     TrainerConfig,
     backend_field,
+    check_inputs,
     make_controller,
     rollout_factory,
     save_hf_folder,
@@ -118,12 +118,7 @@ def check(cfg: DictConfig, registry) -> None:
         resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
     except (RewardError, RegistryError) as exc:
         raise ConfigError(f"config key 'reward': {exc}") from None
-    for key in ("train_path", "val_path"):
-        path = cfg.data[key]
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
-    if not Path(cfg.model.path).exists():
-        raise ConfigError(f"config key 'model.path': {cfg.model.path!r} does not exist; give a Hugging Face model folder")
+    check_inputs(cfg)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
     world = world_size(cfg.trainer)
     if samples % world:

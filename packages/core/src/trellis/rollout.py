@@ -46,6 +46,37 @@ class RolloutSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def rollout_batch(
+    prompts: Batch, params: SamplingParams, responses: torch.Tensor, response_mask: torch.Tensor, log_probs: torch.Tensor
+) -> Batch:
+    """The layout every engine returns, from its sampled tokens.
+
+    prompts: the ``generate`` input (``B`` left-padded prompts). responses, response_mask,
+    log_probs: ``(B*n, response_len)``, right-padded, prompt i's samples at rows i*n .. i*n+n-1.
+    Returns ``prompts.repeat_interleave(n)`` plus ``prompts``, ``responses``, ``response_mask``,
+    ``rollout_log_probs`` (zero where masked) and ``input_ids`` / ``attention_mask`` /
+    ``position_ids`` over prompt + response; ``meta["temperature"]`` is the one the log-probs use.
+    """
+    out = prompts.repeat_interleave(params.n)
+    response_mask = response_mask.to(out["attention_mask"].dtype)
+    attention_mask = torch.cat([out["attention_mask"], response_mask], dim=1)
+    out.update(
+        Batch(
+            {
+                "prompts": out["input_ids"],
+                "responses": responses,
+                "response_mask": response_mask,
+                "rollout_log_probs": log_probs * response_mask,
+                "input_ids": torch.cat([out["input_ids"], responses], dim=1),
+                "attention_mask": attention_mask,
+                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            }
+        )
+    )
+    out.meta["temperature"] = 1.0 if params.greedy or params.temperature == 0 else params.temperature
+    return out
+
+
 class RolloutEngine(ABC):
     """A generation engine. Registered as a factory ``make_engine(spec) -> RolloutEngine``."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +16,18 @@ from trellis.config import ConfigError
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.recipe import RunContext
 from trellis.role_config import AGG_MODES, SFTTrainConfig
-from trellis.training import ModelConfig, StageTimer, Trackers, TrainerConfig, backend_field, make_controller, save_hf_folder, set_threads, spawn_role
+from trellis.training import (
+    ModelConfig,
+    StageTimer,
+    Trackers,
+    TrainerConfig,
+    backend_field,
+    check_inputs,
+    make_controller,
+    save_hf_folder,
+    set_threads,
+    spawn_role,
+)
 
 
 @dataclass
@@ -46,12 +56,7 @@ class SFTConfig:
 
 def check(cfg: DictConfig, registry) -> None:
     Trackers.check(cfg.trainer.trackers, registry)
-    for key in ("train_path", "val_path"):
-        path = cfg.data[key]
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
-    if not Path(cfg.model.path).exists():
-        raise ConfigError(f"config key 'model.path': {cfg.model.path!r} does not exist; give a Hugging Face model folder")
+    check_inputs(cfg)
     if cfg.train.loss_agg_mode not in AGG_MODES:
         raise ConfigError(f"config key 'train.loss_agg_mode' is {cfg.train.loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
 

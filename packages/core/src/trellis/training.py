@@ -56,6 +56,16 @@ class TrainerConfig:
     resume_allow_changes: list[str] = field(default_factory=list)  # dotted keys that may differ from the checkpoint's config
 
 
+def check_inputs(cfg: DictConfig) -> None:
+    """The model folder and the data files a recipe names must exist (checked before building)."""
+    for key in ("train_path", "val_path"):
+        path = cfg.data[key]
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
+    if not Path(cfg.model.path).exists():
+        raise ConfigError(f"config key 'model.path': {cfg.model.path!r} does not exist; give a Hugging Face model folder")
+
+
 def backend_field() -> Any:
     return component("backend", "fsdp")
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trellis.batch import Batch
-from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams
+from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,25 +52,7 @@ class HFRollout(RolloutEngine):
         responses = torch.cat([_pad_right(r, width, self.pad_id) for r, _ in parts])
         log_probs = torch.cat([_pad_right(lp, width, 0.0) for _, lp in parts])
         stops = self.eos_ids | set(params.stop_token_ids)
-        response_mask = _mask_through_first_stop(responses, stops)
-        out = prompts.repeat_interleave(params.n)
-        prompt_mask = out["attention_mask"]
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        out.update(
-            Batch(
-                {
-                    "prompts": out["input_ids"],
-                    "responses": responses,
-                    "response_mask": response_mask,
-                    "rollout_log_probs": log_probs * response_mask,
-                    "input_ids": torch.cat([out["input_ids"], responses], dim=1),
-                    "attention_mask": attention_mask,
-                    "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-                }
-            )
-        )
-        out.meta["temperature"] = 1.0 if params.greedy else params.temperature
-        return out
+        return rollout_batch(prompts, params, responses, _mask_through_first_stop(responses, stops), log_probs)
 
     def _generate_tokens(self, prompts: Batch, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled tokens ``(b*n, new)`` and their log-probs under softmax(logits / temperature)."""
