@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams
+from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
 from trellis_vllm.options import VLLMRolloutOptions
 from trellis_vllm.weights import DEFAULT_PACKED, check_update, checkpoint_shapes, complete_tied, tied_pairs
 
@@ -169,7 +169,7 @@ class VLLMRollout(RolloutEngine):
         return self._assemble(prompts, params, tokens, log_probs)
 
     def _assemble(self, prompts: Batch, params: SamplingParams, tokens: list[list[int]], log_probs: list[list[float]]) -> Batch:
-        """The HF rollout's layout: B*n samples grouped by prompt, responses right-padded."""
+        """Right-pad the samples and lay them out as every engine does (``rollout_batch``)."""
         width = max((len(t) for t in tokens), default=0)
         responses = torch.full((len(tokens), width), self.pad_id, dtype=prompts["input_ids"].dtype)
         lp = torch.zeros(len(tokens), width, dtype=torch.float32)
@@ -178,24 +178,7 @@ class VLLMRollout(RolloutEngine):
             responses[i, : len(t)] = torch.tensor(t, dtype=responses.dtype)
             lp[i, : len(p)] = torch.tensor(p, dtype=torch.float32)
             response_mask[i, : len(t)] = 1  # vLLM stops at the first stop token and keeps it
-        out = prompts.repeat_interleave(params.n)
-        attention_mask = torch.cat([out["attention_mask"], response_mask.to(out["attention_mask"].dtype)], dim=1)
-        out.update(
-            Batch(
-                {
-                    "prompts": out["input_ids"],
-                    "responses": responses,
-                    "response_mask": response_mask,
-                    "rollout_log_probs": lp * response_mask,
-                    "input_ids": torch.cat([out["input_ids"], responses], dim=1),
-                    "attention_mask": attention_mask,
-                    "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-                }
-            )
-        )
-        greedy = params.greedy or params.temperature == 0
-        out.meta["temperature"] = 1.0 if greedy else params.temperature
-        return out
+        return rollout_batch(prompts, params, responses, response_mask, lp)
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """One sample. Concurrent calls share engine steps (continuous batching): each call adds a
