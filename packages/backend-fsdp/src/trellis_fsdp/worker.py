@@ -217,8 +217,11 @@ class FSDPWorker(Worker):
                     # FSDP averages gradients over ranks; the loss is already a share of the global
                     # mini-batch, so scale by the world size to get the sum.
                     (loss * world).backward()
-                    for k, v in m.items():
-                        (summed if k.endswith("loss") else averaged)[k] += v if k.endswith("loss") else [v]
+                    for k, v in m.items():  # a micro-batch's loss is its share of the mini-batch's: sum them
+                        if k.endswith("loss"):
+                            summed[k] += v
+                        else:
+                            averaged[k].append(v)
                 for k, v in summed.items():
                     metrics[k].append(all_reduce_sum(v, self.device))
                 for k, v in averaged.items():

@@ -31,6 +31,14 @@ def import_ray():
     return ray
 
 
+def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """``fn``'s result (a generator listed: it cannot cross processes) and the seconds it took."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    result = list(result) if isinstance(result, Iterator) else result
+    return result, time.perf_counter() - start
+
+
 class RankProcess:
     """One process of one rank: holds the workers of every role colocated here and, for the
     actor's pool, a rollout engine. Runs as a Ray actor."""
@@ -59,23 +67,16 @@ class RankProcess:
         return type(worker).DISPATCH
 
     def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
-        """The method's result (generators listed: they do not cross processes) and its seconds."""
-        start = time.perf_counter()
-        result = getattr(self.workers[role], method)(*args, **kwargs)
-        result = list(result) if isinstance(result, Iterator) else result
-        return result, time.perf_counter() - start
+        return _timed(getattr(self.workers[role], method), *args, **kwargs)
 
     def add_rollout(self, make_engine: Callable[[], RolloutEngine]) -> None:
         self.engine = make_engine()
 
     def generate(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, float]:
-        start = time.perf_counter()
-        return self.engine.generate(prompts, params), time.perf_counter() - start
+        return _timed(self.engine.generate, prompts, params)
 
     def sync_rollout(self, role: str) -> tuple[None, float]:
-        start = time.perf_counter()
-        self.engine.load_weights(chain.from_iterable(self.workers[role].export_weights(all_ranks=True)))
-        return None, time.perf_counter() - start
+        return _timed(lambda: self.engine.load_weights(chain.from_iterable(self.workers[role].export_weights(all_ranks=True))))
 
 
 class RayPool:
