@@ -193,3 +193,28 @@ def test_critic_on_a_pool_of_its_own(ray_cluster, tiny_model_path, tmp_path):
         ],
     )
     assert "critic/vf_loss" in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_ray_address_joins_an_existing_cluster_and_leaves_it_running(ray_cluster, tmp_path):
+    """A second process with RAY_ADDRESS set joins this test's cluster, places a pool there and, on
+    shutdown, removes only what it made: the cluster (someone else's Ray) keeps running."""
+    import subprocess
+
+    script = tmp_path / "join.py"
+    script.write_text(
+        "from trellis.ray_controller import RayController\n"
+        "c = RayController(nnodes=1, procs_per_node=1, timeout_s=30, call_timeout_s=60)\n"
+        "pool = c._pool('actor')\n"
+        "print('joined', c.started_cluster, c.ray.get_runtime_context().gcs_address, len(pool.nodes))\n"
+        "c.shutdown()\n"
+    )
+    address = ray.get_runtime_context().gcs_address
+    out = subprocess.run(
+        [sys.executable, str(script)], env={**os.environ, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"joined False {address} 1" in out.stdout
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2.0
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )
