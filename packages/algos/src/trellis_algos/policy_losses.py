@@ -132,22 +132,26 @@ def vanilla(
     }
 
 
-def clip_cov_selection(data: PolicyLossInputs, options: ClipCovOptions | None = None) -> torch.Tensor:
+def clip_cov_selection(
+    data: PolicyLossInputs, options: ClipCovOptions | None = None, clipped: torch.Tensor | None = None
+) -> torch.Tensor:
     """Bool ``(batch, response_len)``: the tokens Clip-Cov detaches.
 
     Candidates are valid tokens not already clipped by the PPO range with
     ``clip_cov_lb < cov < clip_cov_ub``; ``k = max(1, int(clip_cov_ratio * valid tokens))`` of them
     (all if fewer) are drawn uniformly with ``torch.randperm`` on the **global CPU torch RNG**, so
-    ``torch.manual_seed`` makes the choice reproducible (verl draws the same way).
+    ``torch.manual_seed`` makes the choice reproducible (verl draws the same way). ``clipped``: the
+    PPO-range clip flags when the caller has them already (else computed here).
     """
     opts = options if options is not None else ClipCovOptions()
     if opts.clip_cov_ratio <= 0:
         raise ValueError(f"clip_cov: clip_cov_ratio must be > 0, got {opts.clip_cov_ratio}")
     valid = data.response_mask.bool()
     with torch.no_grad():
-        _, clipped = _clipped_surrogate(
-            torch.exp(_log_ratio(data)), data.advantages, opts.clip_ratio_low, opts.clip_ratio_high
-        )
+        if clipped is None:
+            _, clipped = _clipped_surrogate(
+                torch.exp(_log_ratio(data)), data.advantages, opts.clip_ratio_low, opts.clip_ratio_high
+            )
         cov = _covariance(data)
         candidates = valid & ~clipped & (cov > opts.clip_cov_lb) & (cov < opts.clip_cov_ub)
         k = max(1, int(opts.clip_cov_ratio * int(valid.sum().item())))
@@ -175,7 +179,7 @@ def clip_cov(
     losses, clipped = _clipped_surrogate(
         torch.exp(log_ratio), data.advantages, opts.clip_ratio_low, opts.clip_ratio_high
     )
-    selected = clip_cov_selection(data, opts)
+    selected = clip_cov_selection(data, opts, clipped)
     losses = torch.where(selected, torch.zeros_like(losses), losses)
     loss = agg_loss(losses, mask, agg)
     return loss, {

@@ -56,6 +56,7 @@ class FSDPWorker(Worker):
         self.opts: FSDPOptions = spec.options if spec.options is not None else FSDPOptions()
         self.cfg = spec.role_options
         self.device = device_for(spec.dist)
+        self._components: dict[str, tuple] = {}
 
     # -- set-up -----------------------------------------------------------------------------
     def build(self) -> None:
@@ -232,13 +233,20 @@ class FSDPWorker(Worker):
         self.scheduler.step()
         return {f"{prefix}/{k}": sum(v) / len(v) for k, v in metrics.items()}
 
+    def _component(self, kind: str, node) -> tuple:
+        """The registered ``kind`` that config ``node`` names, and its options: looked up once per
+        worker, not once per micro-batch."""
+        if kind not in self._components:
+            entry = self.registry.get(kind, node.name)
+            self._components[kind] = (entry.obj, instantiate_options(node, entry.options) if entry.options else None)
+        return self._components[kind]
+
     def _actor_loss(self, micro: Batch, agg: Aggregation, temperature: float):
         cfg = self.cfg
         need_entropy = cfg.entropy_coeff != 0
         log_prob, entropy = self._response_log_probs(micro, temperature, need_entropy)
         mask = micro["response_mask"].to(self.device)
-        policy_loss = self.registry.get("policy_loss", cfg.policy_loss.name)
-        options = instantiate_options(cfg.policy_loss, policy_loss.options) if policy_loss.options else None
+        policy_loss, options = self._component("policy_loss", cfg.policy_loss)
         data = PolicyLossInputs(
             log_prob=log_prob,
             old_log_prob=micro["old_log_probs"].to(self.device),
@@ -246,7 +254,7 @@ class FSDPWorker(Worker):
             response_mask=mask,
             rollout_log_prob=micro["rollout_log_probs"].to(self.device) if "rollout_log_probs" in micro else None,
         )
-        loss, metrics = policy_loss.obj(data, agg, options)
+        loss, metrics = policy_loss(data, agg, options)
         metrics = dict(metrics)
         if need_entropy:
             ent = entropy_loss(entropy, mask, agg)
@@ -275,9 +283,8 @@ class FSDPWorker(Worker):
         logits = self._forward_logits(micro)[:, :-1].float()
         labels = micro["input_ids"][:, 1:].to(self.device)
         token_lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        entry = self.registry.get("sft_loss", self.cfg.loss.name)
-        options = instantiate_options(self.cfg.loss, entry.options) if entry.options else None
-        return entry.obj(token_lp, micro["loss_mask"][:, 1:].to(self.device), agg, options)
+        sft_loss, options = self._component("sft_loss", self.cfg.loss)
+        return sft_loss(token_lp, micro["loss_mask"][:, 1:].to(self.device), agg, options)
 
     def sft_update(self, batch: Batch) -> dict[str, float]:
         world = self.spec.dist.world_size
