@@ -17,9 +17,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from trellis.recipe import train
-from trellis.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.tiny import make_tiny_model
+from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis.examples.tiny import make_tiny_model
+from trellis.recipes.train import train
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "weight_sync")
 

@@ -43,8 +43,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from trellis.data import load_rows
-    from trellis.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.tiny import make_tiny_model
+    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis.examples.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="trellis-bench-rollout-"))
     texts = task_texts()
@@ -71,7 +71,7 @@ def bench_model(label: str, path: str, rows, args) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
     from trellis.data import PromptDataset
-    from trellis.rollout import RolloutSpec, SamplingParams
+    from trellis.interfaces.rollout import RolloutSpec, SamplingParams
     from trellis_hf.engine import HFRolloutOptions
     from trellis_hf.engine import make_engine as make_hf
     from trellis_vllm import VLLMRolloutOptions
@@ -127,7 +127,7 @@ def bench_model(label: str, path: str, rows, args) -> list[dict]:
 
 def rl_sync(model_path: Path, data: Path, work: Path, args) -> dict[str, dict[str, float]]:
     """Mean weight-sync and step time of the rl recipe, first step dropped, per rollout."""
-    from trellis.recipe import train
+    from trellis.recipes.train import train
 
     out = {}
     for rollout in ("hf", "vllm"):

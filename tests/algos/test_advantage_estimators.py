@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trellis.signatures import AdvantageInputs
+from trellis.interfaces.signatures import AdvantageInputs
 from trellis_algos.advantages import (
     GAEOptions,
     GPGOptions,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from trellis.interfaces.signatures import AdvantageInputs, Aggregation, PolicyLossInputs
 from trellis.plugins import load_plugins
-from trellis.signatures import AdvantageInputs, Aggregation, PolicyLossInputs
 
 EXPECTED = {
     "advantage": {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"},

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trellis.signatures import Aggregation
+from trellis.interfaces.signatures import Aggregation
 from trellis_algos.kl import (
     ESTIMATORS,
     AdaptiveKLController,

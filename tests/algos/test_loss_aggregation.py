@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trellis.signatures import Aggregation
+from trellis.interfaces.signatures import Aggregation
 from trellis_algos.aggregation import MODES, agg_loss, aggregation_for
 
 FAST = settings(max_examples=50, deadline=None)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trellis.signatures import Aggregation, PolicyLossInputs
+from trellis.interfaces.signatures import Aggregation, PolicyLossInputs
 from trellis_algos.aggregation import MODES, aggregation_for
 from trellis_algos.policy_losses import (
     CISPOOptions,

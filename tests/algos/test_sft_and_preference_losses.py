@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trellis.signatures import Aggregation, PreferenceInputs
+from trellis.interfaces.signatures import Aggregation, PreferenceInputs
 from trellis_algos.preference import IPOOptions, SigmoidOptions, ipo, make_pairs, sigmoid
 from trellis_algos.sft_losses import cross_entropy, dft
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trellis import checkpoint
-from trellis.checkpoint import config_changes, find_resume, latest_checkpoint, read_manifest, restore, save
 from trellis.config import ConfigError
 from trellis.data import _EpochLoader
+from trellis.runtime import checkpoint
+from trellis.runtime.checkpoint import config_changes, find_resume, latest_checkpoint, read_manifest, restore, save
 
 
 class FakeRole:
@@ -147,22 +147,20 @@ def test_a_run_resumed_from_an_older_checkpoint_replaces_the_newer_ones(tmp_path
 def test_checkpointer_saves_when_due_and_fires_the_hook(tmp_path):
     fired = []
 
-    class Ctx:
-        run_dir = tmp_path
+    class hook:
+        @staticmethod
+        def trellis_checkpoint_saved(step, path):
+            fired.append((step, path))
 
-        class hook:
-            @staticmethod
-            def trellis_checkpoint_saved(step, path):
-                fired.append((step, path))
-
-    ckpt = checkpoint.Checkpointer(cfg(total_steps=5, save_every_steps=2, keep_checkpoints=5), Ctx)
+    ckpt = checkpoint.Checkpointer(cfg(total_steps=5, save_every_steps=2, keep_checkpoints=5), tmp_path, None, hook)
     assert ckpt.restore({"actor": FakeRole(), "critic": None}, {"kl": None}) == 0
     for step in range(1, 6):
         ckpt.after_step(step)
     assert [s for s, _ in fired] == [2, 4, 5]  # every 2 steps and at the last
     assert fired[-1][1] == tmp_path / "checkpoint-5"
-    assert checkpoint.Checkpointer(cfg(total_steps=5), Ctx).finished
-    assert not checkpoint.Checkpointer(cfg(total_steps=6), Ctx).finished
+    latest = checkpoint.find_resume(cfg(total_steps=5), tmp_path)
+    assert checkpoint.Checkpointer(cfg(total_steps=5), tmp_path, latest, hook).finished
+    assert not checkpoint.Checkpointer(cfg(total_steps=6), tmp_path, latest, hook).finished
 
 
 def test_export_of_a_folder_without_a_complete_checkpoint_names_what_is_there(tmp_path, capsys):

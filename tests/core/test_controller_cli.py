@@ -8,20 +8,22 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from trellis import cli
 from trellis.batch import Batch
-from trellis.controller import LocalController
 from trellis.plugins import load_plugins
+from trellis.runtime.controller import LocalController
+from trellis.runtime.harness import spawn_worker
 
 
 def test_local_controller_builds_and_dispatches():
-    make_worker = load_plugins().registry.get("backend", "example_counting").obj
-    group = LocalController().spawn("actor", make_worker)
-    worker = group.workers[0]
-    assert worker.built and worker.dist.world_size == 1
-    out = group.log_prob(Batch({"responses": torch.ones(4, 3, dtype=torch.long)}))
-    assert out["log_probs"].shape == (4, 3) and worker.calls == 1
+    cfg = OmegaConf.create({"backend": {"name": "example_counting"}, "seed": 0})
+    group = spawn_worker(LocalController(), load_plugins().registry, cfg, "actor", "unused", None)
+    backend = group.workers[0].backend
+    assert backend.built and backend.spec.dist.world_size == 1
+    out = group.log_prob(Batch({"responses": torch.ones(4, 3, dtype=torch.long), "unread": torch.zeros(4)}))
+    assert out["log_probs"].shape == (4, 3) and backend.calls == 1
     with pytest.raises(AttributeError, match="role 'actor' has no dispatched method 'logprob'"):
         group.logprob  # noqa: B018 - the attribute access itself must fail
 

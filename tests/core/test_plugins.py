@@ -25,7 +25,7 @@ def test_example_plugin_is_discovered_with_every_kind():
 def test_component_used_by_name():
     import torch
 
-    from trellis.signatures import AdvantageInputs
+    from trellis.interfaces.signatures import AdvantageInputs
 
     plugins = load_plugins()
     entry = plugins.registry.get("advantage", "example_scaled")

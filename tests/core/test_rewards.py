@@ -12,6 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from trellis.batch import Batch
+from trellis.examples.tasks import task_texts
+from trellis.examples.tiny import make_tiny_tokenizer
 from trellis.plugins import load_plugins
 from trellis.registry import Registry
 from trellis.rewards import (
@@ -22,8 +24,6 @@ from trellis.rewards import (
     gsm8k_score,
     math_score,
 )
-from trellis.tasks import task_texts
-from trellis.tiny import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

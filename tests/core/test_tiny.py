@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trellis import tiny
 from trellis.cli import main
-from trellis.tasks import task_texts
-from trellis.tiny import make_tiny_model
+from trellis.examples import tiny
+from trellis.examples.tasks import task_texts
+from trellis.examples.tiny import make_tiny_model
 
 TEXTS = task_texts(300, seed=0)
 SMALL = {"hidden_size": 32, "num_layers": 1}

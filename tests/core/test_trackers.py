@@ -13,7 +13,7 @@ import pytest
 
 from trellis.config import ConfigError
 from trellis.plugins import load_plugins
-from trellis.training import Trackers
+from trellis.runtime.harness import Trackers
 
 STEPS = {1: {"reward/mean": 0.25, "actor/pg_loss": -0.5}, 2: {"reward/mean": 0.5, "actor/pg_loss": -0.25}, 3: {"reward/mean": 0.75}}
 

@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from trellis.batch import Batch
 from trellis.config import validate
+from trellis.interfaces.signatures import PolicyLossInputs
 from trellis.plugins import load_plugins
-from trellis.role_config import ActorConfig, CriticConfig, SFTTrainConfig
-from trellis.signatures import PolicyLossInputs
-from trellis.workers import DistInfo, WorkerSpec
+from trellis.recipes.options import ActorConfig, CriticConfig, SFTTrainConfig
+from trellis.runtime.worker import DistInfo, WorkerSpec
 from trellis_algos.aggregation import aggregation_for
 from trellis_algos.policy_losses import VanillaOptions, vanilla
 from trellis_fsdp.distributed import free_port

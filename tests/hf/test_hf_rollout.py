@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trellis.rollout import RolloutSpec, SamplingParams
+from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis_hf.engine import HFRolloutOptions, make_engine
 
 TEXTS = ["12+35=", "7+8=", "40+41="]

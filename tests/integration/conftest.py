@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from trellis.recipe import train
-from trellis.tasks import make_arithmetic_split, write_rows
+from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.recipes.train import train
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from trellis.recipe import train
+from trellis.recipes.train import train
 from trellis_fsdp.worker import FSDPWorker
 
 

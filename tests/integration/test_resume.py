@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trellis.checkpoint import read_manifest
 from trellis.cli import main as cli_main
 from trellis.config import ConfigError
+from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.hookspecs import hookimpl
 from trellis.plugins import load_plugins
-from trellis.recipe import train
-from trellis.tasks import make_arithmetic_split, write_rows
+from trellis.recipes.train import train
+from trellis.runtime.checkpoint import read_manifest
 
 KILLABLE = Path(__file__).with_name("killable.py")
 
@@ -170,7 +170,7 @@ def no_model_building(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr("trellis.rl.spawn_role", refuse)
+    monkeypatch.setattr("trellis.recipes.rl.spawn_role", refuse)
 
 
 def test_changed_config_is_refused_with_the_differing_keys(rl_overrides, reference, no_model_building):
@@ -213,8 +213,8 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
     from omegaconf import OmegaConf
 
     from trellis.config import validate
-    from trellis.role_config import ActorConfig
-    from trellis.workers import WorkerSpec
+    from trellis.recipes.options import ActorConfig
+    from trellis.runtime.worker import WorkerSpec
     from trellis_fsdp.worker import FSDPOptions, make_worker
 
     checkpoint = reference[0] / "checkpoint-4"

@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from trellis.config import ConfigError
 from trellis.data import PromptDataset, load_rows
+from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.plugins import load_plugins
-from trellis.recipe import train
-from trellis.rollout import RolloutSpec, SamplingParams
+from trellis.recipes.train import train
 
 STEP_KEYS = {
     "reward/mean", "actor/entropy", "actor/pg_loss", "response/length_mean", "timing/step_s",
@@ -76,7 +76,7 @@ def no_model_building(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the config error was found")
 
-    monkeypatch.setattr("trellis.rl.spawn_role", refuse)
+    monkeypatch.setattr("trellis.recipes.rl.spawn_role", refuse)
 
 
 @pytest.mark.parametrize(
@@ -100,8 +100,8 @@ def actor_and_rollout(tiny_model_path, data_files):
     from omegaconf import OmegaConf
 
     from trellis.config import validate
-    from trellis.role_config import ActorConfig
-    from trellis.workers import WorkerSpec
+    from trellis.recipes.options import ActorConfig
+    from trellis.runtime.worker import WorkerSpec
     from trellis_fsdp.worker import FSDPOptions, make_worker
     from trellis_hf.engine import make_engine
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from trellis.config import ConfigError
-from trellis.recipe import train
+from trellis.recipes.train import train
 
 
 def test_sft_run_feeds_console_jsonl_and_tensorboard_at_once(tiny_model_path, data_files, tmp_path, capsys):
@@ -38,7 +38,7 @@ def test_missing_tracker_library_stops_the_run_before_any_model_is_built(run_rl,
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the config error was found")
 
-    monkeypatch.setattr("trellis.rl.spawn_role", refuse)
+    monkeypatch.setattr("trellis.recipes.rl.spawn_role", refuse)
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"tracker 'wandb' needs wandb .*: pip install 'trellis-core\[wandb\]'"):
         run_rl("trainer.trackers=[jsonl,wandb]")

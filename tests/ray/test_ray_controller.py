@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 
 from trellis.batch import Batch
 from trellis.config import ConfigError, validate
-from trellis.controller import LocalController
 from trellis.plugins import load_plugins
-from trellis.role_config import ActorConfig
-from trellis.workers import Worker, WorkerSpec
+from trellis.recipes.options import ActorConfig
+from trellis.runtime.controller import LocalController
+from trellis.runtime.worker import Worker, WorkerSpec
 from trellis_fsdp.worker import FSDPOptions, make_worker
 
 ray = pytest.importorskip("ray")
@@ -32,7 +32,7 @@ def ray_cluster():
 
 
 def controller(procs: int = 2, timeout: float = 60.0):
-    from trellis.ray_controller import RayController
+    from trellis.runtime.ray_controller import RayController
 
     return RayController(nnodes=1, procs_per_node=procs, timeout_s=timeout, call_timeout_s=120.0)
 
@@ -126,7 +126,7 @@ def test_dead_rank_fails_the_step_with_role_rank_and_node(ray_cluster):
 
 
 def test_ray_not_installed_names_the_pip_command(monkeypatch):
-    from trellis.ray_controller import import_ray
+    from trellis.runtime.ray_controller import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ConfigError, match=r"pip install trellis-core\[ray\]"):
@@ -134,8 +134,8 @@ def test_ray_not_installed_names_the_pip_command(monkeypatch):
 
 
 def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path):
-    from trellis.recipe import train
-    from trellis.tasks import make_arithmetic_split, write_rows
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
 
     data = write_rows(make_arithmetic_split(32, 0, max_value=50), tmp_path / "train.parquet")
     val = write_rows(make_arithmetic_split(6, 0, split="test", max_value=50), tmp_path / "val.parquet")
@@ -161,8 +161,8 @@ def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path)
     assert sum('"reward/mean"' in r for r in rows) == 2
     assert 0.0 <= summary["val_after"]["reward_mean"] <= 1.0
     # the final checkpoint: each rank wrote its own shard; one rank reads them all back for an export
-    from trellis.checkpoint import read_manifest
     from trellis.export import export_checkpoint
+    from trellis.runtime.checkpoint import read_manifest
 
     files = read_manifest(tmp_path / "run" / "checkpoint-2")["files"]
     assert {"actor/__0_0.distcp", "actor/__1_0.distcp", "actor/rank0.pt", "actor/rank1.pt"} <= set(files)
@@ -171,8 +171,8 @@ def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path)
 
 def test_critic_on_a_pool_of_its_own(ray_cluster, tiny_model_path, tmp_path):
     """PPO with GAE: actor+ref+rollout in one pool, the critic in another (1 rank each)."""
-    from trellis.recipe import train
-    from trellis.tasks import make_arithmetic_split, write_rows
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
 
     data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
     train(
@@ -202,7 +202,7 @@ def test_ray_address_joins_an_existing_cluster_and_leaves_it_running(ray_cluster
 
     script = tmp_path / "join.py"
     script.write_text(
-        "from trellis.ray_controller import RayController\n"
+        "from trellis.runtime.ray_controller import RayController\n"
         "c = RayController(nnodes=1, procs_per_node=1, timeout_s=30, call_timeout_s=60)\n"
         "pool = c._pool('actor')\n"
         "print('joined', c.started_cluster, c.ray.get_runtime_context().gcs_address, len(pool.nodes))\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from trellis.recipe import train
-from trellis.tasks import make_arithmetic_split, write_rows
+from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.recipes.train import train
 
 
 def test_rl_recipe_runs_with_the_vllm_rollout(tiny_model_path, tmp_path):

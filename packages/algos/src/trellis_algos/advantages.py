@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis.signatures import AdvantageInputs
+from trellis.interfaces.signatures import AdvantageInputs
 from trellis_algos.stats import group_index, group_mean_std, group_sum, masked_sum, masked_whiten
 
 

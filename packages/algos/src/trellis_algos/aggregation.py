@@ -1,10 +1,10 @@
 """Loss aggregation: token losses ``(batch, response_len)`` to one scalar, normalised by the global batch.
 
-Every mode divides by a count of the *whole* mini-batch when the :class:`~trellis.signatures.Aggregation`
+Every mode divides by a count of the *whole* mini-batch when the :class:`~trellis.interfaces.signatures.Aggregation`
 carries one (``global_tokens`` / ``global_seqs``), so the scalar returned for a micro-batch is that
 micro-batch's share: summing the losses (and so the gradients) of all micro-batches gives exactly
 the loss and gradient of the mini-batch in one piece. Use :func:`aggregation_for` on the full
-mini-batch mask to build such an ``Aggregation``.
+mini-batch mask (``trellis.interfaces.signatures``, re-exported here) to build such an ``Aggregation``.
 
 Data parallelism: the counts must then be global over ranks (all-reduce them first). Summing the
 ranks' losses gives the mini-batch loss; a backend that *averages* gradients over ranks must
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from trellis.signatures import Aggregation
+from trellis.interfaces.signatures import AGG_MODES, Aggregation, aggregation_for  # noqa: F401 - aggregation_for is re-exported
 from trellis_algos.stats import masked_count, masked_sum
 
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = AGG_MODES
 
 
 def _divide(total: torch.Tensor, global_count: float | None, local_count: torch.Tensor, what: str) -> torch.Tensor:
@@ -68,16 +68,3 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: Aggregation | None
             raise ValueError(f"Aggregation.norm_constant must be > 0, got {norm}")
         seq_losses = token_sums / norm
     return seq_mean(seq_losses, seq_tokens > 0, agg.global_seqs)
-
-
-def aggregation_for(mode: str, mask: torch.Tensor, norm_constant: float | None = None) -> Aggregation:
-    """The ``Aggregation`` for a mini-batch with ``mask``: its valid-token and valid-sequence
-    counts, to pass unchanged to every micro-batch cut from it."""
-    if mode not in MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(MODES)}")
-    return Aggregation(
-        mode=mode,
-        global_tokens=float(masked_count(mask).item()),
-        global_seqs=float((masked_count(mask, dim=-1) > 0).sum().item()),
-        norm_constant=norm_constant,
-    )

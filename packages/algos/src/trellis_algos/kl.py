@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trellis.signatures import Aggregation
+from trellis.interfaces.signatures import Aggregation
 from trellis_algos.aggregation import agg_loss
 from trellis_algos.stats import masked_mean
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
-from trellis_algos import advantages, kl, policy_losses, preference, sft_losses
+from trellis_algos import advantages, kl, objectives, policy_losses, preference, sft_losses
 
 
 @hookimpl
 def trellis_register(registry):
-    """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss`` and ``preference_loss``."""
+    """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss``, ``preference_loss`` and ``objective``."""
     for kind, table in (
         ("advantage", advantages.ESTIMATORS),
         ("policy_loss", policy_losses.LOSSES),
@@ -19,3 +19,5 @@ def trellis_register(registry):
             registry.add(kind, name, fn, options=options)
     for name, fn in kl.ESTIMATORS.items():
         registry.add("kl", name, fn, options=None)
+    for name, factory in objectives.OBJECTIVES.items():
+        registry.add("objective", name, factory, options=None)

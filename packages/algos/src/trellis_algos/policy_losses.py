@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis.signatures import Aggregation, PolicyLossInputs
+from trellis.interfaces.signatures import Aggregation, PolicyLossInputs
 from trellis_algos.aggregation import agg_loss, seq_mean
 from trellis_algos.stats import masked_count, masked_mean, masked_sum
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trellis.signatures import PreferenceInputs
+from trellis.interfaces.signatures import PreferenceInputs
 from trellis_algos.stats import group_index
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trellis.workers import DistInfo
+from trellis.interfaces.backend import DistInfo
 
 
 def free_port() -> int:
@@ -42,10 +42,10 @@ def ensure_process_group(info: DistInfo) -> DeviceMesh:
     return init_device_mesh(device.type, (info.world_size,), mesh_dim_names=("dp",))
 
 
-def all_reduce_sum(value: float, device: torch.device) -> float:
-    """Sum a float over the ranks (a no-op on one rank)."""
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Each float summed over the ranks (unchanged on one rank), in one collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return float(t.item())
+    return t.tolist()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
-from trellis_fsdp.worker import FSDPOptions, make_worker
+from trellis_fsdp.backend import FSDPBackend, FSDPOptions
 
 
 @hookimpl
 def trellis_register(registry):
-    registry.add("backend", "fsdp", make_worker, options=FSDPOptions)
+    registry.add("backend", "fsdp", FSDPBackend, options=FSDPOptions)

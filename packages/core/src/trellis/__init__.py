@@ -1,10 +1,74 @@
-"""Trellis: reinforcement-learning post-training for language models, as a core plus plugins."""
+"""Trellis: reinforcement-learning post-training for language models, as a core plus plugins.
 
+``__all__`` is the public API that plugins and recipes may use; everything else may change.
+Names load on first use, so ``import trellis`` stays light.
+"""
+
+from importlib import import_module
 from importlib.metadata import version
 
-from trellis.batch import Batch
-from trellis.hookspecs import hookimpl
-from trellis.registry import KINDS, Registry, RegistryError
-
 __version__ = version("trellis-core")
-__all__ = ["KINDS", "Batch", "Registry", "RegistryError", "hookimpl", "__version__"]
+
+# public name -> module that defines it
+_API = {
+    # plugins and the registry
+    "hookimpl": "trellis.hookspecs",
+    "KINDS": "trellis.registry",
+    "Registry": "trellis.registry",
+    "RegistryError": "trellis.registry",
+    "load_plugins": "trellis.plugins",
+    # config
+    "component": "trellis.config",
+    "ConfigError": "trellis.config",
+    "instantiate_options": "trellis.config",
+    "resolve_component": "trellis.config",
+    # data
+    "Batch": "trellis.batch",
+    # interfaces: backends, dispatch, rollout, algorithms, environments
+    "Backend": "trellis.interfaces.backend",
+    "BackendSpec": "trellis.interfaces.backend",
+    "DistInfo": "trellis.interfaces.backend",
+    "Mesh": "trellis.interfaces.dispatch",
+    "Route": "trellis.interfaces.dispatch",
+    "DispatchMode": "trellis.interfaces.dispatch",
+    "ALL": "trellis.interfaces.dispatch",
+    "RANK0": "trellis.interfaces.dispatch",
+    "DP_SPLIT": "trellis.interfaces.dispatch",
+    "RolloutEngine": "trellis.interfaces.rollout",
+    "RolloutSpec": "trellis.interfaces.rollout",
+    "SamplingParams": "trellis.interfaces.rollout",
+    "Generation": "trellis.interfaces.rollout",
+    "rollout_batch": "trellis.interfaces.rollout",
+    "AdvantageInputs": "trellis.interfaces.signatures",
+    "Aggregation": "trellis.interfaces.signatures",
+    "aggregation_for": "trellis.interfaces.signatures",
+    "PolicyLossInputs": "trellis.interfaces.signatures",
+    "PreferenceInputs": "trellis.interfaces.signatures",
+    "Objective": "trellis.interfaces.signatures",
+    "pair_batch": "trellis.interfaces.signatures",
+    "Interaction": "trellis.interfaces.agents",
+    "InteractionTurn": "trellis.interfaces.agents",
+    "Tool": "trellis.interfaces.agents",
+    "ToolResult": "trellis.interfaces.agents",
+    # runtime: the harness recipes compose, controllers, trackers
+    "Run": "trellis.runtime.harness",
+    "RunContext": "trellis.runtime.harness",
+    "WorkerGroup": "trellis.runtime.controller",
+    "RolloutGroup": "trellis.runtime.controller",
+    "Tracker": "trellis.runtime.trackers",
+    # recipes
+    "Recipe": "trellis.recipes.train",
+    "train": "trellis.recipes.train",
+    "ModelConfig": "trellis.recipes.options",
+    "TrainerConfig": "trellis.recipes.options",
+    "OptimConfig": "trellis.recipes.options",
+    "backend_field": "trellis.recipes.options",
+    "check_inputs": "trellis.recipes.options",
+}
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        return getattr(import_module(_API[name]), name)
+    raise AttributeError(f"module 'trellis' has no attribute {name!r}")

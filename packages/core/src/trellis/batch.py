@@ -98,6 +98,12 @@ class Batch:
         self.meta.update(other.meta)
         return self
 
+    def group_index(self, key: str) -> torch.Tensor:
+        """``(batch,)`` int64 group ids: samples with equal values of field ``key`` (e.g. the
+        prompt ``uid``) share an id, numbered in order of first appearance."""
+        ids: dict[Any, int] = {}
+        return torch.tensor([ids.setdefault(v, len(ids)) for v in self[key].tolist()], dtype=torch.long)
+
     # -- reshaping -------------------------------------------------------------------------
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of ``size`` samples (the last may be smaller)."""

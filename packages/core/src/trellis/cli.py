@@ -41,7 +41,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trellis.recipe import train
+    from trellis.recipes.train import train
 
     train(args.config, args.overrides)
     return 0
@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trellis.tiny import make_tiny_model
+    from trellis.examples.tiny import make_tiny_model
 
     if args.text_file:
         path = Path(args.text_file)
@@ -59,7 +59,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
             return 2
         texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
-        from trellis.tasks import task_texts
+        from trellis.examples.tasks import task_texts
 
         texts = task_texts()
     try:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # the demo parses its own flags
-        from trellis.demo import main as demo_main
+        from trellis.examples.demo import main as demo_main
 
         return demo_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -165,6 +165,13 @@ def instantiate_options(node: DictConfig, schema: type) -> Any:
     return schema(**{k: v for k, v in data.items() if k in names})
 
 
+def resolve_component(registry: Registry, kind: str, node: DictConfig) -> tuple[Any, Any]:
+    """The registered ``kind`` that a checked ``component(...)`` node names, and its options
+    instance (None when the component declares no options)."""
+    entry = registry.get(kind, node.name)
+    return entry.obj, instantiate_options(node, entry.options) if entry.options else None
+
+
 def save(cfg: DictConfig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))

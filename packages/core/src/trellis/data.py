@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -200,13 +201,14 @@ class PromptDataset:
     def collate(self, indices: Sequence[int]) -> Batch:
         """A left-padded Batch of items ``indices``: ``input_ids``, ``attention_mask``, ``position_ids``
         ``(batch, longest_prompt)`` plus ``data_source``, ``ground_truth``, ``extra_info``,
-        ``raw_prompt``, ``ability``, ``index``."""
+        ``raw_prompt``, ``ability``, ``index`` and ``uid``: a fresh id per prompt row, which every
+        sample generated from it keeps (estimators group samples by it, never by position)."""
         items = [self.items[i] for i in indices]
         input_ids, attention_mask, position_ids = left_pad([it["input_ids"] for it in items], self.pad_token_id)
         fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "index")
         return Batch(
             {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-            {k: [it[k] for it in items] for k in fields},
+            {**{k: [it[k] for it in items] for k in fields}, "uid": [uuid.uuid4().hex for _ in items]},
         )
 
     def as_batch(self) -> Batch:

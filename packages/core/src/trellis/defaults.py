@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
+from trellis.recipes.rl import RLRecipe
+from trellis.recipes.sft import SFTRecipe
 from trellis.rewards import gsm8k_score, math_score
-from trellis.rl import RLRecipe
-from trellis.sft import SFTRecipe
-from trellis.trackers import ConsoleTracker, JsonlTracker, MlflowTracker, TensorBoardTracker, WandbTracker
+from trellis.runtime.trackers import ConsoleTracker, JsonlTracker, MlflowTracker, TensorBoardTracker, WandbTracker
 
 
 @hookimpl

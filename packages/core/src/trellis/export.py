@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
 from itertools import chain
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
-from trellis.checkpoint import CONFIG_FILE, read_manifest, resolve_checkpoint
 from trellis.config import ConfigError
-from trellis.controller import LocalController
 from trellis.plugins import Plugins, load_plugins
-from trellis.training import save_hf_folder, spawn_role
+from trellis.runtime.checkpoint import CONFIG_FILE, read_manifest, resolve_checkpoint
+from trellis.runtime.controller import LocalController
+from trellis.runtime.harness import spawn_worker
 
 
 def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins | None = None) -> Path:
@@ -35,9 +38,33 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     registry = (plugins or load_plugins()).registry
     controller = LocalController()
     try:
-        policy = spawn_role(controller, registry, cfg, "ref", cfg.model.path, None, 0)  # weights only: no optimizer
+        policy = spawn_worker(controller, registry, cfg, "actor", cfg.model.path, None)  # no objectives: weights only, no optimizer
         policy.load(path / "actor")
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.get("tokenizer_path") or cfg.model.path)
         return save_hf_folder(cfg.model.path, chain.from_iterable(policy.export_weights()), tokenizer, Path(out_dir))
     finally:
         controller.shutdown()
+
+
+def save_hf_folder(config_source: str, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: object, out_dir: Path) -> Path:
+    """Write a Hugging Face folder: the architecture of ``config_source`` with ``weights``.
+    Written to a temporary folder and renamed, so a crash never leaves half a model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(config_source)
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"exported weights do not fit {config_source}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with contextlib.suppress(OSError):
+        GenerationConfig.from_pretrained(config_source).save_pretrained(tmp)
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata as md
 import traceback
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import pluggy
 
@@ -13,6 +12,7 @@ from trellis import hookspecs
 from trellis.registry import Registry, RegistryError
 
 ENTRY_POINT_GROUP = "trellis"
+CORE = "trellis-core"
 
 
 @dataclass
@@ -39,14 +39,9 @@ class Plugins:
         return self.manager.hook
 
 
-def _core_plugin() -> ModuleType:
-    from trellis import defaults
-
-    return defaults
-
-
 def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bool = True) -> Plugins:
-    """Build the plugin manager: core's defaults, every installed entry point, then ``extra``.
+    """Build the plugin manager: core's own entry point first, every other installed entry point
+    (unless ``entry_points`` is false), then ``extra``.
 
     A plugin that fails to import or to register is recorded with its error and skipped; the
     others load. Hook implementations that match no spec (typos) raise here.
@@ -55,20 +50,17 @@ def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bo
     pm.add_hookspecs(hookspecs)
     registry = Registry()
     infos: list[PluginInfo] = []
-    core_version = md.version("trellis-core")
-    candidates: list[tuple[PluginInfo, object | None]] = [
-        (PluginInfo("core", "trellis-core", core_version), _core_plugin())
-    ]
-    if entry_points:
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            dist = ep.dist.name if ep.dist else "?"
-            version = ep.dist.version if ep.dist else "?"
-            info = PluginInfo(ep.name, dist, version)
-            try:
-                candidates.append((info, ep.load()))
-            except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
-                info.error = _describe(exc)
-                candidates.append((info, None))
+    candidates: list[tuple[PluginInfo, object | None]] = []
+    found = md.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in sorted(found, key=lambda e: (_distribution(e) != CORE, e.name)):
+        if not entry_points and _distribution(ep) != CORE:
+            continue
+        info = PluginInfo(ep.name, _distribution(ep), ep.dist.version if ep.dist else "?")
+        try:
+            candidates.append((info, ep.load()))
+        except Exception as exc:  # noqa: BLE001 - any import failure is reported, not fatal
+            info.error = _describe(exc)
+            candidates.append((info, None))
     for name, obj in extra or []:
         candidates.append((PluginInfo(name, "<in-process>", "-"), obj))
 
@@ -95,6 +87,10 @@ def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bo
     registry.adding_for("<direct>")
     pm.check_pending()
     return Plugins(pm, registry, infos)
+
+
+def _distribution(ep: md.EntryPoint) -> str:
+    return ep.dist.name if ep.dist else "?"
 
 
 def _describe(exc: BaseException) -> str:

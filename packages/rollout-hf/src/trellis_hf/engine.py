@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trellis.batch import Batch
-from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

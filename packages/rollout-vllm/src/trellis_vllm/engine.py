@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
 from trellis_vllm.options import VLLMRolloutOptions
 from trellis_vllm.weights import DEFAULT_PACKED, check_update, checkpoint_shapes, complete_tied, tied_pairs
 

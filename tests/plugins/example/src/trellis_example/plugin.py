@@ -9,12 +9,13 @@ import torch
 from omegaconf import MISSING
 
 import trellis
-from trellis.agents import Interaction, InteractionTurn, Tool, ToolResult
 from trellis.batch import Batch
 from trellis.config import component
-from trellis.rollout import RolloutEngine
-from trellis.trackers import Tracker
-from trellis.workers import Worker
+from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult
+from trellis.interfaces.backend import Backend
+from trellis.interfaces.rollout import RolloutEngine
+from trellis.interfaces.signatures import Aggregation
+from trellis.runtime.trackers import Tracker
 
 
 @dataclass
@@ -47,22 +48,43 @@ def margin_loss(data, options):
     return loss, {"loss": float(loss)}
 
 
+class LikelihoodObjective:
+    """Maximise the responses' summed log-prob, averaged over the mini-batch's samples."""
+
+    outputs = ("log_probs",)
+    inputs = ("responses", "response_mask")
+    summed = frozenset({"loss"})
+
+    def __init__(self, options, registry):
+        pass
+
+    def rows(self, batch):
+        return batch
+
+    def counts(self, batch):
+        return Aggregation(global_seqs=float(len(batch)))
+
+    def loss(self, micro, outputs, agg):
+        loss = -(outputs["log_probs"] * micro["response_mask"]).sum() / agg.global_seqs
+        return loss, {"loss": float(loss)}
+
+
 def length_reward(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str) == int(ground_truth))
 
 
-class CountingWorker(Worker):
-    """Returns zeros; counts calls (tests check routing through the controller)."""
+class CountingBackend(Backend):
+    """Forwards return zeros; counts them (tests check routing through the controller)."""
 
-    def __init__(self, dist):
-        self.dist, self.calls = dist, 0
+    def __init__(self, spec):
+        self.spec, self.calls = spec, 0
 
     def build(self):
         self.built = True
 
-    def log_prob(self, batch, with_entropy=False):
+    def forward(self, micros, outputs):
         self.calls += 1
-        return Batch({"log_probs": torch.zeros_like(batch["responses"], dtype=torch.float)})
+        return [{k: torch.zeros_like(m["responses"], dtype=torch.float) for k in outputs} for m in micros]
 
 
 class EchoRollout(RolloutEngine):
@@ -149,13 +171,14 @@ def json_lines_dataset(path):
 
 @trellis.hookimpl
 def trellis_register(registry):
-    registry.add("backend", "example_counting", CountingWorker)
+    registry.add("backend", "example_counting", CountingBackend)
     registry.add("rollout", "example_echo", EchoRollout)
     registry.add("advantage", "example_scaled", scaled_reward_advantage, options=ScaledOptions)
     registry.add("policy_loss", "example_reinforce", reinforce_loss)
     registry.add("kl", "example_diff", diff_kl)
     registry.add("sft_loss", "example_nll", nll_loss)
     registry.add("preference_loss", "example_margin", margin_loss)
+    registry.add("objective", "example_likelihood", LikelihoodObjective)
     registry.add("reward", "example_length", length_reward)
     registry.add("interaction", "example_echo", EchoInteraction)
     registry.add("tool", "example_add", AddTool)

@@ -1,4 +1,5 @@
-"""AdamW and the LR schedule (linear warm-up, then constant or cosine) from ``OptimConfig``."""
+"""The optimizer every backend builds from a role's ``OptimConfig`` (AdamW, linear warm-up then a
+constant or cosine LR schedule) and the clipped, non-finite-safe optimizer step."""
 
 from __future__ import annotations
 
@@ -28,3 +29,17 @@ def lr_factor(warmup: int, schedule: str, min_ratio: float, total_steps: int):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def clipped_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, grad_clip: float) -> dict[str, float]:
+    """Clip the gradients of ``params`` to a global norm of ``grad_clip`` (0: no clipping), step
+    unless the norm is not finite (a non-finite gradient would poison the weights), zero them.
+    Returns ``grad_norm`` and ``skipped_steps`` (1.0 when the step was skipped)."""
+    with_grad = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, grad_clip if grad_clip > 0 else float("inf"))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded (DTensor) norm
+    skipped = 0.0 if torch.isfinite(norm) else 1.0
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": float(norm), "skipped_steps": skipped}

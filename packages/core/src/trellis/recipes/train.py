@@ -1,46 +1,36 @@
-"""What a recipe (kind ``recipe``) receives, and how ``trellis train`` starts one."""
+"""What a recipe (kind ``recipe``) is, and how ``trellis train`` starts one."""
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
 from trellis import config as config_mod
-from trellis.checkpoint import checkpoint_step, find_resume
 from trellis.plugins import Plugins, load_plugins
+from trellis.registry import Registry
+from trellis.runtime.checkpoint import checkpoint_step, find_resume
+from trellis.runtime.harness import RunContext
 
 log = logging.getLogger("trellis")
 
 
-@dataclass
-class RunContext:
-    """The loaded plugins (registry and lifecycle hooks) and the run folder."""
+class Recipe(Protocol):
+    """A training program, registered with ``registry.add("recipe", name, obj, options=obj.Config)``.
 
-    plugins: Plugins
-    run_dir: Path
-
-    @property
-    def registry(self):
-        return self.plugins.registry
-
-    @property
-    def hook(self):
-        return self.plugins.hook
-
-
-class Recipe:
-    """A training program. ``Config`` is its config dataclass; ``run`` executes it."""
+    Config: its config dataclass. run: execute it (with a ``trellis.runtime.harness.Run``).
+    Optional: ``check(cfg, registry)`` raises ``ConfigError`` for what a user can fix, before
+    anything is written or built; ``resume_safe_keys``: config keys (beyond the trainer's pacing
+    keys) that may change between a checkpoint and the run resuming it.
+    """
 
     Config: type
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         """Run to the end; return the final summary figures."""
-        raise NotImplementedError
 
 
 def run_dir_for(cfg: DictConfig) -> Path:
@@ -57,9 +47,20 @@ def run_dir_for(cfg: DictConfig) -> Path:
     return Path("runs") / f"{cfg.recipe}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
 
+def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Path | None:
+    """Everything that needs no model: the recipe's own checks, then the checkpoint to resume from
+    (checked against the config). Returns that checkpoint, or None for a fresh run."""
+    recipe_check = getattr(recipe, "check", None)
+    if recipe_check is not None:
+        recipe_check(cfg, registry)
+    if "resume" not in (cfg.get("trainer") or {}):
+        return None
+    return find_resume(cfg, run_dir, tuple(getattr(recipe, "resume_safe_keys", ())))
+
+
 def train(config_path: str | None, overrides: list[str], plugins: Plugins | None = None) -> dict[str, Any]:
-    """Compose and check the config (and the checkpoint to resume from) before any model is built,
-    save it, run the recipe."""
+    """Compose and check the config (and the checkpoint to resume from) before anything is written
+    or built, save it in the run folder, run the recipe."""
     plugins = plugins or load_plugins()
     if not plugins.registry.names("recipe"):
         raise config_mod.ConfigError(
@@ -68,8 +69,7 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
     recipe = plugins.registry.get("recipe", cfg.recipe).obj
     run_dir = run_dir_for(cfg)
-    if "resume" in (cfg.get("trainer") or {}):
-        find_resume(cfg, run_dir)  # a refused resume leaves the run folder as it was
+    resume_from = check(recipe, cfg, plugins.registry, run_dir)  # a refused run leaves the run folder as it was
     config_mod.save(cfg, run_dir / "config.yaml")
     log.info("run folder: %s", run_dir)
-    return recipe.run(cfg, RunContext(plugins, run_dir))
+    return recipe.run(cfg, RunContext(plugins, run_dir, resume_from))

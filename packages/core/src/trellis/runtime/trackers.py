@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from trellis.config import ConfigError
+from trellis.registry import Registry, RegistryError
 
 
 class Tracker:
@@ -211,3 +216,39 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
+
+
+class Trackers:
+    """Every tracker named in ``trainer.trackers``, fed together, closed together. A run resumed
+    after ``start_step`` tells each tracker that has ``resume(step)`` to drop what came later."""
+
+    def __init__(self, names: Iterable[str], registry: Registry, run_dir: Path, total_steps: int, start_step: int = 0) -> None:
+        self.trackers = [registry.get("tracker", n).obj(run_dir, total_steps) for n in names]
+        for t in self.trackers:
+            if start_step and hasattr(t, "resume"):
+                t.resume(start_step)
+
+    @staticmethod
+    def check(names: Iterable[str], registry: Registry) -> None:
+        """Each tracker is installed and its library imports (``requires``: module, pip requirement),
+        so a missing one fails at start-up, not at the first log."""
+        for i, name in enumerate(names):
+            key = f"trainer.trackers[{i}]"
+            try:
+                factory = registry.get("tracker", name).obj
+            except RegistryError as exc:
+                raise ConfigError(f"config key {key!r}: {exc}") from None
+            module, requirement = getattr(factory, "requires", None) or (None, None)
+            if module is not None:
+                try:
+                    importlib.import_module(module)
+                except ImportError as exc:
+                    raise ConfigError(f"config key {key!r}: tracker {name!r} needs {module} ({exc}): pip install '{requirement}'") from None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for t in self.trackers:
+            t.log(step, metrics)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()

@@ -68,7 +68,7 @@ def make_tiny_model(
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model folder at ``out_dir`` and return its path.
 
-    texts: the text the tokenizer is trained on (e.g. ``trellis.tasks.task_texts()``).
+    texts: the text the tokenizer is trained on (e.g. ``trellis.examples.tasks.task_texts()``).
     intermediate_size: MLP width; None = ``4 * hidden_size``.
     vocab_size: embedding rows and the BPE trainer's cap; None = 256 bytes + 3 special tokens +
         up to 64 learned merges. Rows past the trained vocabulary are never produced by the tokenizer.
@@ -82,7 +82,7 @@ def make_tiny_model(
     out = Path(out_dir)
     texts = list(texts)
     if not texts:
-        raise ValueError("make_tiny_model: texts is empty; pass the task's text, e.g. trellis.tasks.task_texts()")
+        raise ValueError("make_tiny_model: texts is empty; pass the task's text, e.g. trellis.examples.tasks.task_texts()")
     bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
     if bad:
         raise TypeError(f"make_tiny_model: texts[{bad[0]}] is {type(texts[bad[0]]).__name__}, not str; pass strings")

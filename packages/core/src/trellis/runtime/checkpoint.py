@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trellis.config import ConfigError
-from trellis.rng import get_rng_state, set_rng_state
+from trellis.runtime.rng import get_rng_state, set_rng_state
 
 log = logging.getLogger("trellis")
 
@@ -34,10 +34,11 @@ MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
 
-# Keys that change how a run is watched, paced, saved or placed, not what it computes: they may
-# differ between a checkpoint's config and the resuming run's. Any other difference (model, data,
-# batch sizes, algorithm, optimizer, seed...) stops the resume unless trainer.resume_allow_changes
-# names it. A prefix covers the keys under it.
+# Keys of the trainer section that change how a run is watched, paced, saved or placed, not what it
+# computes: they may differ between a checkpoint's config and the resuming run's. A recipe adds its
+# own (``resume_safe_keys``, e.g. held-out data). Any other difference (model, data, batch sizes,
+# algorithm, optimizer, seed...) stops the resume unless trainer.resume_allow_changes names it. A
+# prefix covers the keys under it.
 RESUME_SAFE_KEYS = (
     "trainer.run_dir",
     "trainer.total_steps",
@@ -55,9 +56,6 @@ RESUME_SAFE_KEYS = (
     "trainer.separate_pools",
     "trainer.ray_timeout_s",
     "trainer.ray_call_timeout_s",
-    "validation",
-    "data.val_path",
-    "data.val_max_prompts",
 )
 
 
@@ -138,7 +136,7 @@ def _covered(key: str, prefixes) -> bool:
 
 def config_changes(saved: Any, current: Any, allowed: list[str] | tuple[str, ...] = ()) -> list[str]:
     """``key: saved -> current`` for every key whose value changed the meaning of the run: neither
-    in :data:`RESUME_SAFE_KEYS` nor in ``allowed``."""
+    in :data:`RESUME_SAFE_KEYS` nor in ``allowed`` (the recipe's safe keys and the user's)."""
     old, new = flatten(saved), flatten(current)
     missing = "<absent>"
     return [
@@ -148,9 +146,10 @@ def config_changes(saved: Any, current: Any, allowed: list[str] | tuple[str, ...
     ]
 
 
-def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+def find_resume(cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = ()) -> Path | None:
     """The checkpoint to resume from per ``trainer.resume`` (``auto``: the latest complete one in
-    ``run_dir``, if any; ``never``; or a checkpoint or run folder), checked against ``cfg``."""
+    ``run_dir``, if any; ``never``; or a checkpoint or run folder), checked against ``cfg``;
+    ``safe_keys``: the recipe's keys that may differ."""
     resume = str(cfg.trainer.resume)
     if resume == "never":
         if complete_checkpoints(run_dir):
@@ -169,7 +168,7 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
         except FileNotFoundError as exc:
             raise ConfigError(f"config key 'trainer.resume': {exc}; give a checkpoint-<step> folder, a run folder, auto or never") from None
     saved = OmegaConf.load(path / CONFIG_FILE)
-    changes = config_changes(saved, cfg, list(cfg.trainer.resume_allow_changes))
+    changes = config_changes(saved, cfg, [*safe_keys, *cfg.trainer.resume_allow_changes])
     if changes:
         keys = ",".join(c.split(":", 1)[0] for c in changes)
         raise ConfigError(
@@ -272,13 +271,13 @@ def _fsync(path: Path) -> None:
 
 # -- the recipe's view ------------------------------------------------------------------------------
 class Checkpointer:
-    """A recipe's checkpoints: where to resume from (found and checked before any model is built),
-    restoring, and saving every ``trainer.save_every_steps`` steps and at the last step."""
+    """A recipe's checkpoints: restoring from ``resume_from`` (found and checked by ``train`` before
+    any model is built), and saving every ``trainer.save_every_steps`` steps and at the last step."""
 
-    def __init__(self, cfg: DictConfig, ctx: Any) -> None:
-        self.cfg, self.run_dir, self.hook = cfg, Path(ctx.run_dir), ctx.hook
-        self.resume_from = find_resume(cfg, self.run_dir)
-        self.start_step = read_manifest(self.resume_from)["step"] if self.resume_from else 0
+    def __init__(self, cfg: DictConfig, run_dir: Path, resume_from: Path | None, hook: Any) -> None:
+        self.cfg, self.run_dir, self.hook = cfg, Path(run_dir), hook
+        self.resume_from = resume_from
+        self.start_step = read_manifest(resume_from)["step"] if resume_from else 0
         self.roles: dict[str, Any] = {}
         self.state: dict[str, Any] = {}
         total = cfg.trainer.total_steps

@@ -3,6 +3,8 @@ share one process per rank (hybrid engine). Every wait on Ray has a timeout."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import socket
 import tempfile
@@ -14,9 +16,11 @@ from typing import Any
 
 from trellis.batch import Batch
 from trellis.config import ConfigError
-from trellis.controller import Controller, RolloutGroup, WorkerGroup
-from trellis.rollout import RolloutEngine, SamplingParams
-from trellis.workers import DistInfo, Worker
+from trellis.interfaces.backend import DistInfo
+from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
+from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup
+from trellis.runtime.worker import Worker
 
 
 class RankFailure(RuntimeError):
@@ -41,7 +45,8 @@ def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, floa
 
 class RankProcess:
     """One process of one rank: holds the workers of every role colocated here and, for the
-    actor's pool, a rollout engine. Runs as a Ray actor."""
+    actor's pool, a rollout engine. Runs as a Ray actor; ``agenerate`` makes it an asyncio actor,
+    so every call runs on its event-loop thread, the thread the engine is built and stepped on."""
 
     def __init__(self, rank: int, threads: int) -> None:
         import torch
@@ -64,7 +69,7 @@ class RankProcess:
         worker = make_worker(dist)
         worker.build()
         self.workers[role] = worker
-        return type(worker).DISPATCH
+        return worker.routes()
 
     def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
         return _timed(getattr(self.workers[role], method), *args, **kwargs)
@@ -73,10 +78,18 @@ class RankProcess:
         self.engine = make_engine()
 
     def generate(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, float]:
+        if not len(prompts):  # a short batch left this engine group without prompts
+            return Batch(), 0.0
         return _timed(self.engine.generate, prompts, params)
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return await self.engine.agenerate(prompt_ids, params)
 
     def sync_rollout(self, role: str) -> tuple[None, float]:
         return _timed(lambda: self.engine.load_weights(chain.from_iterable(self.workers[role].export_weights(all_ranks=True))))
+
+    def copy_weights(self, source: str, target: str) -> tuple[None, float]:
+        return _timed(lambda: self.workers[target].load_weights(chain.from_iterable(self.workers[source].export_weights(all_ranks=True))))
 
 
 class RayPool:
@@ -144,8 +157,10 @@ class RayPool:
 
 
 class RayWorkerGroup(WorkerGroup):
-    def __init__(self, role: str, pool: RayPool, dispatch: dict) -> None:
-        super().__init__(role, len(pool.ranks), dispatch)
+    ships = True
+
+    def __init__(self, role: str, pool: RayPool, mesh: Mesh, routes: dict) -> None:
+        super().__init__(role, mesh, routes)
         self.pool = pool
 
     def _execute(self, method: str, per_rank_args: list[tuple], kwargs: dict[str, Any]) -> list[Any]:
@@ -154,22 +169,28 @@ class RayWorkerGroup(WorkerGroup):
 
 
 class RayRollout(RolloutGroup):
-    def __init__(self, pool: RayPool, actor_role: str) -> None:
-        self.pool, self.actor_role = pool, actor_role
+    def __init__(self, pool: RayPool, actor_role: str, mesh: Mesh) -> None:
+        self.pool, self.actor_role, self.mesh = pool, actor_role, mesh
+        # agenerate takes the engine groups in turn (their collecting ranks drive the engine)
+        self._next = itertools.cycle([r for i, r in enumerate(pool.ranks) if mesh.collects(i)])
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        ranks = self.pool.ranks
-        size = -(-len(prompts) // len(ranks))
-        parts = prompts.split(size)
-        # each rank samples its own prompts; offset the seed so ranks do not repeat each other
-        refs = [
-            r.generate.remote(p, SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i}))
-            for i, (r, p) in enumerate(zip(ranks, parts))
-        ]
-        # ranks pad responses to their own longest: pad to the longest overall
-        return Batch.cat(self.pool.timed(refs, "rollout.generate", "rollout"), pad=True)
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        per_rank = DP_CHUNKS.scatter((prompts,), self.mesh)
+        # each engine group samples its own prompts; offset the seed so groups do not repeat each other
+        refs = []
+        for i, (r, (part,)) in enumerate(zip(self.pool.ranks, per_rank)):
+            seed = None if params.seed is None else params.seed + self.mesh.coords(i)["dp"]
+            refs.append(r.generate.remote(part, SamplingParams(**{**params.__dict__, "seed": seed})))
+        # groups pad responses to their own longest; gather pads to the longest overall
+        return DP_CHUNKS.gather(self.pool.timed(refs, "rollout.generate", "rollout"), self.mesh)
 
-    def sync_weights(self) -> None:
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        try:
+            return await asyncio.wait_for(next(self._next).agenerate.remote(prompt_ids, params), self.pool.timeout_s)
+        except asyncio.TimeoutError:
+            raise RankFailure(f"pool {self.pool.name!r}: rollout.agenerate did not finish within {self.pool.timeout_s:g} s") from None
+
+    def _sync(self) -> None:
         self.pool.timed([r.sync_rollout.remote(self.actor_role) for r in self.pool.ranks], "weight sync", self.actor_role)
 
 
@@ -180,8 +201,6 @@ class RayController(Controller):
     Joins the cluster at ``RAY_ADDRESS`` if set; otherwise starts a private local cluster (own temp
     dir) and stops it at the end. It never runs ``ray stop``, which would kill other users' Ray.
     """
-
-    COLOCATED = ("actor", "ref")
 
     def __init__(self, nnodes: int, procs_per_node: int, timeout_s: float, call_timeout_s: float, separate_pools: list[str] = ()) -> None:
         ray = import_ray()
@@ -213,20 +232,36 @@ class RayController(Controller):
             self.pools[name] = RayPool(self.ray, name, self.world, self.procs_per_node, self.use_gpu, timeouts, self.threads)
         return self.pools[name]
 
-    def spawn(self, role: str, make_worker: Callable[[DistInfo], Worker]) -> WorkerGroup:
+    def world_size(self) -> int:
+        return self.world
+
+    def spawn(self, role: str, make_worker: Callable[[DistInfo], Worker], mesh: Mesh | None = None) -> WorkerGroup:
+        mesh = mesh or Mesh.data_parallel(self.world)
+        if mesh.world_size != self.world:
+            raise ValueError(f"role {role!r} asks for a mesh of {mesh.world_size} ranks ({mesh}); the pool has {self.world}")
         pool = self._pool(role)
         master, port = pool.nodes[0]
         refs = [
-            r.add_worker.remote(role, make_worker, DistInfo(rank=i, world_size=self.world, master_addr=master, master_port=port, device=pool.device))
+            r.add_worker.remote(
+                role, make_worker, DistInfo(rank=i, world_size=self.world, master_addr=master, master_port=port, device=pool.device, mesh=mesh)
+            )
             for i, r in enumerate(pool.ranks)
         ]
-        dispatch = pool.get(refs, f"building {role}", role)[0]
-        return RayWorkerGroup(role, pool, dispatch)
+        routes = pool.get(refs, f"building {role}", role)[0]
+        return RayWorkerGroup(role, pool, mesh, routes)
 
-    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup) -> RolloutGroup:
+    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
         pool = self._pool("actor")
         pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
-        return RayRollout(pool, actor.role)
+        return RayRollout(pool, actor.role, mesh or Mesh.data_parallel(self.world))
+
+    def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
+        if source.pool is not target.pool:
+            raise ValueError(
+                f"copying weights {source.role} -> {target.role} needs both roles in one pool; "
+                f"remove {target.role!r} or {source.role!r} from trainer.separate_pools"
+            )
+        source.pool.timed([r.copy_weights.remote(source.role, target.role) for r in source.pool.ranks], "weight copy", target.role)
 
     def dispatch_seconds(self) -> float:
         total = sum(p.dispatch_s for p in self.pools.values())

@@ -1,5 +1,6 @@
 """Call signatures of the algorithm components (kinds ``advantage``, ``policy_loss``, ``kl``,
-``sft_loss``, ``preference_loss``, ``reward``). Implementations live in plugins (trellis-algos).
+``sft_loss``, ``preference_loss``, ``objective``, ``reward``). Implementations live in plugins
+(trellis-algos).
 
 Every token-level tensor is ``(batch, response_len)`` and comes with ``response_mask`` of the
 same shape: 1 for tokens the model generated, 0 for padding and (multi-turn) environment tokens.
@@ -13,6 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from trellis.batch import Batch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -56,6 +61,21 @@ class Aggregation:
     norm_constant: float | None = None
 
 
+def aggregation_for(mode: str, mask: torch.Tensor, norm_constant: float | None = None) -> Aggregation:
+    """The ``Aggregation`` for a mini-batch with ``mask`` ``(batch, len)``: its valid-token and
+    valid-sequence counts, to pass unchanged to every micro-batch cut from it (after summing the
+    counts over data-parallel ranks)."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+    valid = mask != 0
+    return Aggregation(
+        mode=mode,
+        global_tokens=float(valid.sum().item()),
+        global_seqs=float(valid.any(-1).sum().item()),
+        norm_constant=norm_constant,
+    )
+
+
 @dataclass
 class PolicyLossInputs:
     """log_prob, old_log_prob, advantages, response_mask: ``(batch, response_len)``.
@@ -96,6 +116,18 @@ class PreferenceInputs:
     ref_rejected: torch.Tensor
 
 
+def pair_batch(chosen: Batch, rejected: Batch, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> Batch:
+    """Preference pairs for the ``preference`` objective: the rows of ``chosen`` and ``rejected``
+    (rollout layout: ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,
+    ``response_mask``), pair i = row i of each, prefixed ``chosen_`` / ``rejected_``, plus the
+    reference's summed response log-probs ``ref_chosen_log_prob`` / ``ref_rejected_log_prob`` ``(pairs,)``."""
+    keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+    fields = {f"{side}_{k}": part[k] for side, part in (("chosen", chosen), ("rejected", rejected)) for k in keys}
+    fields["ref_chosen_log_prob"] = ref_chosen
+    fields["ref_rejected_log_prob"] = ref_rejected
+    return Batch(fields, meta=chosen.meta)
+
+
 class PreferenceLoss(Protocol):
     def __call__(self, data: PreferenceInputs, options: Any) -> tuple[torch.Tensor, dict[str, float]]:
         """Return ``(loss, metrics)``; the loss is the mean over pairs."""
@@ -106,3 +138,30 @@ class RewardFunction(Protocol):
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float | dict:
         """Score one response. A dict must hold ``score``; its other numbers become metrics."""
+
+
+class Objective(Protocol):
+    """The loss of one training verb (kind ``objective``: ``policy``, ``value``, ``sft``,
+    ``preference``), computed from what a backend's forward returns. A registered objective is a
+    factory ``make(role_options, registry) -> Objective``.
+
+    outputs: the forward outputs it needs (``trellis.interfaces.backend.OUTPUTS``).
+    inputs: the ``Batch`` fields it reads (controllers ship only these, plus the model inputs).
+    summed: metric names that are a micro-batch's share of the mini-batch (losses): summed over
+        micro-batches and ranks. Every other metric is averaged.
+    """
+
+    outputs: tuple[str, ...]
+    inputs: tuple[str, ...]
+    summed: frozenset[str]
+
+    def rows(self, batch: Batch) -> Batch:
+        """The model-input rows of ``batch`` (a preference pair batch becomes its chosen then
+        rejected rows); most objectives return ``batch`` itself."""
+
+    def counts(self, batch: Batch) -> Aggregation:
+        """This rank's part of the mini-batch counts (the worker sums them over ranks)."""
+
+    def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's share of the mini-batch loss (a scalar with gradient) and metrics.
+        ``outputs`` are the forward outputs for ``rows(micro)``."""

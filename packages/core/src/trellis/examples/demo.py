@@ -14,10 +14,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis.examples.tiny import make_tiny_model
 from trellis.plot import plot_metrics
-from trellis.recipe import train
-from trellis.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.tiny import make_tiny_model
+from trellis.recipes.train import train
 
 log = logging.getLogger("trellis")
 
@@ -27,7 +27,7 @@ NOISY_ANSWER = 0.5  # share of SFT answers taught wrong: the SFT model samples a
 
 
 def config_path(name: str) -> str:
-    return str(resources.files("trellis") / "configs" / name)
+    return str(resources.files("trellis.examples") / "configs" / name)
 
 
 def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] = (), seed: int = 0) -> dict:

@@ -4,7 +4,6 @@ critic update -> actor update -> weight sync, with any registered estimator and 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -14,38 +13,24 @@ from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
 from trellis.batch import Batch
-from trellis.checkpoint import Checkpointer
-from trellis.config import ConfigError, component, instantiate_options
+from trellis.config import ConfigError, component, instantiate_options, resolve_component
 from trellis.data import PROMPT_COLUMNS, PromptDataset, PromptLoader, load_rows
-from trellis.recipe import RunContext
+from trellis.export import save_hf_folder
+from trellis.interfaces.rollout import SamplingParams
+from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
+from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, TrainerConfig, backend_field, check_inputs
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardError, RewardManager, resolve_reward
-from trellis.role_config import AGG_MODES, ActorConfig, CriticConfig
-from trellis.rollout import SamplingParams
-from trellis.signatures import AdvantageInputs
-from trellis.training import (
-    ModelConfig,
-    StageTimer,
-    Trackers,
-    TrainerConfig,
-    backend_field,
-    check_inputs,
-    make_controller,
-    rollout_factory,
-    save_hf_folder,
-    set_threads,
-    spawn_role,
-    world_size,
-)
+from trellis.runtime.harness import Run, RunContext, world_size
+from trellis.runtime.trackers import Trackers
 
 log = logging.getLogger("trellis")
-
 
 
 def needs(estimator) -> tuple[str, ...]:
     """What a registered advantage estimator asks for beyond rewards: ``values`` (a critic) and/or
     ``greedy_baseline`` (a greedy rollout per prompt), from its ``needs`` attribute."""
-    return tuple(getattr(estimator.obj, "needs", ()))
+    return tuple(getattr(estimator, "needs", ()))
 
 
 @dataclass
@@ -137,6 +122,8 @@ def check(cfg: DictConfig, registry) -> None:
             )
         if cfg[role].loss_agg_mode not in AGG_MODES:
             raise ConfigError(f"config key '{role}.loss_agg_mode' is {cfg[role].loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
+    if cfg.algorithm.use_kl_in_reward:
+        _lookup(registry, "objective", "kl_in_reward", "algorithm.use_kl_in_reward")
     if cfg.algorithm.advantage.name in ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline") and cfg.sampling.n < 2:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
 
@@ -152,74 +139,65 @@ class RLRecipe:
     """PPO-family training of a policy with a rollout engine, from config alone."""
 
     Config = RLConfig
+    check = staticmethod(check)
+    resume_safe_keys = ("validation", "data.val_path", "data.val_max_prompts")
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         registry = ctx.registry
-        check(cfg, registry)
-        ckpt = Checkpointer(cfg, ctx)  # where to resume from; a changed config is refused here, before any model is built
-        if ckpt.finished:
-            return {"finished_at_step": ckpt.start_step}
-        set_threads(cfg.trainer)
-        torch.manual_seed(cfg.seed)
-        estimator = registry.get("advantage", cfg.algorithm.advantage.name)
-        estimator_options = instantiate_options(cfg.algorithm.advantage, estimator.options) if estimator.options else None
+        estimator, estimator_options = resolve_component(registry, "advantage", cfg.algorithm.advantage)
         use_critic = "values" in needs(estimator)
         use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        kl_ctrl = _kl_controller(cfg) if cfg.algorithm.use_kl_in_reward else None
-        kl_penalty = registry.get("kl", cfg.algorithm.kl_penalty).obj
+        with Run(cfg, ctx) as run:
+            if run.finished:
+                return run.finished_summary()
+            kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            train = PromptLoader(
+                PromptDataset(load_rows(cfg.data.train_path, required=PROMPT_COLUMNS), tokenizer, cfg.data.max_prompt_length),
+                cfg.data.train_batch_prompts,
+                seed=cfg.seed,
+                shuffle=cfg.data.shuffle,
+            )
+            val_rows = load_rows(cfg.data.val_path, required=PROMPT_COLUMNS) if cfg.data.val_path else []
+            if cfg.data.val_max_prompts:
+                val_rows = val_rows[: cfg.data.val_max_prompts]
+            val = PromptDataset(val_rows, tokenizer, cfg.data.max_prompt_length) if val_rows else None
+            reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-        train = PromptLoader(
-            PromptDataset(load_rows(cfg.data.train_path, required=PROMPT_COLUMNS), tokenizer, cfg.data.max_prompt_length),
-            cfg.data.train_batch_prompts,
-            seed=cfg.seed,
-            shuffle=cfg.data.shuffle,
-        )
-        val_rows = load_rows(cfg.data.val_path, required=PROMPT_COLUMNS) if cfg.data.val_path else []
-        if cfg.data.val_max_prompts:
-            val_rows = val_rows[: cfg.data.val_max_prompts]
-        val = PromptDataset(val_rows, tokenizer, cfg.data.max_prompt_length) if val_rows else None
-        reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
-
-        steps = cfg.trainer.total_steps
-        controller = make_controller(cfg.trainer)
-        actor = spawn_role(controller, registry, cfg, "actor", cfg.model.path, cfg.actor, steps)
-        ref = spawn_role(controller, registry, cfg, "ref", cfg.model.path, None, steps) if use_ref else None
-        critic = spawn_role(controller, registry, cfg, "critic", cfg.critic.model_path or cfg.model.path, cfg.critic, steps) if use_critic else None
-        rollout = controller.spawn_rollout(rollout_factory(registry, cfg.rollout, cfg.model.path, tokenizer, cfg.seed), actor)
-        sampling = SamplingParams(
-            n=cfg.sampling.n,
-            temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p,
-            top_k=cfg.sampling.top_k,
-            max_new_tokens=cfg.sampling.max_new_tokens,
-        )
-        resumed = ckpt.restore(roles={"actor": actor, "critic": critic}, state={"data": train, "kl": kl_ctrl})  # 0: a fresh run
-        if resumed:
-            rollout.sync_weights()
-        trackers = Trackers(cfg.trainer.trackers, registry, ctx.run_dir, steps, start_step=resumed)
-        ctx.hook.trellis_train_start(config=cfg, run_dir=ctx.run_dir)
-        timer = StageTimer()
-        metrics: dict[str, float] = {}
-        summary: dict[str, Any] = {}
-        try:
-            if val is not None and cfg.validation.before_train and not resumed:
+            actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
+            ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref else None  # the actor's micro-batching, no optimizer
+            critic = run.spawn("critic", cfg.critic.model_path or cfg.model.path, cfg.critic, objectives={"update": "value"}) if use_critic else None
+            rollout = run.spawn_rollout(actor, tokenizer)
+            sampling = SamplingParams(
+                n=cfg.sampling.n,
+                temperature=cfg.sampling.temperature,
+                top_p=cfg.sampling.top_p,
+                top_k=cfg.sampling.top_k,
+                max_new_tokens=cfg.sampling.max_new_tokens,
+            )
+            start = run.start(roles={"actor": actor, "critic": critic}, state={"data": train, "kl": kl_in_reward})
+            if start:
+                rollout.sync_weights(version=start)
+            timer = run.timer
+            summary: dict[str, Any] = {}
+            if val is not None and cfg.validation.before_train and not start:
                 summary["val_before"] = self.validate(rollout, val, reward_fn, cfg)
-                trackers.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
-            for step in range(resumed + 1, steps + 1):
-                start = time.perf_counter()
+                run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
+            for step in run.steps(start):
                 prompts = train.next_batch()
                 params = SamplingParams(**{**sampling.__dict__, "seed": cfg.seed * 100003 + step})
 
                 with timer("gen"):
                     batch = rollout.generate(prompts, params)
+                    batch.meta["step"] = step
                 with timer("reward"):
                     token_scores, reward_metrics = reward_fn(batch)
                     batch["token_scores"] = token_scores
                 if "greedy_baseline" in needs(estimator):
                     with timer("gen_greedy"):
                         greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
-                        batch["baseline_rewards"] = reward_fn.score(greedy).scores.repeat_interleave(params.n)
+                        by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
+                        batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
                 with timer("old_log_prob"):
                     old = actor.log_prob(batch, with_entropy=True)
                     batch["old_log_probs"] = old["log_probs"]
@@ -230,7 +208,7 @@ class RLRecipe:
                     with timer("values"):
                         batch["values"] = critic.values(batch)["values"]
                 with timer("adv"):
-                    kl_metrics = self.compute_advantages(batch, estimator, estimator_options, kl_ctrl, kl_penalty, params.n)
+                    kl_metrics = self.compute_advantages(batch, estimator, estimator_options, kl_in_reward)
                 update_metrics: dict[str, float] = {}
                 if critic is not None:
                     with timer("update_critic"):
@@ -238,7 +216,7 @@ class RLRecipe:
                 with timer("update_actor"):
                     update_metrics.update(actor.update(batch))
                 with timer("weight_sync"):
-                    rollout.sync_weights()
+                    rollout.sync_weights(version=step)
 
                 mask = batch["response_mask"].float()
                 metrics = {
@@ -250,53 +228,31 @@ class RLRecipe:
                     "response/length_mean": float(mask.sum(-1).mean()),
                     "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                     "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
-                    **timer.metrics(),
-                    "timing/dispatch_s": controller.dispatch_seconds(),
                 }
-                if val is not None and cfg.trainer.val_every_steps and step % cfg.trainer.val_every_steps == 0 and step < steps:
+                if val is not None and run.due(step) and step < cfg.trainer.total_steps:
                     metrics.update({f"val/{k}": v for k, v in self.validate(rollout, val, reward_fn, cfg).items()})
-                metrics["timing/step_s"] = time.perf_counter() - start
-                trackers.log(step, metrics)
-                ctx.hook.trellis_step_end(step=step, metrics=metrics)
-                ckpt.after_step(step)
+                run.end_step(step, metrics)
             if val is not None:
                 summary["val_after"] = self.validate(rollout, val, reward_fn, cfg)
-                metrics.update({f"val/{k}": v for k, v in summary["val_after"].items()})
-                trackers.log(steps, {f"val/{k}": v for k, v in summary["val_after"].items()})
+                run.metrics.update({f"val/{k}": v for k, v in summary["val_after"].items()})
+                run.log(cfg.trainer.total_steps, {f"val/{k}": v for k, v in summary["val_after"].items()})
             if cfg.trainer.save_hf_model:
                 save_hf_folder(cfg.model.path, chain.from_iterable(actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")
-        finally:
-            trackers.close()
-            controller.shutdown()
-            ctx.hook.trellis_train_end(run_dir=ctx.run_dir, metrics=metrics)
         return summary
 
     @staticmethod
-    def compute_advantages(batch: Batch, estimator, options, kl_ctrl, kl_penalty, n: int) -> dict[str, float]:
-        """Token rewards (minus ``kl_ctrl.value`` x ``kl_penalty`` when KL is in the reward), then the
-        estimator's advantages and returns into ``batch``."""
-        token_rewards = batch["token_scores"]
-        metrics: dict[str, float] = {}
-        if kl_ctrl is not None:
-            from trellis_algos.kl import apply_kl_penalty
-
-            token_rewards, kl = apply_kl_penalty(
-                token_rewards,
-                batch["old_log_probs"],
-                batch["ref_log_probs"],
-                batch["response_mask"],
-                kl_ctrl,
-                kl_penalty,
-            )
-            metrics = {"actor/reward_kl": kl["kl"], "actor/reward_kl_coef": kl["kl_coef"]}
+    def compute_advantages(batch: Batch, estimator, options, kl_in_reward) -> dict[str, float]:
+        """Token rewards (minus the in-reward KL penalty when ``kl_in_reward`` is given), then the
+        estimator's advantages and returns into ``batch``; samples are grouped by prompt ``uid``."""
+        token_rewards, metrics = kl_in_reward(batch) if kl_in_reward is not None else (batch["token_scores"], {})
         data = AdvantageInputs(
             token_rewards=token_rewards,
             response_mask=batch["response_mask"],
-            group_ids=torch.arange(len(batch)) // n,
+            group_ids=batch.group_index("uid"),
             values=batch.get("values"),
             baseline_rewards=batch.get("baseline_rewards"),
         )
-        advantages, returns = estimator.obj(data, options)
+        advantages, returns = estimator(data, options)
         batch["advantages"] = advantages
         batch["returns"] = returns
         return metrics
@@ -320,12 +276,3 @@ def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) 
     """``actor/kl``: the KL to the reference in use (as a loss term, else in the reward), if any."""
     kl = update_metrics.get("actor/kl_loss", kl_metrics.get("actor/reward_kl"))
     return {} if kl is None else {"actor/kl": kl}
-
-
-def _kl_controller(cfg: DictConfig):
-    try:
-        from trellis_algos.kl import KLControlOptions, make_kl_controller
-    except ImportError:
-        raise ConfigError("config key 'algorithm.use_kl_in_reward' needs trellis-algos: pip install trellis-algos") from None
-    a = cfg.algorithm
-    return make_kl_controller(KLControlOptions(type=a.kl_ctrl_type, kl_coef=a.kl_coef, target_kl=a.target_kl, horizon=a.kl_horizon))

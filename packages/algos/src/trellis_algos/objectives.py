@@ -1,0 +1,192 @@
+"""The objectives (kind ``objective``): each training verb's loss from a backend's forward outputs,
+composed from the registered components the role's config names. Backends hold no loss code.
+
+Each is a factory ``make(options, registry)`` for the role's (or algorithm's) config section.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+from trellis.config import resolve_component
+from trellis.interfaces.signatures import Aggregation, PolicyLossInputs, PreferenceInputs, aggregation_for
+from trellis_algos.entropy import entropy_loss
+from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
+from trellis_algos.value_loss import clipped_value_loss
+
+
+class PolicyObjective:
+    """The actor's PPO-family loss: ``policy_loss - entropy_coeff * entropy + kl_loss_coef * KL``,
+    every term aggregated over the global mini-batch with ``loss_agg_mode``."""
+
+    summed = frozenset({"pg_loss", "entropy_loss", "kl_loss"})
+
+    def __init__(self, options: Any, registry: Any) -> None:
+        self.options = options
+        self.policy_loss, self.policy_options = resolve_component(registry, "policy_loss", options.policy_loss)
+        self.kl = registry.get("kl", options.kl_loss_type).obj if options.use_kl_loss else None
+        self.outputs = ("log_probs", "entropy") if options.entropy_coeff != 0 else ("log_probs",)
+        self.inputs = ("responses", "response_mask", "old_log_probs", "advantages", "rollout_log_probs") + (
+            ("ref_log_probs",) if self.kl else ()
+        )
+
+    def rows(self, batch: Batch) -> Batch:
+        return batch
+
+    def counts(self, batch: Batch) -> Aggregation:
+        return aggregation_for(self.options.loss_agg_mode, batch["response_mask"], self.options.loss_norm_constant)
+
+    def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
+        log_prob = outputs["log_probs"]
+        device = log_prob.device
+        mask = micro["response_mask"].to(device)
+        data = PolicyLossInputs(
+            log_prob=log_prob,
+            old_log_prob=micro["old_log_probs"].to(device),
+            advantages=micro["advantages"].to(device),
+            response_mask=mask,
+            rollout_log_prob=micro["rollout_log_probs"].to(device) if "rollout_log_probs" in micro else None,
+        )
+        loss, metrics = self.policy_loss(data, agg, self.policy_options)
+        metrics = dict(metrics)
+        if "entropy" in outputs:
+            ent = entropy_loss(outputs["entropy"], mask, agg)
+            loss = loss - self.options.entropy_coeff * ent
+            metrics["entropy_loss"] = float(ent)
+        if self.kl is not None:
+            kl, kl_metrics = kl_loss(log_prob, micro["ref_log_probs"].to(device), mask, agg, self.kl)
+            loss = loss + self.options.kl_loss_coef * kl
+            metrics.update(kl_metrics)
+        return loss, metrics
+
+
+class ValueObjective:
+    """The critic's clipped value loss (``cliprange_value``), aggregated with ``loss_agg_mode``."""
+
+    summed = frozenset({"vf_loss"})
+    outputs = ("values",)
+    inputs = ("responses", "response_mask", "returns", "values")
+
+    def __init__(self, options: Any, registry: Any) -> None:
+        self.options = options
+
+    def rows(self, batch: Batch) -> Batch:
+        return batch
+
+    def counts(self, batch: Batch) -> Aggregation:
+        return aggregation_for(self.options.loss_agg_mode, batch["response_mask"])
+
+    def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
+        vpreds = outputs["values"]
+        device = vpreds.device
+        return clipped_value_loss(
+            vpreds,
+            micro["returns"].to(device),
+            micro["values"].to(device),
+            micro["response_mask"].to(device),
+            agg,
+            self.options.cliprange_value,
+        )
+
+
+class SFTObjective:
+    """A registered SFT loss (``loss``) over the label tokens where ``loss_mask`` is 1."""
+
+    summed = frozenset({"loss"})
+    outputs = ("label_log_probs",)
+    inputs = ("loss_mask",)
+
+    def __init__(self, options: Any, registry: Any) -> None:
+        self.options = options
+        self.sft_loss, self.loss_options = resolve_component(registry, "sft_loss", options.loss)
+
+    def rows(self, batch: Batch) -> Batch:
+        return batch
+
+    def counts(self, batch: Batch) -> Aggregation:
+        return aggregation_for(self.options.loss_agg_mode, batch["loss_mask"][:, 1:])
+
+    def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
+        token_log_probs = outputs["label_log_probs"]
+        return self.sft_loss(token_log_probs, micro["loss_mask"][:, 1:].to(token_log_probs.device), agg, self.loss_options)
+
+
+class PreferenceObjective:
+    """A registered preference loss (``loss``, e.g. DPO ``sigmoid``, ``ipo``) on pairs.
+
+    A pair batch (``trellis.interfaces.signatures.pair_batch``) holds per pair the chosen and
+    rejected sample's fields prefixed ``chosen_`` / ``rejected_`` and the reference's summed
+    response log-probs ``ref_chosen_log_prob``, ``ref_rejected_log_prob`` ``(pairs,)``. Each
+    micro-batch of pairs is forwarded as one batch of its chosen rows then its rejected rows;
+    the loss is the pairs' mean over the global mini-batch.
+    """
+
+    summed = frozenset({"loss"})
+    outputs = ("log_probs",)
+    inputs = tuple(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")) + (
+        "ref_chosen_log_prob",
+        "ref_rejected_log_prob",
+    )
+
+    def __init__(self, options: Any, registry: Any) -> None:
+        self.preference_loss, self.loss_options = resolve_component(registry, "preference_loss", options.loss)
+
+    def rows(self, batch: Batch) -> Batch:
+        sides = []
+        for side in ("chosen", "rejected"):
+            prefix = f"{side}_"
+            fields = {k[len(prefix) :]: batch[k] for k in batch.tensors.keys() if k.startswith(prefix)}
+            fields["ref_log_prob"] = batch[f"ref_{side}_log_prob"]
+            sides.append(Batch(fields, meta=batch.meta))
+        return Batch.cat(sides, pad=True)
+
+    def counts(self, batch: Batch) -> Aggregation:
+        return Aggregation(mode="seq-mean-token-sum", global_seqs=float(len(batch)))
+
+    def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
+        log_probs = outputs["log_probs"]
+        seq = (log_probs * micro["response_mask"].to(log_probs.device)).sum(-1)
+        ref = micro["ref_log_prob"].to(seq.device)
+        pairs = len(micro) // 2
+        data = PreferenceInputs(chosen=seq[:pairs], rejected=seq[pairs:], ref_chosen=ref[:pairs], ref_rejected=ref[pairs:])
+        mean, metrics = self.preference_loss(data, self.loss_options)
+        share = mean * pairs / agg.global_seqs
+        return share, {**metrics, "loss": float(share)}
+
+
+class KLInReward:
+    """KL in the reward (verl's ``use_kl_in_reward``): ``token_scores - beta * KL(old || ref)`` with
+    a fixed or adaptive ``beta`` (the ``algorithm`` section's ``kl_*`` keys). Stateful: the
+    adaptive coefficient is checkpointed through ``state_dict``."""
+
+    def __init__(self, options: Any, registry: Any) -> None:
+        self.estimator = registry.get("kl", options.kl_penalty).obj
+        self.controller = make_kl_controller(
+            KLControlOptions(type=options.kl_ctrl_type, kl_coef=options.kl_coef, target_kl=options.target_kl, horizon=options.kl_horizon)
+        )
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token rewards ``(batch, response_len)`` and metrics ``actor/reward_kl``, ``actor/reward_kl_coef``."""
+        rewards, kl = apply_kl_penalty(
+            batch["token_scores"], batch["old_log_probs"], batch["ref_log_probs"], batch["response_mask"], self.controller, self.estimator
+        )
+        return rewards, {"actor/reward_kl": kl["kl"], "actor/reward_kl_coef": kl["kl_coef"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state)
+
+
+# name -> factory(options, registry); plugin.py registers these.
+OBJECTIVES = {
+    "policy": PolicyObjective,
+    "value": ValueObjective,
+    "sft": SFTObjective,
+    "preference": PreferenceObjective,
+    "kl_in_reward": KLInReward,
+}

@@ -1,0 +1,1 @@
+"""Examples that run without downloads: tiny models, the arithmetic task, the demo."""

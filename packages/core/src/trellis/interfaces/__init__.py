@@ -1,0 +1,1 @@
+"""Interfaces that plugins implement: training backends, rollout engines, algorithm signatures, multi-turn environments."""

@@ -1,0 +1,139 @@
+"""Interface of a training backend (kind ``backend``): one role's model on one rank, and nothing else.
+
+A backend builds a model from a Hugging Face folder and runs it: forward passes that return what
+the objective asks for, backward, the optimizer step, checkpoints and weight export/load. It
+holds no loss code: the role worker (``trellis.runtime.worker``) cuts batches into mini- and
+micro-batches, asks the objective for each micro-batch's loss and hands it to the backend. So
+FSDP, Megatron and a plain single-process backend share every algorithm.
+
+A plugin registers a factory ``make_backend(spec: BackendSpec) -> Backend``. Its options
+dataclass may define ``mesh(world_size) -> Mesh`` to lay its ranks out in tensor/pipeline
+parallel groups (default: every rank data-parallel).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+from trellis.interfaces.dispatch import Mesh
+
+WeightBucket = list[tuple[str, torch.Tensor]]
+# A micro-batch's loss: ``loss_fn(micro, outputs) -> (loss, metrics)``; the loss is this
+# micro-batch's share of the global mini-batch loss (a scalar with gradient).
+LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+# What a forward can return (``outputs`` names), each for the micro-batch's samples:
+#   log_probs      (batch, response_len)  log p(response token) at the sampling temperature
+#   entropy        (batch, response_len)  entropy of the next-token distribution there
+#   values         (batch, response_len)  the value head at the positions predicting each response token
+#   label_log_probs (batch, seq_len - 1)  log p(input_ids[:, 1:]) (supervised losses)
+#   scores         (batch,)               the value head at the last attended token (reward models)
+OUTPUTS = ("log_probs", "entropy", "values", "label_log_probs", "scores")
+# Batch fields every forward reads; log_probs/entropy/values also read ``responses``.
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@dataclass
+class DistInfo:
+    """Where a worker sits: its rank in its role's world and the role's device mesh."""
+
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    device: str = "auto"  # auto: cuda when available, else cpu
+    mesh: Mesh | None = None  # None: every rank data-parallel
+
+    def __post_init__(self) -> None:
+        if self.mesh is None:
+            self.mesh = Mesh.data_parallel(self.world_size)
+        if self.mesh.world_size != self.world_size:
+            raise ValueError(f"mesh {self.mesh} has {self.mesh.world_size} ranks, the world has {self.world_size}")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.coords(self.rank)["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp
+
+
+@dataclass
+class BackendSpec:
+    """Everything a backend needs to build one role's model on one rank.
+
+    trainable: the role trains (actor, critic): build an optimizer from ``optim``.
+    head: ``lm`` (a causal LM: actor, ref) or ``value`` (one scalar per token: critic, reward model).
+    options: the backend's options dataclass instance. optim: the role's ``OptimConfig`` section.
+    total_steps: trainer steps of the run (for LR schedules).
+    """
+
+    role: str
+    model_path: str
+    options: Any
+    trainable: bool
+    head: str = "lm"
+    optim: Any = None
+    dist: DistInfo = field(default_factory=DistInfo)
+    seed: int = 0
+    total_steps: int = 0
+
+
+class Backend(ABC):
+    """One role's model on one rank. Tensors in and out are on CPU. ``build`` and ``forward`` are
+    required; a backend that only scores or only serves a reference may leave the rest out."""
+
+    @abstractmethod
+    def build(self) -> None:
+        """Join the process group, load the model (and optimizer and LR schedule if trainable)."""
+
+    @abstractmethod
+    def forward(self, micro: Batch, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """A forward without gradient returning the named ``outputs`` (see :data:`OUTPUTS`)."""
+
+    def forward_backward(self, micros: list[Batch], outputs: tuple[str, ...], loss_fn: LossFn) -> list[dict[str, float]]:
+        """For each micro-batch: forward (with gradient), ``loss_fn(micro, outputs)``, backward,
+        accumulating gradients. The gradients must be those of the loss *summed* over the
+        data-parallel ranks (a backend that averages over ranks scales up). Returns each
+        micro-batch's metrics."""
+        raise NotImplementedError(f"backend {type(self).__name__} does not train")
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip the gradients to ``optim.grad_clip`` (0: no clipping), step unless the norm is not
+        finite, zero them. Returns ``grad_norm`` and ``skipped_steps`` (1.0 if skipped)."""
+        raise NotImplementedError(f"backend {type(self).__name__} does not train")
+
+    def lr_step(self) -> float:
+        """Advance the LR schedule by one trainer step; returns the LR that was in use."""
+        raise NotImplementedError(f"backend {type(self).__name__} does not train")
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the data-parallel ranks (unchanged on one rank)."""
+        raise NotImplementedError(f"backend {type(self).__name__} does not reduce over ranks")
+
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
+        """Full (unsharded) weights in Hugging Face names, in buckets of about ``bucket_bytes``.
+        Every rank must call it (it gathers shards); rank 0 gets the weights, and with
+        ``all_ranks`` every rank does."""
+        raise NotImplementedError(f"backend {type(self).__name__} does not export weights")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the model's weights with these full tensors (Hugging Face names), in memory;
+        every rank gets every tensor and keeps its own shard."""
+        raise NotImplementedError(f"backend {type(self).__name__} does not load weights in memory")
+
+    def save(self, path: Path) -> None:
+        """Write this rank's model/optimizer/schedule/RNG state under ``path``."""
+        raise NotImplementedError(f"backend {type(self).__name__} cannot save")
+
+    def load(self, path: Path) -> None:
+        """Restore what ``save`` wrote."""
+        raise NotImplementedError(f"backend {type(self).__name__} cannot load")

@@ -1,0 +1,77 @@
+"""The forward outputs (``trellis.interfaces.backend.OUTPUTS``) from a Hugging Face model's
+logits or value head: shared by every backend that runs HF modules, so none repeats the slicing."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from trellis.batch import Batch
+
+
+def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``-sum_v p log p`` over the last dim, in float32 (or wider), from ``log_softmax`` so large
+    logits do not overflow; ``-inf`` logits (banned tokens) contribute 0 instead of ``nan``."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    log_p = torch.log_softmax(logits, dim=-1)
+    p = log_p.exp()
+    log_p = log_p.masked_fill(torch.isneginf(log_p), 0.0)
+    return -(p * log_p).sum(dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Entropy of the categorical distribution of every position: ``(..., vocab) -> (...)``.
+
+    The result is float32 (float64 for float64 logits). With ``chunk_size``, rows (positions) are
+    processed ``chunk_size`` at a time, so at most one chunk's ``(chunk, vocab)`` float32
+    temporaries exist at once; when a gradient is needed, each chunk is checkpointed (its softmax is
+    recomputed in the backward pass instead of kept), which is what bounds memory in training.
+    """
+    if chunk_size is None:
+        return _entropy_rows(logits)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    rows = logits.reshape(-1, logits.shape[-1])
+    keep_graph = torch.is_grad_enabled() and rows.requires_grad
+    parts = [
+        checkpoint(_entropy_rows, chunk, use_reentrant=False) if keep_graph else _entropy_rows(chunk)
+        for chunk in rows.split(chunk_size, dim=0)
+    ]
+    out = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.promote_types(rows.dtype, torch.float32))
+    return out.reshape(logits.shape[:-1])
+
+
+def _gather(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], entropy_chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+    """``log_probs`` / ``entropy`` ``(batch, response_len)`` at the response positions (logits
+    divided by ``micro.meta["temperature"]``) and ``label_log_probs`` ``(batch, seq_len - 1)``,
+    from a causal LM's ``logits`` ``(batch, seq_len, vocab)``."""
+    out: dict[str, torch.Tensor] = {}
+    if "log_probs" in outputs or "entropy" in outputs:
+        responses = micro["responses"].to(logits.device)
+        n = responses.shape[1]
+        scaled = logits[:, -n - 1 : -1].float() / float(micro.meta.get("temperature", 1.0))
+        if "log_probs" in outputs:
+            out["log_probs"] = _gather(torch.log_softmax(scaled, dim=-1), responses)
+        if "entropy" in outputs:
+            out["entropy"] = entropy_from_logits(scaled, entropy_chunk_size)
+    if "label_log_probs" in outputs:
+        labels = micro["input_ids"][:, 1:].to(logits.device)
+        out["label_log_probs"] = _gather(torch.log_softmax(logits[:, :-1].float(), dim=-1), labels)
+    return out
+
+
+def value_outputs(head: torch.Tensor, micro: Batch, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``values`` ``(batch, response_len)`` at the positions that predict each response token and
+    ``scores`` ``(batch,)`` at the last attended token, from a value head ``(batch, seq_len)``."""
+    out: dict[str, torch.Tensor] = {}
+    if "values" in outputs:
+        n = micro["responses"].shape[1]
+        out["values"] = head[:, -n - 1 : -1].float()
+    if "scores" in outputs:
+        last = micro["attention_mask"].to(head.device).cumsum(-1).argmax(-1)
+        out["scores"] = _gather(head, last).float()
+    return out

@@ -1,0 +1,1 @@
+"""Recipes (the training loops shipped with core) and the options of their sections."""

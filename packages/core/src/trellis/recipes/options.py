@@ -1,0 +1,133 @@
+"""Config sections shared by recipes: model, trainer, and the roles' optimizer, batching and losses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig
+
+from trellis.config import ConfigError, component
+
+
+@dataclass
+class ModelConfig:
+    """path: a Hugging Face model folder (any causal LM). tokenizer_path: None = the model's."""
+
+    path: str = MISSING
+    tokenizer_path: str | None = None
+
+
+@dataclass
+class TrainerConfig:
+    """total_steps: optimizer-driving steps of the recipe. threads: torch threads in this process
+    (0: the cores this process may use). controller: where roles run (``local``: this process)."""
+
+    total_steps: int = 10
+    run_dir: str | None = None
+    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    val_every_steps: int = 0  # 0: validate only before and after training
+    threads: int = 0
+    controller: str = "local"  # local | ray
+    nnodes: int = 1  # ray: nodes
+    procs_per_node: int = 1  # ray: ranks per node (GPUs, or CPU processes)
+    separate_pools: list[str] = field(default_factory=list)  # ray: roles (critic, reward_model) on pools of their own
+    ray_timeout_s: float = 120.0  # ray: placement must succeed within this
+    ray_call_timeout_s: float = 3600.0  # ray: any one call to the ranks must finish within this
+    save_hf_model: bool = False  # write the final policy as a Hugging Face folder in <run_dir>/hf_model
+    save_every_steps: int = 0  # a checkpoint every N steps (0: only at the last step)
+    keep_checkpoints: int = 2  # the latest complete checkpoints kept (0: write none)
+    resume: str = "auto"  # auto (the latest complete checkpoint in run_dir, if any) | never | a checkpoint or run folder
+    resume_allow_changes: list[str] = field(default_factory=list)  # dotted keys that may differ from the checkpoint's config
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """The model folder and the data files a recipe names must exist (checked before building)."""
+    for key in ("train_path", "val_path"):
+        path = cfg.data[key]
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
+    if not Path(cfg.model.path).exists():
+        raise ConfigError(f"config key 'model.path': {cfg.model.path!r} does not exist; give a Hugging Face model folder")
+
+
+def backend_field() -> Any:
+    return component("backend", "fsdp")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warm-up then a constant or cosine schedule; the scheduler steps once per
+    trainer step (as verl does), so ``warmup_steps`` counts trainer steps."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class BatchingConfig:
+    """How one step's samples are cut for a role's update.
+
+    mini_batch_samples: samples per optimizer step (0: the whole step's batch in one step).
+    micro_batch_samples: samples per forward/backward (gradient accumulation within a mini-batch).
+    max_tokens_per_micro_batch: if > 0, micro-batches are cut by this padded-token budget
+        instead (dynamic batching); ``micro_batch_samples`` is then ignored.
+    """
+
+    ppo_epochs: int = 1
+    mini_batch_samples: int = 0
+    micro_batch_samples: int = 8
+    max_tokens_per_micro_batch: int = 0
+    shuffle: bool = False
+
+
+@dataclass
+class ActorConfig(BatchingConfig):
+    """The policy's update: a registered policy loss, optional KL loss and entropy bonus."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    policy_loss: dict = component("policy_loss", "vanilla")
+    loss_agg_mode: str = "token-mean"
+    loss_norm_constant: float | None = None  # seq-mean-token-sum-norm divisor; None = response length
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+
+
+@dataclass
+class CriticConfig(BatchingConfig):
+    """The value model's update: clipped value loss (PPO's critic)."""
+
+    model_path: str | None = None  # None: start from the actor's model
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class SFTTrainConfig:
+    """Supervised fine-tuning update: a registered SFT loss over ``loss_mask`` tokens."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    micro_batch_samples: int = 8
+    max_tokens_per_micro_batch: int = 0
+    loss: dict = component("sft_loss", "cross_entropy")
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class PreferenceTrainConfig:
+    """Preference (DPO-family) updates of a policy on chosen/rejected pairs: a registered
+    preference loss, batching in pairs."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    micro_batch_samples: int = 8
+    loss: dict = component("preference_loss", "sigmoid")

@@ -1,0 +1,98 @@
+"""The ``sft`` recipe: supervised fine-tuning with a registered SFT loss, held-out loss, HF export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+from omegaconf import MISSING, DictConfig
+from transformers import AutoTokenizer
+
+from trellis.config import ConfigError
+from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
+from trellis.export import save_hf_folder
+from trellis.interfaces.signatures import AGG_MODES
+from trellis.recipes.options import ModelConfig, SFTTrainConfig, TrainerConfig, backend_field, check_inputs
+from trellis.runtime.harness import Run, RunContext
+from trellis.runtime.trackers import Trackers
+
+
+@dataclass
+class SFTData:
+    """Rows with chat ``messages``, or a ``prompt`` plus a target column (``response_key``)."""
+
+    train_path: str = MISSING
+    val_path: str | None = None
+    response_key: str | None = None  # None: extra_info.answer when present, else response
+    max_length: int = 256
+    batch_samples: int = 32
+    pack: bool = False
+    shuffle: bool = True
+
+
+@dataclass
+class SFTConfig:
+    recipe: str = "sft"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTData = field(default_factory=SFTData)
+    backend: dict = backend_field()
+    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def check(cfg: DictConfig, registry) -> None:
+    Trackers.check(cfg.trainer.trackers, registry)
+    check_inputs(cfg)
+    if cfg.train.loss_agg_mode not in AGG_MODES:
+        raise ConfigError(f"config key 'train.loss_agg_mode' is {cfg.train.loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
+
+
+class SFTRecipe:
+    """Minimise the SFT loss on response tokens; report the held-out loss; optionally save HF."""
+
+    Config = SFTConfig
+    check = staticmethod(check)
+    resume_safe_keys = ("data.val_path",)
+
+    def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+        with Run(cfg, ctx) as run:
+            if run.finished:
+                return run.finished_summary()
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            data = cfg.data
+            train = SFTLoader(
+                SFTDataset(load_rows(data.train_path), tokenizer, max_length=data.max_length, response_key=data.response_key),
+                data.batch_samples,
+                seed=cfg.seed,
+                shuffle=data.shuffle,
+                pack=data.pack,
+            )
+            val = None
+            if data.val_path:
+                val_set = SFTDataset(load_rows(data.val_path), tokenizer, max_length=data.max_length, response_key=data.response_key)
+                val = sft_batches(val_set, data.batch_samples)
+            model = run.spawn("actor", cfg.model.path, cfg.train, objectives={"sft_update": "sft", "sft_eval": "sft"})
+            start = run.start(roles={"actor": model}, state={"data": train})
+            for step in run.steps(start):
+                batch = train.next_batch()
+                with run.timer("update"):
+                    metrics = {**model.sft_update(batch), "sft/epoch": float(batch.meta["epoch"])}
+                if val is not None and (step == cfg.trainer.total_steps or run.due(step)):
+                    with run.timer("val"):
+                        metrics.update(_held_out_loss(model, val))
+                run.end_step(step, metrics)
+            if cfg.trainer.save_hf_model:
+                save_hf_folder(cfg.model.path, chain.from_iterable(model.export_weights()), tokenizer, ctx.run_dir / "hf_model")
+            return {"final": run.metrics}
+
+
+def _held_out_loss(model, batches) -> dict[str, float]:
+    """Token-weighted mean of the per-batch held-out losses (each batch's loss is a token mean)."""
+    total = tokens = 0.0
+    for batch in batches:
+        n = float(batch["loss_mask"][:, 1:].sum())
+        total += model.sft_eval(batch)["val/loss"] * n
+        tokens += n
+    return {"val/loss": total / max(tokens, 1.0)}

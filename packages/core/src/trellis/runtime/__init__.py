@@ -1,0 +1,1 @@
+"""The runtime every recipe shares: controllers and dispatch, role workers, checkpoints, trackers, the run harness."""

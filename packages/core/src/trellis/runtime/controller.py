@@ -1,0 +1,171 @@
+"""Controllers run role workers and route calls to them. ``LocalController``: every role in this
+process, world size 1 (the default; no Ray needed). The Ray controller (``ray_controller.py``)
+runs N ranks per role with the same groups."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from itertools import chain
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+from trellis.interfaces.backend import DistInfo
+from trellis.interfaces.dispatch import Mesh, Route
+from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.runtime.worker import Worker
+
+
+def batch_bytes(batch: Batch) -> int:
+    """Bytes a batch takes on the wire: its tensors plus its pickled Python fields."""
+    tensors = sum(t.numel() * t.element_size() for t in batch.tensors.values())
+    return tensors + (len(pickle.dumps(batch.non_tensors)) if batch.non_tensors else 0)
+
+
+class WorkerGroup:
+    """The ranks of one role. Call a worker verb by name; the worker's ``routes()`` say how it is
+    dealt over the role's mesh and which fields of its ``Batch`` argument travel:
+    ``group.log_prob(batch)`` sends ``batch.select(<what log_prob reads>)`` to the data-parallel
+    groups (strided) and gathers the results back in the original order; ``group.export_weights()``
+    returns rank 0's result. Subclasses say how a call reaches the ranks (``_execute``)."""
+
+    ships = False  # calls cross processes: count the bytes they carry
+
+    def __init__(self, role: str, mesh: Mesh, routes: dict[str, Route]) -> None:
+        self.role = role
+        self.mesh = mesh
+        self.routes = routes
+        self.bytes_sent = 0  # Batch bytes shipped to the ranks since the last ``traffic()``
+        self.bytes_given = 0  # what the whole batches handed to the calls would have been
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        table = self.__dict__.get("routes", {})
+        if method not in table:
+            raise AttributeError(f"role {self.__dict__.get('role')!r} has no dispatched method {method!r}; known: {sorted(table)}")
+        return lambda *args, **kwargs: self.call(method, *args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        route = self.routes[method]
+        if args and isinstance(args[0], Batch) and route.inputs is not None:
+            given = args[0]
+            shipped = given.select(*[k for k in route.inputs if k in given])
+            if self.ships:
+                self.bytes_given += batch_bytes(given)
+                self.bytes_sent += batch_bytes(shipped)
+            args = (shipped, *args[1:])
+        results = self._execute(method, route.mode.scatter(args, self.mesh), kwargs)
+        return route.mode.gather(results, self.mesh)
+
+    def traffic(self) -> tuple[int, int]:
+        """``(bytes sent, bytes the whole batches would have been)`` since the last call."""
+        out = (self.bytes_sent, self.bytes_given)
+        self.bytes_sent = self.bytes_given = 0
+        return out
+
+    def _execute(self, method: str, per_rank_args: list[tuple], kwargs: dict[str, Any]) -> list[Any]:
+        raise NotImplementedError
+
+
+class RolloutGroup:
+    """The rollout engine(s), colocated with the actor's ranks (hybrid engine): ``generate`` deals
+    the prompts over the engines' data-parallel groups; ``agenerate`` runs one sample on an engine
+    (the multi-turn loop's entry, on the engine's own thread); ``sync_weights`` moves the actor's
+    weights into the engines in memory. Every sample carries the ``weight_version`` it came from."""
+
+    version = 0
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        out = self._generate(prompts, params)
+        out["weight_version"] = torch.full((len(out),), self.version, dtype=torch.long)
+        return out
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        raise NotImplementedError
+
+    def sync_weights(self, version: int) -> None:
+        """Load the actor's current weights; later samples carry ``version``."""
+        self._sync()
+        self.version = version
+
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+
+class Controller:
+    """Creates worker groups for roles. Subclasses decide where ranks run."""
+
+    def world_size(self) -> int:
+        """Ranks per role."""
+        return 1
+
+    def spawn(self, role: str, make_worker: Callable[[DistInfo], Worker], mesh: Mesh | None = None) -> WorkerGroup:
+        """Build ``role`` on ranks laid out as ``mesh`` (default: every rank data-parallel)."""
+        raise NotImplementedError
+
+    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
+        """A rollout engine in each process of ``actor``'s ranks; ``mesh`` lays the engines out
+        (tp ranks of a group serve one engine; default: one engine per rank)."""
+        raise NotImplementedError
+
+    def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
+        """``target``'s model takes ``source``'s weights, in memory (e.g. ref <- actor); both
+        roles must live in the same processes."""
+        raise NotImplementedError
+
+    def dispatch_seconds(self) -> float:
+        """Seconds spent moving calls and results between this process and the ranks (not computing)
+        since the last call; 0 for the local controller."""
+        return 0.0
+
+    def shutdown(self) -> None:
+        """Stop every worker this controller started."""
+
+
+class LocalWorkerGroup(WorkerGroup):
+    def __init__(self, role: str, worker: Worker) -> None:
+        super().__init__(role, Mesh(), worker.routes())
+        self.workers = [worker]
+
+    def _execute(self, method: str, per_rank_args: list[tuple], kwargs: dict[str, Any]) -> list[Any]:
+        return [getattr(w, method)(*a, **kwargs) for w, a in zip(self.workers, per_rank_args)]
+
+
+class LocalRollout(RolloutGroup):
+    def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup) -> None:
+        self.engine = engine
+        self.actor = actor
+
+    def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self.engine.generate(prompts, params)
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return await self.engine.agenerate(prompt_ids, params)
+
+    def _sync(self) -> None:
+        self.engine.load_weights(chain.from_iterable(self.actor.workers[0].export_weights()))
+
+
+class LocalController(Controller):
+    """World size 1: each role is one worker object in the current process."""
+
+    def spawn(self, role: str, make_worker: Callable[[DistInfo], Worker], mesh: Mesh | None = None) -> WorkerGroup:
+        if mesh is not None and mesh.world_size != 1:
+            raise ValueError(f"the local controller runs one rank; role {role!r} asks for a mesh of {mesh.world_size} ({mesh})")
+        worker = make_worker(DistInfo(rank=0, world_size=1))
+        worker.build()
+        return LocalWorkerGroup(role, worker)
+
+    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
+        return LocalRollout(make_engine(), actor)
+
+    def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
+        target.workers[0].load_weights(chain.from_iterable(source.workers[0].export_weights()))

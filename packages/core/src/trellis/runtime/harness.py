@@ -1,0 +1,235 @@
+"""The run harness every recipe uses, by composition: threads and seeds, the controller and the
+roles it spawns, checkpoint restore and save, trackers, lifecycle hooks, stage timers, clean-up.
+
+A recipe's ``run`` reads as its loop::
+
+    with Run(cfg, ctx) as run:
+        if run.finished:
+            return run.finished_summary()
+        actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
+        start = run.start(roles={"actor": actor}, state={"data": loader})
+        for step in run.steps(start):
+            with run.timer("update"):
+                metrics = actor.update(loader.next_batch())
+            run.end_step(step, metrics)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from trellis.config import ConfigError, instantiate_options
+from trellis.interfaces.dispatch import Mesh
+from trellis.interfaces.rollout import RolloutSpec
+from trellis.plugins import Plugins
+from trellis.registry import Registry
+from trellis.runtime.checkpoint import Checkpointer
+from trellis.runtime.controller import Controller, LocalController, RolloutGroup, WorkerGroup
+from trellis.runtime.trackers import Trackers
+from trellis.runtime.worker import RoleWorker, WorkerSpec
+
+
+@dataclass
+class RunContext:
+    """What ``trellis train`` hands a recipe: the loaded plugins (registry and lifecycle hooks), the
+    run folder and the checkpoint to resume from (found and checked before anything was built)."""
+
+    plugins: Plugins
+    run_dir: Path
+    resume_from: Path | None = None
+
+    @property
+    def registry(self) -> Registry:
+        return self.plugins.registry
+
+    @property
+    def hook(self):
+        return self.plugins.hook
+
+
+def set_threads(trainer: DictConfig) -> int:
+    """Pin torch to ``trainer.threads`` threads (0: the usable cores, shared by the ranks this
+    machine runs); oversubscribing a few cores makes steps 10-30x slower."""
+    n = trainer.threads or max(1, len(os.sched_getaffinity(0)) // (trainer.procs_per_node if trainer.controller == "ray" else 1))
+    torch.set_num_threads(n)
+    return n
+
+
+def make_controller(trainer: DictConfig) -> Controller:
+    """The controller ``trainer.controller`` names, with its placement options."""
+    if trainer.controller == "local":
+        return LocalController()
+    if trainer.controller == "ray":
+        from trellis.runtime.ray_controller import RayController
+
+        return RayController(
+            trainer.nnodes, trainer.procs_per_node, trainer.ray_timeout_s, trainer.ray_call_timeout_s, list(trainer.separate_pools)
+        )
+    raise ConfigError(f"config key 'trainer.controller' is {trainer.controller!r}; valid: local, ray")
+
+
+def world_size(trainer: DictConfig) -> int:
+    return 1 if trainer.controller == "local" else trainer.nnodes * trainer.procs_per_node
+
+
+def spawn_worker(
+    controller: Controller,
+    registry: Registry,
+    cfg: DictConfig,
+    role: str,
+    model_path: str,
+    role_options: Any,
+    objectives: dict[str, str] | None = None,
+) -> WorkerGroup:
+    """``role`` on the controller's ranks: the backend ``cfg.backend`` names, laid out as its
+    options' mesh, driven by the named objectives."""
+    entry = registry.get("backend", cfg.backend.name)
+    options = instantiate_options(cfg.backend, entry.options) if entry.options else None
+    mesh = Mesh.for_options(options, controller.world_size())
+    total_steps = cfg.trainer.total_steps if "trainer" in cfg else 0
+    spec = WorkerSpec(role, model_path, entry.obj, options, role_options, dict(objectives or {}), registry=registry, seed=cfg.seed, total_steps=total_steps)
+    return controller.spawn(role, functools.partial(_role_worker, spec), mesh)
+
+
+def _role_worker(spec: WorkerSpec, dist) -> RoleWorker:
+    return RoleWorker(WorkerSpec(**{**spec.__dict__, "dist": dist}))
+
+
+class StageTimer:
+    """``with timer("gen"):`` adds ``timing/gen_s``; ``timer.metrics()`` returns and resets them."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"timing/{stage}_s"] = self.times.get(f"timing/{stage}_s", 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+class Run:
+    """One run of a recipe. Enter it to pin threads and seed torch; it makes the controller on
+    the first spawn; ``start`` restores a checkpoint, opens the trackers and fires
+    ``trellis_train_start``; ``end_step`` logs a step, fires ``trellis_step_end`` and saves when
+    due; leaving it (also on an error) closes trackers, stops the controller and fires
+    ``trellis_train_end``."""
+
+    def __init__(self, cfg: DictConfig, ctx: RunContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.registry = ctx.registry
+        self.checkpointer = Checkpointer(cfg, ctx.run_dir, ctx.resume_from, ctx.hook)
+        self.timer = StageTimer()
+        self.metrics: dict[str, float] = {}  # the last step's figures
+        self._controller: Controller | None = None
+        self._groups: list[WorkerGroup] = []
+        self._trackers: Trackers | None = None
+        self._step_start = 0.0
+
+    # -- set-up ------------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """The checkpoint to resume from is already at ``trainer.total_steps``: nothing to do."""
+        return self.checkpointer.finished
+
+    def finished_summary(self) -> dict[str, Any]:
+        return {"finished_at_step": self.checkpointer.start_step}
+
+    def __enter__(self) -> Run:
+        if not self.finished:
+            set_threads(self.cfg.trainer)
+            torch.manual_seed(self.cfg.seed)
+        return self
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            self._controller = make_controller(self.cfg.trainer)
+        return self._controller
+
+    def spawn(self, role: str, model_path: str, role_options: Any, objectives: dict[str, str] | None = None) -> WorkerGroup:
+        """``role`` on every rank (see :func:`spawn_worker`)."""
+        group = spawn_worker(self.controller, self.registry, self.cfg, role, model_path, role_options, objectives)
+        self._groups.append(group)
+        return group
+
+    def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any) -> RolloutGroup:
+        """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh."""
+        node = self.cfg.rollout
+        entry = self.registry.get("rollout", node.name)
+        options = instantiate_options(node, entry.options) if entry.options else None
+        spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed)
+        mesh = Mesh.for_options(options, self.controller.world_size())
+        return self.controller.spawn_rollout(functools.partial(entry.obj, spec), actor, mesh)
+
+    def start(self, roles: dict[str, WorkerGroup | None], state: dict[str, Any]) -> int:
+        """Load the checkpoint being resumed (roles' shards, stateful objects' ``state_dict``,
+        RNG states) and remember what to save; open the trackers. Returns the step the run
+        continues after (0 for a fresh run)."""
+        start = self.checkpointer.restore(roles, state)
+        trainer = self.cfg.trainer
+        self._trackers = Trackers(trainer.trackers, self.registry, self.ctx.run_dir, trainer.total_steps, start_step=start)
+        self.ctx.hook.trellis_train_start(config=self.cfg, run_dir=self.ctx.run_dir)
+        return start
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def steps(self, start: int) -> Iterator[int]:
+        """Steps ``start + 1 .. trainer.total_steps``, each timed from here to ``end_step``."""
+        for step in range(start + 1, self.cfg.trainer.total_steps + 1):
+            self._step_start = time.perf_counter()
+            yield step
+
+    def due(self, step: int) -> bool:
+        """Whether ``trainer.val_every_steps`` asks for a validation after ``step``."""
+        every = self.cfg.trainer.val_every_steps
+        return bool(every) and step % every == 0
+
+    def end_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Add the stage timings, dispatch cost and ``timing/step_s``; log; fire
+        ``trellis_step_end``; checkpoint when due. Returns the logged metrics."""
+        metrics = {**metrics, **self.timer.metrics(), **self._dispatch_metrics()}
+        metrics["timing/step_s"] = time.perf_counter() - self._step_start
+        self.metrics = metrics
+        self.log(step, metrics)
+        self.ctx.hook.trellis_step_end(step=step, metrics=metrics)
+        self.checkpointer.after_step(step)
+        return metrics
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._trackers.log(step, metrics)
+
+    def _dispatch_metrics(self) -> dict[str, float]:
+        if self._controller is None:
+            return {}
+        out = {"timing/dispatch_s": self._controller.dispatch_seconds()}
+        if any(g.ships for g in self._groups):
+            sent, given = (sum(x) for x in zip(*(g.traffic() for g in self._groups)))
+            out |= {"dispatch/sent_mb": sent / 2**20, "dispatch/batch_mb": given / 2**20}
+        return out
+
+    # -- the end -----------------------------------------------------------------------------------
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._trackers is not None:
+                self._trackers.close()
+        finally:
+            if self._controller is not None:
+                self._controller.shutdown()
+            if self._trackers is not None:
+                self.ctx.hook.trellis_train_end(run_dir=self.ctx.run_dir, metrics=self.metrics)

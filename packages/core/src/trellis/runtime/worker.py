@@ -1,0 +1,201 @@
+"""Role workers: one role (actor, critic, ref, reward_model) on one rank, hosted by a controller.
+
+``RoleWorker`` drives a backend's model (``trellis.interfaces.backend``) with the batch plan
+(``trellis.runtime.plan``) and the objectives the recipe names (kind ``objective``): the backend
+runs forwards, backwards and optimizer steps, the objective turns forward outputs into losses,
+and this class holds the loop between them. Controllers call workers only by verb; ``routes()``
+says how each verb is dealt over the role's mesh and which ``Batch`` fields it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+from trellis.interfaces.backend import MODEL_INPUTS, Backend, BackendSpec, DistInfo, WeightBucket
+from trellis.interfaces.dispatch import ALL, DP_SPLIT, RANK0, Route
+from trellis.runtime.plan import Plan
+
+# role -> its model's head: a causal LM, or one value per token
+ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "value"}
+# training verbs: the objective's loss is minimised (update) or only reported (sft_eval)
+TRAINING_VERBS = ("update", "sft_update", "sft_eval", "preference_update")
+FORWARD_ROUTES = {
+    "log_prob": Route(DP_SPLIT, (*MODEL_INPUTS, "responses")),
+    "values": Route(DP_SPLIT, (*MODEL_INPUTS, "responses")),
+    "score": Route(DP_SPLIT, MODEL_INPUTS),
+    "export_weights": Route(RANK0),
+    "load_weights": Route(ALL),
+    "save": Route(ALL),
+    "load": Route(ALL),
+}
+
+
+class Worker(ABC):
+    """What a controller hosts on a rank: ``build()`` once, then verbs by name as ``routes()`` says."""
+
+    @abstractmethod
+    def build(self) -> None:
+        """Load what the role needs (called in the rank's process)."""
+
+    def routes(self) -> dict[str, Route]:
+        """Verb -> how it is dealt over the ranks and what it reads."""
+        return dict(FORWARD_ROUTES)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a role worker needs.
+
+    make_backend: the registered backend factory; options: its options instance.
+    role_options: the role's config section (``ActorConfig``, ``CriticConfig``, ``SFTTrainConfig``...):
+        the optimizer (``optim``) and the batch plan.
+    objectives: training verb -> registered ``objective`` name, e.g. ``{"update": "policy"}``;
+        the worker offers only the training verbs named here, and only a worker with objectives
+        trains (gets an optimizer).
+    registry: where objectives (and the components they name) are looked up.
+    """
+
+    role: str
+    model_path: str
+    make_backend: Callable[[BackendSpec], Backend]
+    options: Any = None
+    role_options: Any = None
+    objectives: dict[str, str] = field(default_factory=dict)
+    dist: DistInfo = field(default_factory=DistInfo)
+    registry: Any = None
+    seed: int = 0
+    total_steps: int = 0
+
+
+class RoleWorker(Worker):
+    """One role on one rank: a backend's model driven by objectives and the batch plan."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.role not in ROLE_HEADS:
+            raise ValueError(f"unknown role {spec.role!r}; roles: {', '.join(ROLE_HEADS)}")
+        unknown = sorted(set(spec.objectives) - set(TRAINING_VERBS))
+        if unknown:
+            raise ValueError(f"objectives given for {unknown}, which are not training verbs ({', '.join(TRAINING_VERBS)})")
+        self.spec = spec
+        self.plan = Plan.of(spec.role_options)
+        self.objectives: dict[str, Any] = {}
+
+    def build(self) -> None:
+        spec = self.spec
+        self.objectives = {
+            verb: spec.registry.get("objective", name).obj(spec.role_options, spec.registry) for verb, name in spec.objectives.items()
+        }
+        trainable = bool(self.objectives)  # a role with objectives trains: it gets an optimizer
+        optim = spec.role_options.optim if trainable else None
+        self.backend = spec.make_backend(
+            BackendSpec(spec.role, spec.model_path, spec.options, trainable, ROLE_HEADS[spec.role], optim, spec.dist, spec.seed, spec.total_steps)
+        )
+        self.backend.build()
+
+    def routes(self) -> dict[str, Route]:
+        routes = super().routes()
+        for verb, objective in self.objectives.items():
+            routes[verb] = Route(DP_SPLIT, (*MODEL_INPUTS, *objective.inputs))
+        return routes
+
+    # -- forwards ------------------------------------------------------------------------------
+    def _forward(self, batch: Batch, outputs: tuple[str, ...]) -> Batch:
+        parts = self.backend.forward(self.plan.micro_batches(batch), outputs)
+        return Batch({k: torch.cat([p[k] for p in parts]) for k in outputs})
+
+    def log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
+        """``log_probs`` (and ``entropy``) ``(batch, response_len)`` of the response tokens at
+        ``batch.meta["temperature"]``; reads ``input_ids``, ``attention_mask``, ``position_ids``
+        ``(batch, seq_len)`` and ``responses`` ``(batch, response_len)``."""
+        return self._forward(batch, ("log_probs", "entropy") if with_entropy else ("log_probs",))
+
+    def values(self, batch: Batch) -> Batch:
+        """Critic: ``values`` ``(batch, response_len)`` for the same inputs as ``log_prob``."""
+        return self._forward(batch, ("values",))
+
+    def score(self, batch: Batch) -> Batch:
+        """Reward model: ``scores`` ``(batch,)``, the head at each sequence's last attended token."""
+        return self._forward(batch, ("scores",))
+
+    # -- training ------------------------------------------------------------------------------
+    def _objective(self, verb: str) -> Any:
+        if verb not in self.objectives:
+            raise NotImplementedError(
+                f"role {self.spec.role!r} was built without an objective for {verb!r} (objectives: {self.spec.objectives})"
+            )
+        return self.objectives[verb]
+
+    def _global_counts(self, objective: Any, mini: Batch):
+        local = objective.counts(mini)
+        tokens, seqs = self.backend.all_reduce_sum([local.global_tokens or 0.0, local.global_seqs or 0.0])
+        return dataclasses.replace(local, global_tokens=tokens, global_seqs=seqs)
+
+    def _train(self, verb: str, batch: Batch, prefix: str) -> dict[str, float]:
+        """Epochs over mini-batches (one optimizer step each) of micro-batches; the LR schedule
+        steps once per call. Summed metrics (the objective's losses) add up the micro-batches'
+        shares over ranks; the others are averaged."""
+        objective = self._objective(verb)
+        seed = self.spec.seed * 1000003 + 7919 * (int(batch.meta.get("step", 1)) - 1)
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for epoch in range(self.plan.epochs):
+            for mini in self.plan.mini_batches(batch, self.spec.dist.dp_size, epoch, seed):
+                agg = self._global_counts(objective, mini)
+                micros = [objective.rows(m) for m in self.plan.micro_batches(mini)]
+                per_micro = self.backend.forward_backward(micros, objective.outputs, lambda micro, out: objective.loss(micro, out, agg))
+                summed = sorted({k for m in per_micro for k in m} & objective.summed)
+                for k, v in zip(summed, self.backend.all_reduce_sum([sum(m[k] for m in per_micro) for k in summed])):
+                    metrics[k].append(v)
+                for k in {k for m in per_micro for k in m} - objective.summed:
+                    values = [m[k] for m in per_micro if k in m]
+                    metrics[k].append(sum(values) / len(values))
+                for k, v in self.backend.optimizer_step().items():
+                    metrics[k].append(v)
+        metrics["lr"].append(self.backend.lr_step())
+        return {f"{prefix}/{k}": sum(v) / len(v) for k, v in metrics.items()}
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """Train on this rank's share of the step (``batch.meta["step"]`` seeds the shuffle);
+        metrics ``<role>/...``."""
+        return self._train("update", batch, self.spec.role)
+
+    def sft_update(self, batch: Batch) -> dict[str, float]:
+        """Supervised steps on ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask``
+        ``(batch, seq_len)`` (loss on label tokens where the mask is 1); metrics ``sft/...``."""
+        return self._train("sft_update", batch, "sft")
+
+    def preference_update(self, batch: Batch) -> dict[str, float]:
+        """Preference steps on a pair batch (``trellis.interfaces.signatures.pair_batch``)."""
+        return self._train("preference_update", batch, self.spec.role)
+
+    def sft_eval(self, batch: Batch) -> dict[str, float]:
+        """The objective's loss on ``batch`` without training (held-out loss): ``val/loss``."""
+        objective = self._objective("sft_eval")
+        agg = self._global_counts(objective, batch)
+        micros = [objective.rows(m) for m in self.plan.micro_batches(batch)]
+        with torch.no_grad():
+            total = sum(float(objective.loss(m, out, agg)[0]) for m, out in zip(micros, self.backend.forward(micros, objective.outputs)))
+        return {"val/loss": self.backend.all_reduce_sum([total])[0]}
+
+    # -- weights and state -----------------------------------------------------------------------
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
+        """Full weights in Hugging Face names, in buckets (see ``Backend.export_weights``)."""
+        return self.backend.export_weights(bucket_bytes, all_ranks)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the model's weights in memory (e.g. ref <- actor)."""
+        self.backend.load_weights(weights)
+
+    def save(self, path: Path) -> None:
+        self.backend.save(Path(path))
+
+    def load(self, path: Path) -> None:
+        self.backend.load(Path(path))
