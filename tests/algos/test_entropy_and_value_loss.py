@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trellis.interfaces.hf_outputs import entropy_from_logits
+from trellis.interfaces.hf import entropy_from_logits
 from trellis.interfaces.signatures import Aggregation
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.value_loss import clipped_value_loss

@@ -1,5 +1,6 @@
-"""FSDP2 workers on a tiny model: parity with an unsharded model (1 and 2 gloo ranks), log-probs,
-weight export, critic, reward model and SFT steps."""
+"""The FSDP2 backend driven by core's role worker on a tiny model: parity with an unsharded model
+(1 and 2 gloo ranks) and with the tests-only plain backend, log-probs, weight export and load,
+critic, reward model, SFT and preference steps."""
 
 from __future__ import annotations
 
@@ -15,14 +16,27 @@ from transformers import AutoModelForCausalLM
 
 from trellis.batch import Batch
 from trellis.config import validate
-from trellis.interfaces.signatures import PolicyLossInputs
+from trellis.interfaces.backend import DistInfo
+from trellis.interfaces.signatures import PolicyLossInputs, aggregation_for, pair_batch
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig, CriticConfig, SFTTrainConfig
-from trellis.runtime.worker import DistInfo, WorkerSpec
-from trellis_algos.aggregation import aggregation_for
+from trellis.recipes.options import ActorConfig, CriticConfig, PreferenceTrainConfig, SFTTrainConfig
+from trellis.runtime.worker import RoleWorker, WorkerSpec
 from trellis_algos.policy_losses import VanillaOptions, vanilla
+from trellis_fsdp.backend import FSDPBackend, FSDPOptions
 from trellis_fsdp.distributed import free_port
-from trellis_fsdp.worker import FSDPOptions, make_worker
+from trellis_plain import PlainBackend
+
+# role -> the objectives its training verbs use
+OBJECTIVES = {"actor": {"update": "policy"}, "critic": {"update": "value"}, "sft": {"sft_update": "sft", "sft_eval": "sft"}}
+
+
+def make_worker(registry, path, role, role_options=None, objectives=None, dist=None, backend=FSDPBackend, total_steps=0, **opts):
+    """A built role worker on ``backend`` (FSDP unless said otherwise)."""
+    options = FSDPOptions(**opts) if backend is FSDPBackend else None
+    spec = WorkerSpec(role, path, backend, options, role_options, objectives or {}, dist or DistInfo(), registry, total_steps=total_steps)
+    worker = RoleWorker(spec)
+    worker.build()
+    return worker
 
 LR = 1e-2
 PROMPT, RESPONSE, SAMPLES = 5, 6, 8
@@ -89,9 +103,7 @@ def prepared_batch(path: str) -> Batch:
 def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
     torch.set_num_threads(1)
     registry = load_plugins().registry
-    spec = WorkerSpec("actor", path, FSDPOptions(), actor_options(registry), DistInfo(rank, world, master_port=port), registry)
-    worker = make_worker(spec)
-    worker.build()
+    worker = make_worker(registry, path, "actor", actor_options(registry), OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
     metrics = worker.update(batch.chunk(world)[rank])
     weights = dict(b for bucket in worker.export_weights() for b in bucket)
     if rank == 0:
@@ -118,10 +130,8 @@ def registry():
     return load_plugins().registry
 
 
-def build(registry, path, role, role_options=None, **opts):
-    worker = make_worker(WorkerSpec(role, path, FSDPOptions(**opts), role_options, DistInfo(), registry))
-    worker.build()
-    return worker
+def build(registry, path, role, role_options=None, objectives=None, **opts):
+    return make_worker(registry, path, role, role_options, objectives, **opts)
 
 
 def test_log_prob_and_entropy_match_unsharded_forward(registry, tiny_model_path):
@@ -157,7 +167,7 @@ def test_export_weights_in_buckets_with_hf_names(registry, tiny_untied_model_pat
 
 def test_critic_learns_returns(registry, tiny_model_path):
     opts = validate(OmegaConf.create({"micro_batch_samples": 4, "optim": {"lr": 3e-3}, "cliprange_value": 100.0}), CriticConfig, registry)
-    critic = build(registry, tiny_model_path, "critic", opts)
+    critic = build(registry, tiny_model_path, "critic", opts, OBJECTIVES["critic"])
     batch = prepared_batch(tiny_model_path)
     batch["returns"] = torch.full((SAMPLES, RESPONSE), 2.0) * batch["response_mask"]
     losses = []
@@ -186,7 +196,7 @@ def test_reward_model_scores_last_token(registry, tiny_model_path):
 
 def test_sft_steps_lower_the_loss(registry, tiny_model_path, tmp_path):
     opts = validate(OmegaConf.create({"micro_batch_samples": 4, "optim": {"lr": 1e-2}}), SFTTrainConfig, registry)
-    worker = build(registry, tiny_model_path, "actor", opts)
+    worker = build(registry, tiny_model_path, "actor", opts, OBJECTIVES["sft"])
     batch = prepared_batch(tiny_model_path)
     batch["loss_mask"] = torch.cat([torch.zeros(SAMPLES, PROMPT, dtype=torch.long), batch["response_mask"]], 1)
     first = worker.sft_eval(batch)["val/loss"]
@@ -199,9 +209,7 @@ def test_sft_steps_lower_the_loss(registry, tiny_model_path, tmp_path):
 def _save_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
     torch.set_num_threads(1)
     registry = load_plugins().registry
-    spec = WorkerSpec("actor", path, FSDPOptions(), actor_options(registry), DistInfo(rank, world, master_port=port), registry)
-    worker = make_worker(spec)
-    worker.build()
+    worker = make_worker(registry, path, "actor", actor_options(registry), OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
     worker.update(batch.chunk(world)[rank])
     worker.log_prob(batch)  # a no_grad forward just before saving (leaves the root unsharded)
     worker.save(f"{out}/ckpt")
@@ -215,15 +223,12 @@ def test_checkpoint_resumes_training_exactly(registry, tiny_model_path, tmp_path
     """Two steps in a row equal one step, save, load into a fresh worker, one step: same loss, weights, LR."""
     batch = prepared_batch(tiny_model_path)
     opts = actor_options(registry, optim={"lr": LR, "lr_schedule": "cosine", "warmup_steps": 1}, shuffle=True, mini_batch_samples=4)
-    spec = WorkerSpec("actor", tiny_model_path, FSDPOptions(), opts, DistInfo(), registry, total_steps=4)
-    straight = make_worker(spec)
-    straight.build()
+    straight = make_worker(registry, tiny_model_path, "actor", opts, OBJECTIVES["actor"], total_steps=4)
     straight.update(batch)
     straight.log_prob(batch)
     straight.save(tmp_path / "ckpt")
     expected = straight.update(batch)
-    resumed = make_worker(spec)
-    resumed.build()
+    resumed = make_worker(registry, tiny_model_path, "actor", opts, OBJECTIVES["actor"], total_steps=4)
     resumed.log_prob(batch)  # the pitfall: a no_grad forward before loading
     resumed.load(tmp_path / "ckpt")
     assert resumed.update(batch) == expected  # same loss, grad norm and LR to the last bit
@@ -247,8 +252,8 @@ def test_checkpointing_and_mixed_precision_update_like_fp32(registry, tiny_model
     """Activation checkpointing recomputes the same forward (same result to fp32 precision);
     bf16 compute stays close to the fp32 update (loose tolerance: bf16 has 8 bits of mantissa)."""
     batch = prepared_batch(tiny_model_path)
-    plain = build(registry, tiny_model_path, "actor", actor_options(registry)).update(batch)
-    other = build(registry, tiny_model_path, "actor", actor_options(registry), **opts).update(batch)
+    plain = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"]).update(batch)
+    other = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"], **opts).update(batch)
     tol = 1e-5 if "activation_checkpointing" in opts else 5e-2
     assert other["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], abs=tol)
     assert other["actor/grad_norm"] == pytest.approx(plain["actor/grad_norm"], rel=tol * 10)
@@ -266,8 +271,8 @@ def test_other_architecture_loads_and_trains(registry, tiny_model_path, tmp_path
     LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
     tokenizer.save_pretrained(tmp_path / "llama")
     batch = prepared_batch(str(tmp_path / "llama"))
-    worker = build(registry, str(tmp_path / "llama"), "actor", actor_options(registry))
-    sharded = [type(m).__name__ for m in worker.model.modules() if type(m).__name__.startswith("FSDP")]
+    worker = build(registry, str(tmp_path / "llama"), "actor", actor_options(registry), OBJECTIVES["actor"])
+    sharded = [type(m).__name__ for m in worker.backend.model.modules() if type(m).__name__.startswith("FSDP")]
     assert "FSDPLlamaDecoderLayer" in sharded and "FSDPLlamaForCausalLM" in sharded
     metrics = worker.update(batch)
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0

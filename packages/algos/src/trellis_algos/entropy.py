@@ -1,4 +1,4 @@
-"""The entropy bonus term (token entropies come from the backend: ``trellis.interfaces.hf_outputs``)."""
+"""The entropy bonus term (token entropies come from the backend: ``trellis.interfaces.hf``)."""
 
 from __future__ import annotations
 

@@ -21,11 +21,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from trellis.batch import Batch
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket
-from trellis.interfaces.hf_outputs import lm_outputs, value_outputs
+from trellis.interfaces.hf import forward_outputs, load_hf_model
 from trellis.interfaces.optim import clipped_step, make_optimizer
 from trellis.runtime.rng import get_rng_state, set_rng_state
 from trellis_fsdp.distributed import all_reduce_sum, device_for, ensure_process_group
@@ -62,7 +61,7 @@ class FSDPBackend(Backend):
                 raise ValueError(f"backend.{name}={value!r} is not a dtype; valid: {', '.join(DTYPES)}")
         self.mesh = ensure_process_group(self.spec.dist)
         torch.manual_seed(self.spec.seed)
-        self.model = self._load_model()
+        self.model = load_hf_model(self.spec.model_path, self.spec.head, DTYPES[self.opts.dtype]).to(self.device)
         if self.opts.activation_checkpointing and self.spec.trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._shard()
@@ -72,16 +71,6 @@ class FSDPBackend(Backend):
             self.model.train()
         else:
             self.model.eval()
-
-    def _load_model(self) -> torch.nn.Module:
-        path = self.spec.model_path
-        dtype = DTYPES[self.opts.dtype]
-        if self.spec.head == "value":
-            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        model.config.use_cache = False
-        return model.to(self.device)
 
     def _shard(self) -> None:
         mp = MixedPrecisionPolicy(
@@ -97,14 +86,7 @@ class FSDPBackend(Backend):
 
     # -- forward and backward -------------------------------------------------------------------
     def _outputs(self, micro: Batch, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        out = self.model(
-            input_ids=micro["input_ids"].to(self.device),
-            attention_mask=micro["attention_mask"].to(self.device),
-            position_ids=micro["position_ids"].to(self.device),
-        )
-        if self.spec.head == "value":
-            return value_outputs(out.logits[..., 0], micro, outputs)
-        return lm_outputs(out.logits, micro, outputs, self.opts.entropy_chunk_size)
+        return forward_outputs(self.model, micro, outputs, self.spec.head, self.opts.entropy_chunk_size)
 
     def forward(self, micros: list[Batch], outputs: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
         with torch.no_grad():
@@ -155,7 +137,7 @@ class FSDPBackend(Backend):
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _sharded_state(self) -> dict:
-        self._reshard()  # set_model_state_dict needs the sharded layout, which a no_grad forward leaves behind
+        self.model.reshard()  # set_model_state_dict needs the sharded layout, which a no_grad forward leaves behind
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.model)}
         model, optim = get_state_dict(self.model, self.optimizer)

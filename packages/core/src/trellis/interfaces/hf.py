@@ -1,10 +1,12 @@
-"""The forward outputs (``trellis.interfaces.backend.OUTPUTS``) from a Hugging Face model's
-logits or value head: shared by every backend that runs HF modules, so none repeats the slicing."""
+"""Helpers for backends that run Hugging Face models: load a folder with the role's head, and the
+forward outputs (``trellis.interfaces.backend.OUTPUTS``) from its logits or value head, so no
+backend repeats the slicing."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from trellis.batch import Batch
 
@@ -75,3 +77,28 @@ def value_outputs(head: torch.Tensor, micro: Batch, outputs: tuple[str, ...]) ->
         last = micro["attention_mask"].to(head.device).cumsum(-1).argmax(-1)
         out["scores"] = _gather(head, last).float()
     return out
+
+
+def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of a Hugging Face folder: a causal LM (head ``lm``) or the same body with a
+    one-label token-classification head (``value``: critic, reward model); KV cache off."""
+    if head == "value":
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def forward_outputs(model: torch.nn.Module, micro: Batch, outputs: tuple[str, ...], head: str, entropy_chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Run ``model`` on the micro-batch's ``input_ids``, ``attention_mask``, ``position_ids`` (moved
+    to the model's device) and return the named ``outputs``."""
+    device = next(model.parameters()).device
+    out = model(
+        input_ids=micro["input_ids"].to(device),
+        attention_mask=micro["attention_mask"].to(device),
+        position_ids=micro["position_ids"].to(device),
+    )
+    if head == "value":
+        return value_outputs(out.logits[..., 0], micro, outputs)
+    return lm_outputs(out.logits, micro, outputs, entropy_chunk_size)
