@@ -276,3 +276,61 @@ def test_other_architecture_loads_and_trains(registry, tiny_model_path, tmp_path
     assert "FSDPLlamaDecoderLayer" in sharded and "FSDPLlamaForCausalLM" in sharded
     metrics = worker.update(batch)
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("role", ["actor", "sft"])
+def test_plain_backend_trains_exactly_like_fsdp_on_one_rank(registry, tiny_model_path, role):
+    """The tests-only plain backend has no loss code: the same objective through either backend
+    gives the same loss, grad norm and updated weights."""
+    batch = prepared_batch(tiny_model_path)
+    if role == "sft":
+        batch["loss_mask"] = torch.cat([torch.zeros(SAMPLES, PROMPT, dtype=torch.long), batch["response_mask"]], 1)
+        opts = validate(OmegaConf.create({"micro_batch_samples": 4, "optim": {"lr": LR}}), SFTTrainConfig, registry)
+        step, loss_key = (lambda w: w.sft_update(batch)), "sft/loss"
+    else:
+        opts = actor_options(registry, entropy_coeff=0.01)
+        step, loss_key = (lambda w: w.update(batch)), "actor/pg_loss"
+    objectives = OBJECTIVES[role]
+    fsdp, plain = (make_worker(registry, tiny_model_path, "actor", opts, objectives, backend=b) for b in (FSDPBackend, PlainBackend))
+    got, expected = step(plain), step(fsdp)
+    assert set(got) == set(expected)
+    assert got[loss_key] == pytest.approx(expected[loss_key], abs=1e-6)
+    assert got[f"{loss_key.split('/')[0]}/grad_norm"] == pytest.approx(expected[f"{loss_key.split('/')[0]}/grad_norm"], abs=1e-6)
+    for (name, a), (_, b) in zip(*(chain.from_iterable(w.export_weights()) for w in (plain, fsdp))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_ref_takes_the_actors_weights_in_memory(registry, tiny_model_path):
+    batch = prepared_batch(tiny_model_path)
+    actor = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"])
+    ref = build(registry, tiny_model_path, "ref")
+    actor.update(batch)
+    before = ref.log_prob(batch)["log_probs"]
+    assert not torch.allclose(before, actor.log_prob(batch)["log_probs"], atol=1e-4)  # the update moved the actor
+    ref.load_weights(chain.from_iterable(actor.export_weights()))
+    torch.testing.assert_close(ref.log_prob(batch)["log_probs"], actor.log_prob(batch)["log_probs"], atol=1e-6, rtol=0)
+
+
+def preference_pairs(path: str, registry) -> tuple[Batch, Batch]:
+    """4 pairs (chosen = rows 0-3, rejected = rows 4-7 of the RL batch) with the reference's summed
+    log-probs, which start equal to the policy's."""
+    batch = prepared_batch(path)
+    ref = build(registry, path, "ref")
+    seq = (ref.log_prob(batch)["log_probs"] * batch["response_mask"]).sum(-1)
+    return pair_batch(batch[torch.arange(4)], batch[torch.arange(4, 8)], seq[:4], seq[4:]), seq
+
+
+def test_preference_step_starts_at_log2_and_raises_the_margin(registry, tiny_model_path):
+    """DPO with policy == reference: every margin is 0, the loss is -log sigmoid(0) = log 2 whatever
+    the micro-batching; a step on it makes chosen more likely than rejected."""
+    pairs, ref_seq = preference_pairs(tiny_model_path, registry)
+    losses = []
+    for micro in (1, 4):
+        opts = validate(OmegaConf.create({"micro_batch_samples": micro, "optim": {"lr": 1e-2}}), PreferenceTrainConfig, registry)
+        worker = build(registry, tiny_model_path, "actor", opts, {"preference_update": "preference"})
+        metrics = worker.preference_update(pairs)
+        losses.append(metrics["actor/loss"])
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[1] == pytest.approx(math.log(2), abs=1e-6)
+    seq = (worker.log_prob(prepared_batch(tiny_model_path))["log_probs"] * prepared_batch(tiny_model_path)["response_mask"]).sum(-1)
+    margin = (seq[:4] - ref_seq[:4]) - (seq[4:] - ref_seq[4:])
+    assert (margin > 0).all(), margin

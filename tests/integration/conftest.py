@@ -23,8 +23,8 @@ def data_files(tmp_path_factory):
 def run_rl(tiny_model_path, data_files, tmp_path):
     """``run_rl(*overrides)`` runs a 2-step rl recipe on the tiny model; returns (summary, metrics rows)."""
 
-    def run(*overrides: str):
-        run_dir = tmp_path / "rl"
+    def run(*overrides: str, read_from=None):
+        run_dir = read_from or tmp_path / "rl"
         base = [
             "recipe=rl",
             f"model.path={tiny_model_path}",

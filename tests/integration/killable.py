@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from trellis.recipes.train import train
-from trellis_fsdp.worker import FSDPWorker
+from trellis.runtime.worker import RoleWorker
 
 
 def die() -> None:
@@ -22,24 +22,24 @@ def die() -> None:
 
 def kill_at(point: str, step: int) -> None:
     if point == "update":
-        update, calls = FSDPWorker.update, []
+        update, calls = RoleWorker.update, []
 
         def counting_update(self, batch):
-            calls.append(self.role)
-            if calls.count("actor") == step and self.role == "actor":
+            calls.append(self.spec.role)
+            if calls.count("actor") == step and self.spec.role == "actor":
                 die()
             return update(self, batch)
 
-        FSDPWorker.update = counting_update
+        RoleWorker.update = counting_update
     elif point == "checkpoint":
-        save = FSDPWorker.save
+        save = RoleWorker.save
 
         def save_then_die(self, path):
             save(self, path)
-            if self.role == "actor" and Path(path).parent.name == f".checkpoint-{step}.tmp":
+            if self.spec.role == "actor" and Path(path).parent.name == f".checkpoint-{step}.tmp":
                 die()
 
-        FSDPWorker.save = save_then_die
+        RoleWorker.save = save_then_die
     else:
         raise SystemExit(f"unknown kill point {point!r}; valid: update, checkpoint")
 

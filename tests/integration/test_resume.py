@@ -170,7 +170,7 @@ def no_model_building(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr("trellis.recipes.rl.spawn_role", refuse)
+    monkeypatch.setattr("trellis.runtime.harness.spawn_worker", refuse)
 
 
 def test_changed_config_is_refused_with_the_differing_keys(rl_overrides, reference, no_model_building):
@@ -214,8 +214,7 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
 
     from trellis.config import validate
     from trellis.recipes.options import ActorConfig
-    from trellis.runtime.worker import WorkerSpec
-    from trellis_fsdp.worker import FSDPOptions, make_worker
+    from trellis.runtime.worker import build_worker
 
     checkpoint = reference[0] / "checkpoint-4"
     out = tmp_path / "hf"
@@ -230,13 +229,11 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
 
     cfg = OmegaConf.load(checkpoint / "config.yaml")
     registry = load_plugins().registry
-    actor = make_worker(WorkerSpec("actor", cfg.model.path, FSDPOptions(), validate(cfg.actor, ActorConfig, registry), registry=registry))
-    actor.build()
+    actor = build_worker(registry, "fsdp", "actor", cfg.model.path, validate(cfg.actor, ActorConfig, registry), {"update": "policy"})
     actor.load(checkpoint / "actor")
     with torch.no_grad():
-        logits = actor.model(input_ids=exported["ids"]).logits
+        logits = actor.backend.model(input_ids=exported["ids"]).logits
     torch.testing.assert_close(exported["logits"], logits, atol=1e-6, rtol=0)
-    untrained = make_worker(WorkerSpec("ref", cfg.model.path, FSDPOptions(), None, registry=registry))
-    untrained.build()
+    untrained = build_worker(registry, "fsdp", "ref", cfg.model.path)
     with torch.no_grad():
-        assert not torch.allclose(untrained.model(input_ids=exported["ids"]).logits, logits, atol=1e-3)  # training moved it
+        assert not torch.allclose(untrained.backend.model(input_ids=exported["ids"]).logits, logits, atol=1e-3)  # training moved it

@@ -76,7 +76,7 @@ def no_model_building(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the config error was found")
 
-    monkeypatch.setattr("trellis.recipes.rl.spawn_role", refuse)
+    monkeypatch.setattr("trellis.runtime.harness.spawn_worker", refuse)
 
 
 @pytest.mark.parametrize(
@@ -101,14 +101,12 @@ def actor_and_rollout(tiny_model_path, data_files):
 
     from trellis.config import validate
     from trellis.recipes.options import ActorConfig
-    from trellis.runtime.worker import WorkerSpec
-    from trellis_fsdp.worker import FSDPOptions, make_worker
+    from trellis.runtime.worker import build_worker
     from trellis_hf.engine import make_engine
 
     registry = load_plugins().registry
     options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 8}), ActorConfig, registry)
-    actor = make_worker(WorkerSpec("actor", tiny_model_path, FSDPOptions(), options, registry=registry))
-    actor.build()
+    actor = build_worker(registry, "fsdp", "actor", tiny_model_path, options, {"update": "policy"})
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     rollout = make_engine(RolloutSpec(tiny_model_path, None, tokenizer))
     prompts = PromptDataset(load_rows(data_files["train"])[:6], tokenizer, 32).as_batch()
@@ -162,3 +160,46 @@ def test_sft_recipe_with_dft_loss_saves_loadable_model(tiny_model_path, data_fil
     model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
     assert model.config.vocab_size == AutoTokenizer.from_pretrained(run_dir / "hf_model").vocab_size or model is not None
     assert (run_dir / "config.yaml").read_text().count("name: dft") == 1
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["algorithm.advantage.name=grpo", "actor.entropy_coeff=0.01"], ["algorithm.advantage.name=gae"], ["algorithm.use_kl_in_reward=true"]],
+    ids=["grpo", "gae", "kl_in_reward"],
+)
+def test_tests_only_plain_backend_runs_the_recipe_like_fsdp(run_rl, overrides, tmp_path):
+    """The plain backend (tests/plugins/plain: no FSDP, no loss code) trains through the same
+    recipe to the same numbers as FSDP on one rank."""
+    _, fsdp = run_rl(*overrides)
+    _, plain = run_rl(*overrides, "backend.name=plain", f"trainer.run_dir={tmp_path / 'plain'}", read_from=tmp_path / "plain")
+    assert [r["step"] for r in plain] == [r["step"] for r in fsdp]
+    for got, expected in zip(train_steps(plain), train_steps(fsdp)):
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "actor/reward_kl"):
+            if key in expected:
+                assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+
+
+def test_samples_carry_their_prompt_uid_and_weight_version(run_rl, monkeypatch):
+    """Advantages are grouped by the prompt's uid (not by position) and every sample records the
+    weight version that generated it: 0 before the first update, then the step that synced."""
+    from trellis.recipes import rl
+
+    seen = []
+    compute = rl.RLRecipe.compute_advantages
+
+    def spy(batch, *args):
+        seen.append((list(batch["uid"]), batch["weight_version"].tolist()))
+        batch["token_scores"] = torch.randn(len(batch), 1) * batch["response_mask"]  # the tiny model scores 0 everywhere
+        perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(0))
+        shuffled = batch.reorder(perm)
+        compute(shuffled, *args)
+        metrics = compute(batch, *args)
+        torch.testing.assert_close(shuffled["advantages"], batch["advantages"][perm])  # same groups in any order
+        assert batch["advantages"].abs().sum() > 0
+        return metrics
+
+    monkeypatch.setattr(rl.RLRecipe, "compute_advantages", staticmethod(spy))
+    run_rl()
+    (uids1, v1), (uids2, v2) = seen
+    assert v1 == [0] * len(v1) and v2 == [1] * len(v2)
+    assert len(set(uids1)) == 4 and all(list(uids1).count(u) == 4 for u in set(uids1)) and not set(uids1) & set(uids2)

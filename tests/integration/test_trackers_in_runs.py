@@ -38,7 +38,7 @@ def test_missing_tracker_library_stops_the_run_before_any_model_is_built(run_rl,
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the config error was found")
 
-    monkeypatch.setattr("trellis.recipes.rl.spawn_role", refuse)
+    monkeypatch.setattr("trellis.runtime.harness.spawn_worker", refuse)
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"tracker 'wandb' needs wandb .*: pip install 'trellis-core\[wandb\]'"):
         run_rl("trainer.trackers=[jsonl,wandb]")

@@ -50,14 +50,11 @@ def actor(tiny_model_path):
     from trellis.config import validate
     from trellis.plugins import load_plugins
     from trellis.recipes.options import ActorConfig
-    from trellis.runtime.worker import WorkerSpec
-    from trellis_fsdp.worker import FSDPOptions, make_worker
+    from trellis.runtime.worker import build_worker
 
     registry = load_plugins().registry
     options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 8}), ActorConfig, registry)
-    worker = make_worker(WorkerSpec("actor", tiny_model_path, FSDPOptions(), options, registry=registry))
-    worker.build()
-    return worker
+    return build_worker(registry, "fsdp", "actor", tiny_model_path, options, {"update": "policy"})
 
 
 def forward_log_probs(model, out, temperature):

@@ -55,7 +55,7 @@ class PolicyObjective:
         if "entropy" in outputs:
             ent = entropy_loss(outputs["entropy"], mask, agg)
             loss = loss - self.options.entropy_coeff * ent
-            metrics["entropy_loss"] = float(ent)
+            metrics["entropy_loss"] = float(ent.detach())
         if self.kl is not None:
             kl, kl_metrics = kl_loss(log_prob, micro["ref_log_probs"].to(device), mask, agg, self.kl)
             loss = loss + self.options.kl_loss_coef * kl
@@ -154,7 +154,7 @@ class PreferenceObjective:
         data = PreferenceInputs(chosen=seq[:pairs], rejected=seq[pairs:], ref_chosen=ref[:pairs], ref_rejected=ref[pairs:])
         mean, metrics = self.preference_loss(data, self.loss_options)
         share = mean * pairs / agg.global_seqs
-        return share, {**metrics, "loss": float(share)}
+        return share, {**metrics, "loss": float(share.detach())}
 
 
 class KLInReward:

@@ -199,3 +199,28 @@ class RoleWorker(Worker):
 
     def load(self, path: Path) -> None:
         self.backend.load(Path(path))
+
+
+def build_worker(
+    registry: Any,
+    backend: str,
+    role: str,
+    model_path: str,
+    role_options: Any = None,
+    objectives: dict[str, str] | None = None,
+    *,
+    options: Any = None,
+    dist: DistInfo | None = None,
+    seed: int = 0,
+    total_steps: int = 0,
+) -> RoleWorker:
+    """A built role worker in this process on the registered ``backend`` (its default options
+    unless ``options`` is given; one rank unless ``dist`` says otherwise): for scripts, notebooks
+    and tests that drive a role without a recipe."""
+    entry = registry.get("backend", backend)
+    if options is None and entry.options is not None:
+        options = entry.options()
+    spec = WorkerSpec(role, model_path, entry.obj, options, role_options, dict(objectives or {}), dist or DistInfo(), registry, seed, total_steps)
+    worker = RoleWorker(spec)
+    worker.build()
+    return worker
