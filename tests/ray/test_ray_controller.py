@@ -3,6 +3,7 @@ placement that cannot be satisfied, a rank that dies mid-step, Ray missing, a re
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -16,8 +17,8 @@ from trellis.config import ConfigError, validate
 from trellis.plugins import load_plugins
 from trellis.recipes.options import ActorConfig
 from trellis.runtime.controller import LocalController
-from trellis.runtime.worker import Worker, WorkerSpec
-from trellis_fsdp.worker import FSDPOptions, make_worker
+from trellis.runtime.worker import RoleWorker, Worker, WorkerSpec
+from trellis_fsdp.backend import FSDPBackend, FSDPOptions
 
 ray = pytest.importorskip("ray")
 
@@ -65,7 +66,8 @@ def grpo_batch(tiny_model_path) -> Batch:
 def actor_factory(tiny_model_path):
     registry = load_plugins().registry
     options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 2, "mini_batch_samples": 4}), ActorConfig, registry)
-    return lambda dist: make_worker(WorkerSpec("actor", tiny_model_path, FSDPOptions(), options, dist, registry=registry, seed=0))
+    spec = WorkerSpec("actor", tiny_model_path, FSDPBackend, FSDPOptions(), options, {"update": "policy"}, registry=registry)
+    return lambda dist: RoleWorker(WorkerSpec(**{**spec.__dict__, "dist": dist}))
 
 
 def grpo_step(ctrl, make, batch):
@@ -133,6 +135,45 @@ def test_ray_not_installed_names_the_pip_command(monkeypatch):
         import_ray()
 
 
+def test_copy_weights_and_agenerate_reach_the_ranks(ray_cluster, tiny_model_path):
+    """ref <- actor in memory on every rank, and one async sample through a rank's engine."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+    from trellis_hf.engine import make_engine
+
+    make = actor_factory(tiny_model_path)
+    registry = load_plugins().registry
+    spec = WorkerSpec("ref", tiny_model_path, FSDPBackend, FSDPOptions(), None, registry=registry)
+    batch = grpo_batch(tiny_model_path)
+    ctrl = controller(2)
+    try:
+        actor = ctrl.spawn("actor", make)
+        ref = ctrl.spawn("ref", lambda dist: RoleWorker(WorkerSpec(**{**spec.__dict__, "dist": dist})))
+        batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
+        actor.update(batch)
+        moved = actor.log_prob(batch)["log_probs"]
+        assert not torch.allclose(ref.log_prob(batch)["log_probs"], moved, atol=1e-4)
+        ctrl.copy_weights(actor, ref)
+        torch.testing.assert_close(ref.log_prob(batch)["log_probs"], moved, atol=1e-6, rtol=0)
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+        rollout = ctrl.spawn_rollout(lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
+        prompt = tokenizer("12+7=", add_special_tokens=False)["input_ids"]
+        params = SamplingParams(max_new_tokens=5, greedy=True)
+
+        async def two():
+            return await asyncio.gather(rollout.agenerate(prompt, params), rollout.agenerate(prompt, params))
+
+        first, second = asyncio.run(two())
+        expected = asyncio.run(make_engine(RolloutSpec(tiny_model_path, None, tokenizer)).agenerate(prompt, params))
+        assert first.token_ids == second.token_ids == expected.token_ids and first.finish_reason in ("stop", "length")
+    finally:
+        ctrl.shutdown()
+
+
 def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path):
     from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
@@ -157,8 +198,11 @@ def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path)
             f"trainer.run_dir={tmp_path / 'run'}",
         ],
     )
-    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert sum('"reward/mean"' in r for r in rows) == 2
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2
+    # each verb ships only the fields it reads: far less than the whole batch
+    assert 0 < steps[0]["dispatch/sent_mb"] < 0.7 * steps[0]["dispatch/batch_mb"]
     assert 0.0 <= summary["val_after"]["reward_mean"] <= 1.0
     # the final checkpoint: each rank wrote its own shard; one rank reads them all back for an export
     from trellis.export import export_checkpoint
