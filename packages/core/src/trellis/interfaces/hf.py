@@ -90,7 +90,9 @@ def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def forward_outputs(model: torch.nn.Module, micro: Batch, outputs: tuple[str, ...], head: str, entropy_chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+def forward_outputs(
+    model: torch.nn.Module, micro: Batch, outputs: tuple[str, ...], head: str, entropy_chunk_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """Run ``model`` on the micro-batch's ``input_ids``, ``attention_mask``, ``position_ids`` (moved
     to the model's device) and return the named ``outputs``."""
     device = next(model.parameters()).device

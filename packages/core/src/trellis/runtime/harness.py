@@ -97,7 +97,9 @@ def spawn_worker(
     options = instantiate_options(cfg.backend, entry.options) if entry.options else None
     mesh = Mesh.for_options(options, controller.world_size())
     total_steps = cfg.trainer.total_steps if "trainer" in cfg else 0
-    spec = WorkerSpec(role, model_path, entry.obj, options, role_options, dict(objectives or {}), registry=registry, seed=cfg.seed, total_steps=total_steps)
+    spec = WorkerSpec(
+        role, model_path, entry.obj, options, role_options, dict(objectives or {}), registry=registry, seed=cfg.seed, total_steps=total_steps
+    )
     return controller.spawn(role, functools.partial(_role_worker, spec), mesh)
 
 

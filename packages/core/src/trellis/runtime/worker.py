@@ -10,6 +10,7 @@ says how each verb is dealt over the role's mesh and which ``Batch`` fields it r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -150,7 +151,7 @@ class RoleWorker(Worker):
             for mini in self.plan.mini_batches(batch, self.spec.dist.dp_size, epoch, seed):
                 agg = self._global_counts(objective, mini)
                 micros = [objective.rows(m) for m in self.plan.micro_batches(mini)]
-                per_micro = self.backend.forward_backward(micros, objective.outputs, lambda micro, out: objective.loss(micro, out, agg))
+                per_micro = self.backend.forward_backward(micros, objective.outputs, functools.partial(_loss, objective, agg=agg))
                 summed = sorted({k for m in per_micro for k in m} & objective.summed)
                 for k, v in zip(summed, self.backend.all_reduce_sum([sum(m[k] for m in per_micro) for k in summed])):
                     metrics[k].append(v)
@@ -199,6 +200,10 @@ class RoleWorker(Worker):
 
     def load(self, path: Path) -> None:
         self.backend.load(Path(path))
+
+
+def _loss(objective: Any, micro: Batch, outputs: dict[str, torch.Tensor], agg: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    return objective.loss(micro, outputs, agg)
 
 
 def build_worker(
