@@ -3,8 +3,10 @@
 Runs the ``rl`` recipe for one fixed config three times: local controller, Ray with one rank
 (the same compute, so any difference is Ray's dispatch and gather), Ray with two ranks. Drops
 warm-up steps and prints, per stage, the mean milliseconds side by side; then the framework
-overhead (step time minus the sum of the stages: batch plumbing, metrics, tracker writes) and
-Ray's per-step dispatch/gather overhead (Ray 1-rank step minus local step).
+overhead (step time minus the sum of the stages: batch plumbing, metrics, tracker writes),
+Ray's per-step dispatch/gather overhead (Ray 1-rank step minus local step), and the megabytes
+of batches shipped to the ranks per step: what each verb reads (sent) beside what shipping the
+whole batch to every verb would be (before each verb declared its inputs).
 
     python bench/rl_step.py [--steps 12] [--warmup 2] [key=value ...]
 """
@@ -48,6 +50,8 @@ def run(work: Path, model: Path, data: Path, name: str, steps: int, warmup: int,
     out["step"] = statistics.mean(r["timing/step_s"] for r in rows) * 1e3
     out["overhead"] = out["step"] - sum(v for k, v in out.items() if k in STAGES)
     out["dispatch"] = statistics.mean(r.get("timing/dispatch_s", 0.0) for r in rows) * 1e3
+    out["sent_mb"] = statistics.mean(r.get("dispatch/sent_mb", 0.0) for r in rows)
+    out["batch_mb"] = statistics.mean(r.get("dispatch/batch_mb", 0.0) for r in rows)
     out["tokens"] = statistics.mean(r["response/length_mean"] for r in rows) * 64
     return out
 
@@ -82,10 +86,12 @@ def main() -> None:
     print(f"framework overhead (local): {local['overhead']:.1f} ms = {local['overhead'] / local['step']:.1%} of the step")
     for name, r in (("ray x1", ray1), ("ray x2", ray2)):
         print(f"Ray dispatch + gather per step ({name}): {r['dispatch']:.1f} ms = {r['dispatch'] / r['step']:.1%} of its step")
+        print(f"batches shipped per step ({name}): {r['sent_mb']:.3f} MB sent, {r['batch_mb']:.3f} MB as whole batches ({r['sent_mb'] / r['batch_mb']:.0%})")
     print(
         f"RESULT local_step_ms={local['step']:.1f} local_overhead_ms={local['overhead']:.1f} "
         f"local_overhead_pct={100 * local['overhead'] / local['step']:.2f} ray1_step_ms={ray1['step']:.1f} "
-        f"ray1_dispatch_ms={ray1['dispatch']:.1f} ray2_step_ms={ray2['step']:.1f} ray2_dispatch_ms={ray2['dispatch']:.1f}"
+        f"ray1_dispatch_ms={ray1['dispatch']:.1f} ray2_step_ms={ray2['step']:.1f} ray2_dispatch_ms={ray2['dispatch']:.1f} "
+        f"ray2_sent_mb={ray2['sent_mb']:.3f} ray2_whole_batch_mb={ray2['batch_mb']:.3f}"
     )
 
 

@@ -43,7 +43,6 @@ class RolloutSpec:
     options: Any
     tokenizer: Any
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def rollout_batch(
