@@ -86,7 +86,8 @@ def main() -> None:
     print(f"framework overhead (local): {local['overhead']:.1f} ms = {local['overhead'] / local['step']:.1%} of the step")
     for name, r in (("ray x1", ray1), ("ray x2", ray2)):
         print(f"Ray dispatch + gather per step ({name}): {r['dispatch']:.1f} ms = {r['dispatch'] / r['step']:.1%} of its step")
-        print(f"batches shipped per step ({name}): {r['sent_mb']:.3f} MB sent, {r['batch_mb']:.3f} MB as whole batches ({r['sent_mb'] / r['batch_mb']:.0%})")
+        share = r["sent_mb"] / r["batch_mb"]
+        print(f"batches shipped per step ({name}): {r['sent_mb']:.3f} MB sent, {r['batch_mb']:.3f} MB as whole batches ({share:.0%})")
     print(
         f"RESULT local_step_ms={local['step']:.1f} local_overhead_ms={local['overhead']:.1f} "
         f"local_overhead_pct={100 * local['overhead'] / local['step']:.2f} ray1_step_ms={ray1['step']:.1f} "
