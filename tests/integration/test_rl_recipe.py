@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.data import PromptDataset, load_rows
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
@@ -135,7 +136,8 @@ def test_rollout_follows_actor_after_update_and_sync(actor_and_rollout):
     torch.testing.assert_close(actor.log_prob(after)["log_probs"] * after["response_mask"], after["rollout_log_probs"], atol=1e-5, rtol=0)
 
 
-def test_sft_recipe_with_dft_loss_saves_loadable_model(tiny_model_path, data_files, tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", "plain"])
+def test_sft_recipe_with_dft_loss_saves_loadable_model(tiny_model_path, data_files, tmp_path, backend):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "sft"
@@ -149,6 +151,7 @@ def test_sft_recipe_with_dft_loss_saves_loadable_model(tiny_model_path, data_fil
             "data.batch_samples=16",
             "train.loss.name=dft",
             "train.optim.lr=1e-2",
+            f"backend.name={backend}",
             "trainer.total_steps=3",
             "trainer.trackers=[jsonl]",
             "trainer.save_hf_model=true",
@@ -203,3 +206,26 @@ def test_samples_carry_their_prompt_uid_and_weight_version(run_rl, monkeypatch):
     (uids1, v1), (uids2, v2) = seen
     assert v1 == [0] * len(v1) and v2 == [1] * len(v2)
     assert len(set(uids1)) == 4 and all(list(uids1).count(u) == 4 for u in set(uids1)) and not set(uids1) & set(uids2)
+
+
+def test_async_generation_reaches_the_engine_through_the_local_controller(tiny_model_path):
+    """``RolloutGroup.agenerate``, the multi-turn loop's entry, under the local controller:
+    concurrent samples, each the tokens that batch generation gives the same prompt."""
+    import asyncio
+
+    from trellis.runtime.controller import LocalController
+    from trellis_hf.engine import make_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rollout = LocalController().spawn_rollout(lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor=None)
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("12+7=", "3+4=")]
+    params = SamplingParams(max_new_tokens=5, greedy=True)
+
+    async def both():
+        return await asyncio.gather(*(rollout.agenerate(p, params) for p in prompts))
+
+    got = asyncio.run(both())
+    for prompt, sample in zip(prompts, got):
+        batch = rollout.generate(Batch({"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}), params)
+        assert sample.token_ids == batch["responses"][0][batch["response_mask"][0].bool()].tolist()
+        assert len(sample.log_probs) == len(sample.token_ids) > 0 and batch["weight_version"].tolist() == [0]
