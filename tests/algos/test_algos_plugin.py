@@ -18,6 +18,7 @@ EXPECTED = {
     "kl": {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"},
     "sft_loss": {"cross_entropy", "dft"},
     "preference_loss": {"sigmoid", "ipo"},
+    "objective": {"policy", "value", "sft", "preference", "kl_in_reward"},
 }
 SIMPLE_TYPES = {int, float, bool, str}
 
