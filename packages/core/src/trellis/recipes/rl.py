@@ -21,7 +21,7 @@ from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
 from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, TrainerConfig, backend_field, check_inputs
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardError, RewardManager, resolve_reward
-from trellis.runtime.harness import Run, RunContext, world_size
+from trellis.runtime.harness import Run, RunContext, backend_mesh
 from trellis.runtime.trackers import Trackers
 
 log = logging.getLogger("trellis")
@@ -105,11 +105,12 @@ def check(cfg: DictConfig, registry) -> None:
         raise ConfigError(f"config key 'reward': {exc}") from None
     check_inputs(cfg)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
-    world = world_size(cfg.trainer)
+    world = backend_mesh(cfg, registry).dp
     if samples % world:
         raise ConfigError(
             f"a step has data.train_batch_prompts x sampling.n = {samples} samples, which {world} data-parallel ranks "
-            f"(trainer.nnodes x trainer.procs_per_node) cannot share evenly; make it a multiple of {world}"
+            f"(trainer.nnodes x trainer.procs_per_node, over the backend's tensor/pipeline groups) cannot share evenly; "
+            f"make it a multiple of {world}"
         )
     for role in ("actor", "critic"):
         mini = cfg[role].mini_batch_samples

@@ -82,6 +82,13 @@ def world_size(trainer: DictConfig) -> int:
     return 1 if trainer.controller == "local" else trainer.nnodes * trainer.procs_per_node
 
 
+def backend_mesh(cfg: DictConfig, registry: Registry) -> Mesh:
+    """The mesh the run's backend lays its ranks out in (for checks made before anything is built)."""
+    entry = registry.get("backend", cfg.backend.name)
+    options = instantiate_options(cfg.backend, entry.options) if entry.options else None
+    return Mesh.for_options(options, world_size(cfg.trainer))
+
+
 def spawn_worker(
     controller: Controller,
     registry: Registry,

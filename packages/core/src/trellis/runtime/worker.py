@@ -136,9 +136,10 @@ class RoleWorker(Worker):
         return self.objectives[verb]
 
     def _global_counts(self, objective: Any, mini: Batch):
+        """The objective's counts of this rank's part of the mini-batch, summed over ranks."""
         local = objective.counts(mini)
-        tokens, seqs = self.backend.all_reduce_sum([local.global_tokens or 0.0, local.global_seqs or 0.0])
-        return dataclasses.replace(local, global_tokens=tokens, global_seqs=seqs)
+        names = [n for n in ("global_tokens", "global_seqs") if getattr(local, n) is not None]
+        return dataclasses.replace(local, **dict(zip(names, self.backend.all_reduce_sum([getattr(local, n) for n in names]))))
 
     def _train(self, verb: str, batch: Batch, prefix: str) -> dict[str, float]:
         """Epochs over mini-batches (one optimizer step each) of micro-batches; the LR schedule
@@ -155,7 +156,7 @@ class RoleWorker(Worker):
                 summed = sorted({k for m in per_micro for k in m} & objective.summed)
                 for k, v in zip(summed, self.backend.all_reduce_sum([sum(m[k] for m in per_micro) for k in summed])):
                     metrics[k].append(v)
-                for k in {k for m in per_micro for k in m} - objective.summed:
+                for k in sorted({k for m in per_micro for k in m} - objective.summed):
                     values = [m[k] for m in per_micro if k in m]
                     metrics[k].append(sum(values) / len(values))
                 for k, v in self.backend.optimizer_step().items():
