@@ -17,6 +17,8 @@ from trellis.interfaces.dispatch import Mesh, Route
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.runtime.worker import Worker
 
+PROMPT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a rollout engine reads of a prompt batch
+
 
 def batch_bytes(batch: Batch) -> int:
     """Bytes a batch takes on the wire: its tensors plus its pickled Python fields."""
@@ -81,7 +83,13 @@ class RolloutGroup:
     version = 0
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        out = self._generate(prompts, params)
+        """The engines get the prompts' token ids only; the other fields (data source, ground
+        truth, ``uid``...) stay here and are repeated onto each prompt's samples."""
+        shipped = prompts.select(*[k for k in PROMPT_INPUTS if k in prompts])
+        out = self._generate(shipped, params)
+        kept = [k for k in prompts.keys() if k not in shipped]
+        if kept:
+            out.update(prompts.select(*kept).repeat_interleave(params.n))
         out["weight_version"] = torch.full((len(out),), self.version, dtype=torch.long)
         return out
 
