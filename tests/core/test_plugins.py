@@ -52,6 +52,17 @@ def test_duplicate_from_second_plugin_names_both():
         load_plugins(extra=[("clash", clash)])
 
 
+def test_an_in_process_plugin_under_an_installed_name_is_refused():
+    with pytest.raises(RegistryError, match="two plugins are named 'example'.*pass an in-process plugin under another name"):
+        load_plugins(extra=[("example", types.SimpleNamespace())])
+
+
+def test_core_is_its_own_entry_point_and_loads_first():
+    plugins = load_plugins(entry_points=False)
+    assert [(i.name, i.distribution) for i in plugins.infos] == [("core", "trellis-core")]
+    assert plugins.registry.get("recipe", "rl").plugin == "core"
+
+
 def test_failing_import_is_reported_not_fatal(broken_vllm_plugin):
     plugins = load_plugins()
     broken = next(i for i in plugins.infos if i.name == "vllm")

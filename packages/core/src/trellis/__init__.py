@@ -22,8 +22,20 @@ _API = {
     "ConfigError": "trellis.config",
     "instantiate_options": "trellis.config",
     "resolve_component": "trellis.config",
-    # data
+    "compose": "trellis.config",
+    # data and rewards
     "Batch": "trellis.batch",
+    "load_rows": "trellis.data",
+    "PROMPT_COLUMNS": "trellis.data",
+    "PromptDataset": "trellis.data",
+    "PromptLoader": "trellis.data",
+    "SFTDataset": "trellis.data",
+    "SFTLoader": "trellis.data",
+    "sft_batches": "trellis.data",
+    "RewardConfig": "trellis.rewards",
+    "RewardManager": "trellis.rewards",
+    "RewardError": "trellis.rewards",
+    "resolve_reward": "trellis.rewards",
     # interfaces: backends, dispatch, rollout, algorithms, environments
     "Backend": "trellis.interfaces.backend",
     "BackendSpec": "trellis.interfaces.backend",
@@ -62,6 +74,11 @@ _API = {
     "ModelConfig": "trellis.recipes.options",
     "TrainerConfig": "trellis.recipes.options",
     "OptimConfig": "trellis.recipes.options",
+    "BatchingConfig": "trellis.recipes.options",
+    "ActorConfig": "trellis.recipes.options",
+    "CriticConfig": "trellis.recipes.options",
+    "SFTTrainConfig": "trellis.recipes.options",
+    "PreferenceTrainConfig": "trellis.recipes.options",
     "backend_field": "trellis.recipes.options",
     "check_inputs": "trellis.recipes.options",
 }

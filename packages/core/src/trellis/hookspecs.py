@@ -40,4 +40,5 @@ def trellis_checkpoint_saved(step, path):
 
 @hookspec
 def trellis_train_end(run_dir, metrics):
-    """A recipe finished (normally or with an error). ``metrics`` holds the last step's figures."""
+    """A run that started (``trellis_train_start`` fired) finished, normally or with an error.
+    ``metrics`` holds the last step's figures."""

@@ -69,6 +69,11 @@ def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bo
         if obj is None:
             registry.note_load_error(info.distribution, f"plugin {info.name!r} ({info.distribution}) failed to load: {info.error}")
             continue
+        if pm.has_plugin(info.name):
+            raise RegistryError(
+                f"two plugins are named {info.name!r} ({info.distribution} and one loaded before it); "
+                "uninstall one, or pass an in-process plugin under another name"
+            )
         pm.register(obj, name=info.name)
         before = {(e.kind, e.name) for e in registry.entries()}
         registry.adding_for(info.name)

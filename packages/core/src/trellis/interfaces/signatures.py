@@ -40,6 +40,10 @@ class AdvantageInputs:
 
 
 class AdvantageEstimator(Protocol):
+    """An estimator may carry a ``needs`` attribute: what it asks for beyond rewards, among
+    ``"values"`` (the ``rl`` recipe builds a critic and fills ``values``) and
+    ``"greedy_baseline"`` (a greedy rollout per prompt fills ``baseline_rewards``)."""
+
     def __call__(self, data: AdvantageInputs, options: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(advantages, returns)``, each ``(batch, response_len)``, zero where masked."""
 

@@ -45,7 +45,7 @@ class TrainerConfig:
 def check_inputs(cfg: DictConfig) -> None:
     """The model folder and the data files a recipe names must exist (checked before building)."""
     for key in ("train_path", "val_path"):
-        path = cfg.data[key]
+        path = cfg.data.get(key)
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
     if not Path(cfg.model.path).exists():

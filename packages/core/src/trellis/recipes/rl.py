@@ -22,7 +22,6 @@ from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, Trai
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardError, RewardManager, resolve_reward
 from trellis.runtime.harness import Run, RunContext, backend_mesh
-from trellis.runtime.trackers import Trackers
 
 log = logging.getLogger("trellis")
 
@@ -96,7 +95,6 @@ class RLConfig:
 
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built."""
-    Trackers.check(cfg.trainer.trackers, registry)
     for key, name in (("actor.kl_loss_type", cfg.actor.kl_loss_type), ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
         _lookup(registry, "kl", name, key)
     try:

@@ -15,7 +15,6 @@ from trellis.export import save_hf_folder
 from trellis.interfaces.signatures import AGG_MODES
 from trellis.recipes.options import ModelConfig, SFTTrainConfig, TrainerConfig, backend_field, check_inputs
 from trellis.runtime.harness import Run, RunContext
-from trellis.runtime.trackers import Trackers
 
 
 @dataclass
@@ -43,7 +42,6 @@ class SFTConfig:
 
 
 def check(cfg: DictConfig, registry) -> None:
-    Trackers.check(cfg.trainer.trackers, registry)
     check_inputs(cfg)
     if cfg.train.loss_agg_mode not in AGG_MODES:
         raise ConfigError(f"config key 'train.loss_agg_mode' is {cfg.train.loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")

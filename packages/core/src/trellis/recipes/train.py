@@ -14,6 +14,7 @@ from trellis.plugins import Plugins, load_plugins
 from trellis.registry import Registry
 from trellis.runtime.checkpoint import checkpoint_step, find_resume
 from trellis.runtime.harness import RunContext
+from trellis.runtime.trackers import Trackers
 
 log = logging.getLogger("trellis")
 
@@ -48,8 +49,11 @@ def run_dir_for(cfg: DictConfig) -> Path:
 
 
 def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Path | None:
-    """Everything that needs no model: the recipe's own checks, then the checkpoint to resume from
-    (checked against the config). Returns that checkpoint, or None for a fresh run."""
+    """Everything that needs no model: the trackers ``trainer.trackers`` names (installed, their
+    library imports), the recipe's own checks, then the checkpoint to resume from (checked against
+    the config). Returns that checkpoint, or None for a fresh run."""
+    if "trackers" in (cfg.get("trainer") or {}):
+        Trackers.check(cfg.trainer.trackers, registry)
     recipe_check = getattr(recipe, "check", None)
     if recipe_check is not None:
         recipe_check(cfg, registry)
@@ -64,7 +68,7 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
     plugins = plugins or load_plugins()
     if not plugins.registry.names("recipe"):
         raise config_mod.ConfigError(
-            "no recipe is installed; the rl and sft recipes come with trellis-core, SPIN with trellis-algos"
+            "no recipe is installed; the rl and sft recipes come with trellis-core: pip install trellis-core"
         )
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
     recipe = plugins.registry.get("recipe", cfg.recipe).obj
