@@ -31,6 +31,13 @@ def lr_factor(warmup: int, schedule: str, min_ratio: float, total_steps: int):
     return factor
 
 
+def schedule_step(scheduler: LambdaLR) -> float:
+    """Advance the LR schedule by one trainer step; returns the LR that was in use."""
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    return lr
+
+
 def clipped_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, grad_clip: float) -> dict[str, float]:
     """Clip the gradients of ``params`` to a global norm of ``grad_clip`` (0: no clipping), step
     unless the norm is not finite (a non-finite gradient would poison the weights), zero them.

@@ -13,7 +13,7 @@ import trellis
 from trellis.batch import Batch
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket
 from trellis.interfaces.hf import forward_outputs, load_hf_model
-from trellis.interfaces.optim import clipped_step, make_optimizer
+from trellis.interfaces.optim import clipped_step, make_optimizer, schedule_step
 from trellis.runtime.rng import get_rng_state, set_rng_state
 
 STATE_FILE = "plain.pt"
@@ -51,9 +51,7 @@ class PlainBackend(Backend):
         return clipped_step(list(self.model.parameters()), self.optimizer, self.spec.optim.grad_clip)
 
     def lr_step(self) -> float:
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        return lr
+        return schedule_step(self.scheduler)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return list(values)
