@@ -3,6 +3,7 @@ placement that cannot be satisfied, a rank that dies mid-step, Ray missing, a re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -67,7 +68,7 @@ def actor_factory(tiny_model_path):
     registry = load_plugins().registry
     options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 2, "mini_batch_samples": 4}), ActorConfig, registry)
     spec = WorkerSpec("actor", tiny_model_path, FSDPBackend, FSDPOptions(), options, {"update": "policy"}, registry=registry)
-    return lambda dist: RoleWorker(WorkerSpec(**{**spec.__dict__, "dist": dist}))
+    return lambda dist: RoleWorker(dataclasses.replace(spec, dist=dist))
 
 
 def grpo_step(ctrl, make, batch):
@@ -151,7 +152,7 @@ def test_copy_weights_and_agenerate_reach_the_ranks(ray_cluster, tiny_model_path
     ctrl = controller(2)
     try:
         actor = ctrl.spawn("actor", make)
-        ref = ctrl.spawn("ref", lambda dist: RoleWorker(WorkerSpec(**{**spec.__dict__, "dist": dist})))
+        ref = ctrl.spawn("ref", lambda dist: RoleWorker(dataclasses.replace(spec, dist=dist)))
         batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
         actor.update(batch)
         moved = actor.log_prob(batch)["log_probs"]

@@ -17,6 +17,7 @@ A recipe's ``run`` reads as its loop::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trellis.config import ConfigError, instantiate_options
+from trellis.config import ConfigError, resolve_component
+from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import Mesh
 from trellis.interfaces.rollout import RolloutSpec
 from trellis.plugins import Plugins
@@ -84,8 +86,7 @@ def world_size(trainer: DictConfig) -> int:
 
 def backend_mesh(cfg: DictConfig, registry: Registry) -> Mesh:
     """The mesh the run's backend lays its ranks out in (for checks made before anything is built)."""
-    entry = registry.get("backend", cfg.backend.name)
-    options = instantiate_options(cfg.backend, entry.options) if entry.options else None
+    _, options = resolve_component(registry, "backend", cfg.backend)
     return Mesh.for_options(options, world_size(cfg.trainer))
 
 
@@ -100,18 +101,17 @@ def spawn_worker(
 ) -> WorkerGroup:
     """``role`` on the controller's ranks: the backend ``cfg.backend`` names, laid out as its
     options' mesh, driven by the named objectives."""
-    entry = registry.get("backend", cfg.backend.name)
-    options = instantiate_options(cfg.backend, entry.options) if entry.options else None
+    make_backend, options = resolve_component(registry, "backend", cfg.backend)
     mesh = Mesh.for_options(options, controller.world_size())
     total_steps = cfg.trainer.total_steps if "trainer" in cfg else 0
     spec = WorkerSpec(
-        role, model_path, entry.obj, options, role_options, dict(objectives or {}), registry=registry, seed=cfg.seed, total_steps=total_steps
+        role, model_path, make_backend, options, role_options, dict(objectives or {}), registry=registry, seed=cfg.seed, total_steps=total_steps
     )
     return controller.spawn(role, functools.partial(_role_worker, spec), mesh)
 
 
-def _role_worker(spec: WorkerSpec, dist) -> RoleWorker:
-    return RoleWorker(WorkerSpec(**{**spec.__dict__, "dist": dist}))
+def _role_worker(spec: WorkerSpec, dist: DistInfo) -> RoleWorker:
+    return RoleWorker(dataclasses.replace(spec, dist=dist))
 
 
 class StageTimer:
@@ -180,12 +180,10 @@ class Run:
 
     def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any) -> RolloutGroup:
         """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh."""
-        node = self.cfg.rollout
-        entry = self.registry.get("rollout", node.name)
-        options = instantiate_options(node, entry.options) if entry.options else None
+        make_engine, options = resolve_component(self.registry, "rollout", self.cfg.rollout)
         spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed)
         mesh = Mesh.for_options(options, self.controller.world_size())
-        return self.controller.spawn_rollout(functools.partial(entry.obj, spec), actor, mesh)
+        return self.controller.spawn_rollout(functools.partial(make_engine, spec), actor, mesh)
 
     def start(self, roles: dict[str, WorkerGroup | None], state: dict[str, Any]) -> int:
         """Load the checkpoint being resumed (roles' shards, stateful objects' ``state_dict``,
