@@ -25,15 +25,31 @@ def device_for(info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface (``lo`` on Linux), if it has one."""
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+
+
 def ensure_process_group(info: DistInfo) -> DeviceMesh:
-    """Join (or reuse) the default process group and return a 1-D data-parallel mesh over it."""
+    """Join (or reuse) the default process group and return a 1-D data-parallel mesh over it.
+
+    Nothing listens beyond loopback unless the ranks span machines: one rank meets itself in an
+    in-memory store; ranks on one machine meet through a file (``DistInfo.init_method``
+    ``file://``) and keep gloo's and NCCL's sockets on the loopback interface."""
     device = device_for(info)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        port = info.master_port if info.world_size > 1 else free_port()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{port}", rank=info.rank, world_size=info.world_size)
+        if info.world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            url = info.init_method or f"tcp://{info.master_addr}:{info.master_port}"
+            loopback = loopback_interface()
+            if url.startswith("file://") and loopback:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+            dist.init_process_group(backend, init_method=url, rank=info.rank, world_size=info.world_size)
     elif dist.get_world_size() != info.world_size:
         raise RuntimeError(
             f"this process already belongs to a process group of {dist.get_world_size()} ranks, "

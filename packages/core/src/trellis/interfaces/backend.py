@@ -42,7 +42,12 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 @dataclass
 class DistInfo:
-    """Where a worker sits: its rank in its role's world and the role's device mesh."""
+    """Where a worker sits: its rank in its role's world and the role's device mesh.
+
+    init_method: how the ranks meet (torch.distributed's rendezvous URL): ``file://...`` when every
+    rank is on one machine (no listening socket), else ``tcp://<rank 0's node>:<port>``; None:
+    ``tcp://master_addr:master_port``. One rank needs none.
+    """
 
     rank: int = 0
     world_size: int = 1
@@ -50,6 +55,7 @@ class DistInfo:
     master_port: int = 29500
     device: str = "auto"  # auto: cuda when available, else cpu
     mesh: Mesh | None = None  # None: every rank data-parallel
+    init_method: str | None = None
 
     def __post_init__(self) -> None:
         if self.mesh is None:

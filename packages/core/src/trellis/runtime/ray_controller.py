@@ -1,17 +1,21 @@
 """Ray controller: N ranks per role as Ray actors in placement groups; actor, ref and rollout
-share one process per rank (hybrid engine). Every wait on Ray has a timeout."""
+share one process per rank (hybrid engine). Every wait on Ray has a timeout. A cluster it starts
+itself is private: its own temp dir, no dashboard, token authentication with a fresh token."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
+import secrets
 import socket
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 from trellis.batch import Batch
@@ -21,6 +25,38 @@ from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup
 from trellis.runtime.worker import Worker
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _reload_auth_settings() -> None:
+    """Ray reads ``RAY_AUTH_*`` once per process (its config at import, the token on first use):
+    make it read them again after they change. Private Ray APIs, used only where they exist."""
+    import ray._raylet
+
+    config, loader = getattr(ray._raylet, "Config", None), getattr(ray._raylet, "AuthenticationTokenLoader", None)
+    if config is not None and loader is not None:
+        config.initialize("")
+        loader.instance().reset_cache()
+
+
+def _join(ray, address: str) -> None:
+    """Join the cluster at ``address``; a refused or unreachable cluster is a clear error, not a hang."""
+    try:
+        ray.init(address=address, log_to_driver=True)
+    except ConnectionError as exc:
+        raise ConfigError(
+            f"could not join the Ray cluster at RAY_ADDRESS={address!r} ({exc}). If Ray's log above says "
+            "'InvalidAuthToken', the cluster uses token authentication (on by default since Ray 2.59): give this "
+            "process the cluster's token with RAY_AUTH_TOKEN_PATH=<its token file> (or RAY_AUTH_TOKEN) and "
+            "RAY_AUTH_MODE=token; otherwise check that the address is right and the cluster is up"
+        ) from None
 
 
 class RankFailure(RuntimeError):
@@ -57,13 +93,14 @@ class RankProcess:
         self.workers: dict[str, Worker] = {}
         self.engine: RolloutEngine | None = None
 
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free port on it (rank 0's becomes the process-group master)."""
+    def address(self) -> tuple[str, int, str]:
+        """This node's IP, a free port on it and its temp folder (rank 0's are where the ranks of
+        the process group meet)."""
         import ray
 
         with socket.socket() as s:
             s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+            return ray.util.get_node_ip_address(), s.getsockname()[1], tempfile.gettempdir()
 
     def add_worker(self, role: str, make_worker: Callable[[DistInfo], Worker], dist: DistInfo) -> dict:
         worker = make_worker(dist)
@@ -119,6 +156,11 @@ class RayPool:
         ]
         self.nodes = self.get([r.address.remote() for r in self.ranks], "start")
         self.device = "cuda" if use_gpu else "cpu"
+        master, port, tmp = self.nodes[0]
+        # Ranks on one machine meet through a file (nothing listens); across machines through rank
+        # 0's node address (torch's store listens there).
+        one_machine = len({ip for ip, _, _ in self.nodes}) == 1
+        self.rendezvous = f"file://{tmp}/trellis-rendezvous-{uuid.uuid4().hex}" if one_machine else f"tcp://{master}:{port}"
         self.dispatch_s = 0.0
 
     def timed(self, refs: list, what: str, role: str) -> list:
@@ -210,20 +252,32 @@ class RayController(Controller):
         self.timeout_s, self.call_timeout_s = timeout_s, call_timeout_s
         self.separate = set(separate_pools)
         self.started_cluster = False
+        self._restore_env: dict[str, str | None] = {}
+        self._token: Path | None = None
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
-                ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+                _join(ray, os.environ["RAY_ADDRESS"])
             else:
-                ray.init(
-                    num_cpus=os.cpu_count() or 1,
-                    include_dashboard=False,
-                    _temp_dir=tempfile.mkdtemp(prefix="trellis-ray-"),
-                    log_to_driver=True,
-                )
-                self.started_cluster = True
+                self._start_private_cluster()
         self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         self.threads = max(1, (os.cpu_count() or 1) // procs_per_node)
         self.pools: dict[str, RayPool] = {}
+
+    def _start_private_cluster(self) -> None:
+        """A local cluster for this run alone: its own temp dir (private to this user), no
+        dashboard, and token authentication whatever the Ray version's default, with a fresh token
+        in a file only this user can read (deleted at shutdown)."""
+        tmp = Path(tempfile.mkdtemp(prefix="trellis-ray-"))
+        self._token = tmp / "auth_token"
+        fd = os.open(self._token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secrets.token_hex(32).encode())
+        os.close(fd)
+        auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self._token), "RAY_AUTH_TOKEN": None}
+        self._restore_env = {k: os.environ.get(k) for k in auth}
+        _set_env(auth)
+        _reload_auth_settings()
+        self.ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True)
+        self.started_cluster = True
 
     def _pool(self, role: str) -> RayPool:
         name = role if role in self.separate else "actor"
@@ -240,13 +294,11 @@ class RayController(Controller):
         if mesh.world_size != self.world:
             raise ValueError(f"role {role!r} asks for a mesh of {mesh.world_size} ranks ({mesh}); the pool has {self.world}")
         pool = self._pool(role)
-        master, port = pool.nodes[0]
-        refs = [
-            r.add_worker.remote(
-                role, make_worker, DistInfo(rank=i, world_size=self.world, master_addr=master, master_port=port, device=pool.device, mesh=mesh)
-            )
-            for i, r in enumerate(pool.ranks)
+        master, port, _ = pool.nodes[0]
+        dists = [
+            DistInfo(i, self.world, master, port, device=pool.device, mesh=mesh, init_method=pool.rendezvous) for i in range(self.world)
         ]
+        refs = [r.add_worker.remote(role, make_worker, d) for r, d in zip(pool.ranks, dists)]
         routes = pool.get(refs, f"building {role}", role)[0]
         return RayWorkerGroup(role, pool, mesh, routes)
 
@@ -277,3 +329,7 @@ class RayController(Controller):
         self.pools.clear()
         if self.started_cluster:
             self.ray.shutdown()
+            self.started_cluster = False
+            self._token.unlink(missing_ok=True)
+            _set_env(self._restore_env)
+            _reload_auth_settings()
