@@ -263,3 +263,33 @@ def test_ray_address_joins_an_existing_cluster_and_leaves_it_running(ray_cluster
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
     )
+
+
+def test_spin_recipe_on_two_ray_ranks_refreshes_the_reference_in_memory(ray_cluster, tiny_model_path, tmp_path):
+    """SPIN on 2 ranks: every step's pairs start from policy == reference (margin 0) only if the
+    reference took the actor's weights on every rank after the step before."""
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
+
+    data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
+    train(
+        None,
+        [
+            "recipe=spin",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={data}",
+            "data.train_batch_prompts=2",
+            "sampling.n=2",
+            "sampling.max_new_tokens=4",
+            "train.optim.lr=1e-3",
+            "ref_update_every=1",
+            "trainer.total_steps=2",
+            "trainer.trackers=[jsonl]",
+            "trainer.controller=ray",
+            "trainer.procs_per_node=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    steps = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["spin/pairs"] for s in steps] == [4.0, 4.0]
+    assert all(s["actor/reward_margin"] == pytest.approx(0.0, abs=1e-5) and s["actor/grad_norm"] > 0 for s in steps)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
 from trellis_algos import advantages, kl, objectives, policy_losses, preference, sft_losses
+from trellis_algos.spin import SPINRecipe
 
 
 @hookimpl
 def trellis_register(registry):
-    """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss``, ``preference_loss`` and ``objective``."""
+    """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss``, ``preference_loss`` and
+    ``objective``, and the recipe ``spin``."""
     for kind, table in (
         ("advantage", advantages.ESTIMATORS),
         ("policy_loss", policy_losses.LOSSES),
@@ -21,3 +23,4 @@ def trellis_register(registry):
         registry.add("kl", name, fn, options=None)
     for name, factory in objectives.OBJECTIVES.items():
         registry.add("objective", name, factory, options=None)
+    registry.add("recipe", "spin", SPINRecipe(), options=SPINRecipe.Config)

@@ -26,6 +26,7 @@ _API = {
     # data and rewards
     "Batch": "trellis.batch",
     "load_rows": "trellis.data",
+    "encode_response": "trellis.data",
     "PROMPT_COLUMNS": "trellis.data",
     "PromptDataset": "trellis.data",
     "PromptLoader": "trellis.data",

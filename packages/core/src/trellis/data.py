@@ -406,10 +406,16 @@ def _target(row: dict[str, Any], response_key: str | None, i: int) -> str:
     return str(value)
 
 
+def encode_response(tokenizer: Any, target: str) -> list[int]:
+    """A target answer's token ids as the model would generate them after the prompt: the text,
+    then the eos token (unless the text already ends with it)."""
+    eos = tokenizer.eos_token or ""
+    return _encode(tokenizer, target if eos and target.endswith(eos) else target + eos)
+
+
 def _prompt_response_sample(tokenizer: Any, messages: list[dict[str, Any]], target: str, kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
     prompt = _encode(tokenizer, _render(tokenizer, messages, True, kwargs))
-    eos = tokenizer.eos_token or ""
-    response = _encode(tokenizer, target if eos and target.endswith(eos) else target + eos)
+    response = encode_response(tokenizer, target)
     return prompt + response, [0] * len(prompt) + [1] * len(response)
 
 

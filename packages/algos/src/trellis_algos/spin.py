@@ -1,0 +1,211 @@
+"""The ``spin`` recipe: self-play fine-tuning (Chen et al., arXiv:2401.01335) as online DPO.
+
+Each step the current policy samples ``n`` responses per prompt; pairs are made either from the
+dataset's reference answer (chosen) against each sample (rejected), as in the SPIN paper, or from
+the samples themselves ranked by a reward (best against worst of each prompt); the actor takes a
+preference step (``sigmoid`` or ``ipo``) against the reference model, and the reference takes the
+actor's weights, in memory, every ``ref_update_every`` steps (the paper's iterations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import MISSING, DictConfig
+from transformers import AutoTokenizer
+
+from trellis import (
+    PROMPT_COLUMNS,
+    Batch,
+    ConfigError,
+    ModelConfig,
+    PreferenceTrainConfig,
+    PromptDataset,
+    PromptLoader,
+    RegistryError,
+    RewardConfig,
+    RewardError,
+    RewardManager,
+    Run,
+    RunContext,
+    SamplingParams,
+    TrainerConfig,
+    backend_field,
+    check_inputs,
+    component,
+    encode_response,
+    instantiate_options,
+    load_rows,
+    pair_batch,
+    resolve_reward,
+    rollout_batch,
+)
+from trellis_algos.preference import make_pairs
+
+PAIR_SOURCES = ("reference", "ranked")
+
+
+@dataclass
+class SPINData:
+    """Prompts in verl's schema; with ``pairs: reference`` each row's reference answer is in
+    ``extra_info.answer`` (as verl's GSM8K preprocessing writes it)."""
+
+    train_path: str = MISSING
+    val_path: str | None = None
+    max_prompt_length: int = 256
+    train_batch_prompts: int = 8
+    val_max_prompts: int = 0  # 0: every held-out prompt
+    shuffle: bool = True
+
+
+@dataclass
+class SPINSampling:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+@dataclass
+class SPINConfig:
+    recipe: str = "spin"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SPINData = field(default_factory=SPINData)
+    backend: dict = backend_field()
+    rollout: dict = component("rollout", "hf")
+    sampling: SPINSampling = field(default_factory=SPINSampling)
+    pairs: str = "reference"  # reference (dataset answer vs each sample) | ranked (best vs worst sample by reward)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # ranks samples (ranked) and scores held-out prompts
+    ref_update_every: int = 1  # steps between reference <- actor (0: never)
+    train: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def check(cfg: DictConfig, registry: Any) -> None:
+    """What a user can fix, before anything is written or built."""
+    check_inputs(cfg)
+    if cfg.pairs not in PAIR_SOURCES:
+        raise ConfigError(f"config key 'pairs' is {cfg.pairs!r}; valid: {', '.join(PAIR_SOURCES)}")
+    if cfg.pairs == "ranked" and cfg.sampling.n < 2:
+        raise ConfigError(f"config key 'sampling.n' is {cfg.sampling.n}; pairs: ranked compares samples of a prompt, so it needs at least 2")
+    if cfg.ref_update_every < 0:
+        raise ConfigError(f"config key 'ref_update_every' is {cfg.ref_update_every}; give 0 (never) or a number of steps")
+    try:
+        resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
+    except (RewardError, RegistryError) as exc:
+        raise ConfigError(f"config key 'reward': {exc}") from None
+
+
+def reference_answers(prompts: Batch, tokenizer: Any, params: SamplingParams) -> Batch:
+    """The prompts' reference answers (``extra_info.answer``) laid out as a rollout of one sample
+    per prompt: ``responses``, ``response_mask`` and prompt + response model inputs."""
+    answers = []
+    for i, info in enumerate(prompts["extra_info"]):
+        answer = (info or {}).get("answer")
+        if answer is None:
+            raise ConfigError(
+                f"pairs: reference needs each prompt's reference answer in extra_info.answer; the prompt at data row "
+                f"{prompts['index'][i]} has none (use pairs: ranked to pair the model's own samples instead)"
+            )
+        answers.append(encode_response(tokenizer, str(answer)))
+    width = max(map(len, answers))
+    responses = torch.tensor([a + [tokenizer.pad_token_id or 0] * (width - len(a)) for a in answers])
+    mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers])
+    return rollout_batch(prompts, SamplingParams(n=1, temperature=params.temperature), responses, mask, torch.zeros(mask.shape))
+
+
+def summed_log_probs(ref, rows: Batch) -> torch.Tensor:
+    """The reference model's log-probability of each row's response, ``(rows,)``."""
+    return (ref.log_prob(rows)["log_probs"] * rows["response_mask"]).sum(-1)
+
+
+class SPINRecipe:
+    """Self-play fine-tuning: online DPO of the policy's own samples against reference answers
+    (or against each other, ranked by a reward), the reference refreshed from the policy."""
+
+    Config = SPINConfig
+    check = staticmethod(check)
+    resume_safe_keys = ("data.val_path", "data.val_max_prompts")
+
+    def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+        with Run(cfg, ctx) as run:
+            if run.finished:
+                return run.finished_summary()
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            data = cfg.data
+            train = PromptLoader(
+                PromptDataset(load_rows(data.train_path, required=PROMPT_COLUMNS), tokenizer, data.max_prompt_length),
+                data.train_batch_prompts,
+                seed=cfg.seed,
+                shuffle=data.shuffle,
+            )
+            val_rows = load_rows(data.val_path, required=PROMPT_COLUMNS)[: data.val_max_prompts or None] if data.val_path else []
+            val = PromptDataset(val_rows, tokenizer, data.max_prompt_length) if val_rows else None
+            reward = RewardManager(instantiate_options(cfg.reward, RewardConfig), ctx.registry, tokenizer)
+
+            actor = run.spawn("actor", cfg.model.path, cfg.train, objectives={"preference_update": "preference"})
+            ref = run.spawn("ref", cfg.model.path, cfg.train)
+            rollout = run.spawn_rollout(actor, tokenizer)
+            start = run.start(roles={"actor": actor, "ref": ref}, state={"data": train})
+            if start:
+                rollout.sync_weights(version=start)
+            sampling = SamplingParams(
+                n=cfg.sampling.n, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens
+            )
+            summary: dict[str, Any] = {}
+            if val is not None and not start:
+                summary["val_before"] = self.validate(rollout, val, reward, cfg)
+                run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
+            for step in run.steps(start):
+                prompts = train.next_batch()
+                params = SamplingParams(**{**sampling.__dict__, "seed": cfg.seed * 100003 + step})
+                with run.timer("gen"):
+                    samples = rollout.generate(prompts, params)
+                with run.timer("pairs"):
+                    chosen, rejected, metrics = self.pairs(cfg, prompts, samples, reward, tokenizer, params, actor.mesh.dp)
+                if len(chosen):
+                    with run.timer("ref"):
+                        ref_chosen, ref_rejected = summed_log_probs(ref, chosen), summed_log_probs(ref, rejected)
+                    pairs = pair_batch(chosen, rejected, ref_chosen, ref_rejected)
+                    pairs.meta["step"] = step
+                    with run.timer("update_actor"):
+                        metrics.update(actor.preference_update(pairs))
+                    with run.timer("weight_sync"):
+                        rollout.sync_weights(version=step)
+                if cfg.ref_update_every and step % cfg.ref_update_every == 0:
+                    with run.timer("ref_update"):
+                        run.controller.copy_weights(actor, ref)
+                if val is not None and run.due(step) and step < cfg.trainer.total_steps:
+                    metrics.update({f"val/{k}": v for k, v in self.validate(rollout, val, reward, cfg).items()})
+                run.end_step(step, metrics)
+            if val is not None:
+                summary["val_after"] = self.validate(rollout, val, reward, cfg)
+                run.log(cfg.trainer.total_steps, {f"val/{k}": v for k, v in summary["val_after"].items()})
+        return summary
+
+    @staticmethod
+    def pairs(cfg: DictConfig, prompts: Batch, samples: Batch, reward: RewardManager, tokenizer: Any, params: SamplingParams, dp: int):
+        """``(chosen, rejected, metrics)``: two row batches of equal length in the rollout layout,
+        as many as the ``dp`` data-parallel ranks can share evenly, log-probs at temperature 1."""
+        scored = reward.score(samples)
+        metrics = {**scored.metrics, "spin/sample_reward": float(scored.scores.mean())}
+        if cfg.pairs == "reference":
+            chosen, rejected = reference_answers(prompts, tokenizer, params).repeat_interleave(params.n), samples
+        else:
+            best, worst, ties = make_pairs(scored.scores, list(samples["uid"]))
+            chosen, rejected = samples[best], samples[worst]
+            metrics["spin/tied_prompts"] = float(ties)
+        keep = torch.arange(len(chosen) - len(chosen) % dp)
+        chosen, rejected = chosen[keep], rejected[keep]
+        for rows in (chosen, rejected):
+            rows.meta = {**rows.meta, "temperature": 1.0}  # DPO compares the models' own log-probs
+        return chosen, rejected, {**metrics, "spin/pairs": float(len(keep))}
+
+    @staticmethod
+    def validate(rollout, val: PromptDataset, reward: RewardManager, cfg: DictConfig) -> dict[str, float]:
+        """Greedy reward on every held-out prompt."""
+        greedy = rollout.generate(val.as_batch(), SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, greedy=True, seed=cfg.seed))
+        return {"greedy_reward_mean": float(reward.score(greedy).scores.mean())}
