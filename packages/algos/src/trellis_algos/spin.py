@@ -13,23 +13,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis import (
-    PROMPT_COLUMNS,
     Batch,
     ConfigError,
     ModelConfig,
     PreferenceTrainConfig,
+    PromptData,
     PromptDataset,
-    PromptLoader,
     RegistryError,
     RewardConfig,
     RewardError,
     RewardManager,
     Run,
     RunContext,
+    SamplingConfig,
     SamplingParams,
     TrainerConfig,
     backend_field,
@@ -37,7 +37,7 @@ from trellis import (
     component,
     encode_response,
     instantiate_options,
-    load_rows,
+    load_prompt_data,
     pair_batch,
     resolve_reward,
     rollout_batch,
@@ -48,35 +48,14 @@ PAIR_SOURCES = ("reference", "ranked")
 
 
 @dataclass
-class SPINData:
-    """Prompts in verl's schema; with ``pairs: reference`` each row's reference answer is in
-    ``extra_info.answer`` (as verl's GSM8K preprocessing writes it)."""
-
-    train_path: str = MISSING
-    val_path: str | None = None
-    max_prompt_length: int = 256
-    train_batch_prompts: int = 8
-    val_max_prompts: int = 0  # 0: every held-out prompt
-    shuffle: bool = True
-
-
-@dataclass
-class SPINSampling:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-
-
-@dataclass
 class SPINConfig:
     recipe: str = "spin"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: SPINData = field(default_factory=SPINData)
+    data: PromptData = field(default_factory=PromptData)  # with pairs: reference, each row's answer in extra_info.answer
     backend: dict = backend_field()
     rollout: dict = component("rollout", "hf")
-    sampling: SPINSampling = field(default_factory=SPINSampling)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     pairs: str = "reference"  # reference (dataset answer vs each sample) | ranked (best vs worst sample by reward)
     reward: RewardConfig = field(default_factory=RewardConfig)  # ranks samples (ranked) and scores held-out prompts
     ref_update_every: int = 1  # steps between reference <- actor (0: never)
@@ -135,15 +114,7 @@ class SPINRecipe:
             if run.finished:
                 return run.finished_summary()
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-            data = cfg.data
-            train = PromptLoader(
-                PromptDataset(load_rows(data.train_path, required=PROMPT_COLUMNS), tokenizer, data.max_prompt_length),
-                data.train_batch_prompts,
-                seed=cfg.seed,
-                shuffle=data.shuffle,
-            )
-            val_rows = load_rows(data.val_path, required=PROMPT_COLUMNS)[: data.val_max_prompts or None] if data.val_path else []
-            val = PromptDataset(val_rows, tokenizer, data.max_prompt_length) if val_rows else None
+            train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed)
             reward = RewardManager(instantiate_options(cfg.reward, RewardConfig), ctx.registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.train, objectives={"preference_update": "preference"})
@@ -152,9 +123,7 @@ class SPINRecipe:
             start = run.start(roles={"actor": actor, "ref": ref}, state={"data": train})
             if start:
                 rollout.sync_weights(version=start)
-            sampling = SamplingParams(
-                n=cfg.sampling.n, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens
-            )
+            sampling = SamplingParams(**cfg.sampling)
             summary: dict[str, Any] = {}
             if val is not None and not start:
                 summary["val_before"] = self.validate(rollout, val, reward, cfg)

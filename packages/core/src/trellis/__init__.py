@@ -26,6 +26,7 @@ _API = {
     # data and rewards
     "Batch": "trellis.batch",
     "load_rows": "trellis.data",
+    "load_prompt_data": "trellis.data",
     "encode_response": "trellis.data",
     "PROMPT_COLUMNS": "trellis.data",
     "PromptDataset": "trellis.data",
@@ -76,6 +77,8 @@ _API = {
     "TrainerConfig": "trellis.recipes.options",
     "OptimConfig": "trellis.recipes.options",
     "BatchingConfig": "trellis.recipes.options",
+    "PromptData": "trellis.recipes.options",
+    "SamplingConfig": "trellis.recipes.options",
     "ActorConfig": "trellis.recipes.options",
     "CriticConfig": "trellis.recipes.options",
     "SFTTrainConfig": "trellis.recipes.options",

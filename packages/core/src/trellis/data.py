@@ -216,6 +216,19 @@ class PromptDataset:
         return self.collate(range(len(self)))
 
 
+def load_prompt_data(data: Any, tokenizer: Any, seed: int) -> tuple[PromptLoader, PromptDataset | None]:
+    """The training prompt loader and the held-out prompts (None without ``val_path``) of a
+    ``PromptData`` config section."""
+    train = PromptLoader(
+        PromptDataset(load_rows(data.train_path, required=PROMPT_COLUMNS), tokenizer, data.max_prompt_length),
+        data.train_batch_prompts,
+        seed=seed,
+        shuffle=data.shuffle,
+    )
+    val_rows = load_rows(data.val_path, required=PROMPT_COLUMNS)[: data.val_max_prompts or None] if data.val_path else []
+    return train, PromptDataset(val_rows, tokenizer, data.max_prompt_length) if val_rows else None
+
+
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, position_ids)``, each ``(batch, longest)``, padded on the left.
 

@@ -42,6 +42,30 @@ class TrainerConfig:
     resume_allow_changes: list[str] = field(default_factory=list)  # dotted keys that may differ from the checkpoint's config
 
 
+@dataclass
+class PromptData:
+    """Prompts in verl's schema for recipes that generate: ``train_batch_prompts`` per step,
+    held-out prompts (the first ``val_max_prompts``; 0: all) for validation."""
+
+    train_path: str = MISSING
+    val_path: str | None = None
+    max_prompt_length: int = 256
+    train_batch_prompts: int = 8
+    val_max_prompts: int = 0  # 0: every held-out prompt
+    shuffle: bool = True
+
+
+@dataclass
+class SamplingConfig:
+    """Rollout sampling for training: ``n`` samples per prompt (``SamplingParams(**cfg.sampling)``)."""
+
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+
+
 def check_inputs(cfg: DictConfig) -> None:
     """The model folder and the data files a recipe names must exist (checked before building)."""
     for key in ("train_path", "val_path"):

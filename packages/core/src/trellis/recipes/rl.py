@@ -9,16 +9,16 @@ from itertools import chain
 from typing import Any
 
 import torch
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis.batch import Batch
 from trellis.config import ConfigError, component, instantiate_options, resolve_component
-from trellis.data import PROMPT_COLUMNS, PromptDataset, PromptLoader, load_rows
+from trellis.data import PromptDataset, load_prompt_data
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
-from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, TrainerConfig, backend_field, check_inputs
+from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, PromptData, SamplingConfig, TrainerConfig, backend_field, check_inputs
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardError, RewardManager, resolve_reward
 from trellis.runtime.harness import Run, RunContext, backend_mesh
@@ -30,27 +30,6 @@ def needs(estimator) -> tuple[str, ...]:
     """What a registered advantage estimator asks for beyond rewards: ``values`` (a critic) and/or
     ``greedy_baseline`` (a greedy rollout per prompt), from its ``needs`` attribute."""
     return tuple(getattr(estimator, "needs", ()))
-
-
-@dataclass
-class RLData:
-    train_path: str = MISSING
-    val_path: str | None = None
-    max_prompt_length: int = 256
-    train_batch_prompts: int = 8
-    val_max_prompts: int = 0  # 0: every held-out prompt
-    shuffle: bool = True
-
-
-@dataclass
-class SamplingConfig:
-    """Rollout sampling for training: ``n`` samples per prompt."""
-
-    n: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
 
 
 @dataclass
@@ -81,7 +60,7 @@ class RLConfig:
     recipe: str = "rl"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: RLData = field(default_factory=RLData)
+    data: PromptData = field(default_factory=PromptData)
     backend: dict = backend_field()
     rollout: dict = component("rollout", "hf")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -151,29 +130,14 @@ class RLRecipe:
                 return run.finished_summary()
             kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-            train = PromptLoader(
-                PromptDataset(load_rows(cfg.data.train_path, required=PROMPT_COLUMNS), tokenizer, cfg.data.max_prompt_length),
-                cfg.data.train_batch_prompts,
-                seed=cfg.seed,
-                shuffle=cfg.data.shuffle,
-            )
-            val_rows = load_rows(cfg.data.val_path, required=PROMPT_COLUMNS) if cfg.data.val_path else []
-            if cfg.data.val_max_prompts:
-                val_rows = val_rows[: cfg.data.val_max_prompts]
-            val = PromptDataset(val_rows, tokenizer, cfg.data.max_prompt_length) if val_rows else None
+            train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed)
             reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
             ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref else None  # the actor's micro-batching, no optimizer
             critic = run.spawn("critic", cfg.critic.model_path or cfg.model.path, cfg.critic, objectives={"update": "value"}) if use_critic else None
             rollout = run.spawn_rollout(actor, tokenizer)
-            sampling = SamplingParams(
-                n=cfg.sampling.n,
-                temperature=cfg.sampling.temperature,
-                top_p=cfg.sampling.top_p,
-                top_k=cfg.sampling.top_k,
-                max_new_tokens=cfg.sampling.max_new_tokens,
-            )
+            sampling = SamplingParams(**cfg.sampling)
             start = run.start(roles={"actor": actor, "critic": critic}, state={"data": train, "kl": kl_in_reward})
             if start:
                 rollout.sync_weights(version=start)
