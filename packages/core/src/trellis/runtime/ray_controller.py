@@ -276,8 +276,12 @@ class RayController(Controller):
         self._restore_env = {k: os.environ.get(k) for k in auth}
         _set_env(auth)
         _reload_auth_settings()
-        self.ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True)
         self.started_cluster = True
+        try:
+            self.ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True)
+        except BaseException:
+            self._forget_private_cluster()
+            raise
 
     def _pool(self, role: str) -> RayPool:
         name = role if role in self.separate else "actor"
@@ -329,7 +333,11 @@ class RayController(Controller):
         self.pools.clear()
         if self.started_cluster:
             self.ray.shutdown()
-            self.started_cluster = False
-            self._token.unlink(missing_ok=True)
-            _set_env(self._restore_env)
-            _reload_auth_settings()
+            self._forget_private_cluster()
+
+    def _forget_private_cluster(self) -> None:
+        """Delete the token and put Ray's auth settings back as they were before the cluster."""
+        self.started_cluster = False
+        self._token.unlink(missing_ok=True)
+        _set_env(self._restore_env)
+        _reload_auth_settings()
