@@ -334,3 +334,19 @@ def test_preference_step_starts_at_log2_and_raises_the_margin(registry, tiny_mod
     seq = (worker.log_prob(prepared_batch(tiny_model_path))["log_probs"] * prepared_batch(tiny_model_path)["response_mask"]).sum(-1)
     margin = (seq[:4] - ref_seq[:4]) - (seq[4:] - ref_seq[4:])
     assert (margin > 0).all(), margin
+
+
+def test_log_probs_take_only_the_response_positions_through_the_lm_head(tiny_model_path):
+    """forward_outputs asks the model for the last response_len + 1 positions only; the log-probs
+    and entropies equal those sliced from the logits of every position."""
+    from trellis.interfaces.hf import forward_outputs, lm_outputs
+
+    batch = prepared_batch(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        kept = forward_outputs(model, batch, ("log_probs", "entropy"), "lm")
+        everything = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
+        sliced = lm_outputs(everything, batch, ("log_probs", "entropy"))
+    assert everything.shape[1] == PROMPT + RESPONSE
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(kept[key], sliced[key], atol=1e-6, rtol=0)

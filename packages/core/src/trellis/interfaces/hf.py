@@ -50,7 +50,8 @@ def _gather(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], entropy_chunk_size: int | None = None) -> dict[str, torch.Tensor]:
     """``log_probs`` / ``entropy`` ``(batch, response_len)`` at the response positions (logits
     divided by ``micro.meta["temperature"]``) and ``label_log_probs`` ``(batch, seq_len - 1)``,
-    from a causal LM's ``logits`` ``(batch, seq_len, vocab)``."""
+    from a causal LM's ``logits`` ``(batch, positions, vocab)``: every position, or (without
+    ``label_log_probs``) at least the last ``response_len + 1``."""
     out: dict[str, torch.Tensor] = {}
     if "log_probs" in outputs or "entropy" in outputs:
         responses = micro["responses"].to(logits.device)
@@ -96,11 +97,11 @@ def forward_outputs(
     """Run ``model`` on the micro-batch's ``input_ids``, ``attention_mask``, ``position_ids`` (moved
     to the model's device) and return the named ``outputs``."""
     device = next(model.parameters()).device
-    out = model(
-        input_ids=micro["input_ids"].to(device),
-        attention_mask=micro["attention_mask"].to(device),
-        position_ids=micro["position_ids"].to(device),
-    )
+    inputs = {k: micro[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     if head == "value":
-        return value_outputs(out.logits[..., 0], micro, outputs)
-    return lm_outputs(out.logits, micro, outputs, entropy_chunk_size)
+        return value_outputs(model(**inputs).logits[..., 0], micro, outputs)
+    if "label_log_probs" not in outputs:
+        # only the positions that predict response tokens go through the LM head (vocab-wide
+        # logits over the prompt would be computed and thrown away)
+        inputs["logits_to_keep"] = micro["responses"].shape[1] + 1
+    return lm_outputs(model(**inputs).logits, micro, outputs, entropy_chunk_size)
