@@ -85,3 +85,19 @@ def test_bad_spin_config_fails_before_any_model_is_built(run_spin):
         run_spin("pairs=best")
     with pytest.raises(ConfigError, match="pairs: ranked compares samples of a prompt, so it needs at least 2"):
         run_spin("pairs=ranked", "sampling.n=1")
+
+
+def test_reference_pairs_without_answers_fail_before_any_model_is_built(run_spin, tmp_path, monkeypatch):
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+
+    rows = make_arithmetic_split(8, 0, max_value=50)
+    for row in rows:
+        row["extra_info"].pop("answer")
+    data = write_rows(rows, tmp_path / "no_answers.parquet")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the data error was found")
+
+    monkeypatch.setattr("trellis.runtime.harness.spawn_worker", refuse)
+    with pytest.raises(ConfigError, match=r"8 rows of data.train_path have none \(first: row 0\); add it, or use pairs: ranked"):
+        run_spin(f"data.train_path={data}")

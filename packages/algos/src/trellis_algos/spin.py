@@ -78,18 +78,20 @@ def check(cfg: DictConfig, registry: Any) -> None:
         raise ConfigError(f"config key 'reward': {exc}") from None
 
 
+def check_answers(prompts: PromptDataset) -> None:
+    """``pairs: reference`` needs every prompt's reference answer in ``extra_info.answer``."""
+    missing = [item["index"] for item in prompts.items if (item["extra_info"] or {}).get("answer") is None]
+    if missing:
+        raise ConfigError(
+            f"pairs: reference needs each prompt's reference answer in extra_info.answer; {len(missing)} rows of "
+            f"data.train_path have none (first: row {missing[0]}); add it, or use pairs: ranked to pair the model's own samples"
+        )
+
+
 def reference_answers(prompts: Batch, tokenizer: Any, params: SamplingParams) -> Batch:
     """The prompts' reference answers (``extra_info.answer``) laid out as a rollout of one sample
     per prompt: ``responses``, ``response_mask`` and prompt + response model inputs."""
-    answers = []
-    for i, info in enumerate(prompts["extra_info"]):
-        answer = (info or {}).get("answer")
-        if answer is None:
-            raise ConfigError(
-                f"pairs: reference needs each prompt's reference answer in extra_info.answer; the prompt at data row "
-                f"{prompts['index'][i]} has none (use pairs: ranked to pair the model's own samples instead)"
-            )
-        answers.append(encode_response(tokenizer, str(answer)))
+    answers = [encode_response(tokenizer, str(info["answer"])) for info in prompts["extra_info"]]
     width = max(map(len, answers))
     responses = torch.tensor([a + [tokenizer.pad_token_id or 0] * (width - len(a)) for a in answers])
     mask = torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers])
@@ -115,6 +117,8 @@ class SPINRecipe:
                 return run.finished_summary()
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
             train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed)
+            if cfg.pairs == "reference":
+                check_answers(train.dataset)
             reward = RewardManager(instantiate_options(cfg.reward, RewardConfig), ctx.registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.train, objectives={"preference_update": "preference"})
