@@ -19,12 +19,23 @@ def data_files(tmp_path_factory):
     }
 
 
+def _run_recipe(run_dir, base: list[str], overrides: tuple[str, ...]):
+    """Train with ``base`` then ``overrides`` in ``run_dir``; returns (summary, metrics rows)."""
+    summary = train(None, [*base, f"trainer.run_dir={run_dir}", *overrides])
+    return summary, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def run_recipe():
+    """``run_recipe(run_dir, base_overrides, overrides)``: a recipe run and its metrics rows."""
+    return _run_recipe
+
+
 @pytest.fixture
 def run_rl(tiny_model_path, data_files, tmp_path):
-    """``run_rl(*overrides)`` runs a 2-step rl recipe on the tiny model; returns (summary, metrics rows)."""
+    """``run_rl(*overrides, run_dir=...)`` runs a 2-step rl recipe on the tiny model; returns (summary, metrics rows)."""
 
-    def run(*overrides: str, read_from=None):
-        run_dir = read_from or tmp_path / "rl"
+    def run(*overrides: str, run_dir=None):
         base = [
             "recipe=rl",
             f"model.path={tiny_model_path}",
@@ -37,10 +48,7 @@ def run_rl(tiny_model_path, data_files, tmp_path):
             "actor.optim.lr=1e-3",
             "trainer.total_steps=2",
             "trainer.trackers=[jsonl]",
-            f"trainer.run_dir={run_dir}",
         ]
-        summary = train(None, [*base, *overrides])
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return summary, rows
+        return _run_recipe(run_dir or tmp_path / "rl", base, overrides)
 
     return run

@@ -174,7 +174,7 @@ def test_tests_only_plain_backend_runs_the_recipe_like_fsdp(run_rl, overrides, t
     """The plain backend (tests/plugins/plain: no FSDP, no loss code) trains through the same
     recipe to the same numbers as FSDP on one rank."""
     _, fsdp = run_rl(*overrides)
-    _, plain = run_rl(*overrides, "backend.name=plain", f"trainer.run_dir={tmp_path / 'plain'}", read_from=tmp_path / "plain")
+    _, plain = run_rl(*overrides, "backend.name=plain", run_dir=tmp_path / "plain")
     assert [r["step"] for r in plain] == [r["step"] for r in fsdp]
     for got, expected in zip(train_steps(plain), train_steps(fsdp)):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "actor/reward_kl"):

@@ -3,12 +3,9 @@ and from ranked samples, the margin DPO widens, the reference refreshed in memor
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from trellis.config import ConfigError
-from trellis.recipes.train import train
 
 LENGTH_REWARD = '''
 def longer_is_better(data_source, solution_str, ground_truth, extra_info=None):
@@ -18,9 +15,10 @@ def longer_is_better(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.fixture
-def run_spin(tiny_model_path, data_files, tmp_path):
+def run_spin(tiny_model_path, data_files, tmp_path, run_recipe):
+    """``run_spin(*overrides, run_dir=...)``: 4 spin steps on the tiny model; returns (summary, step rows)."""
+
     def run(*overrides: str, run_dir=None):
-        run_dir = run_dir or tmp_path / "spin"
         base = [
             "recipe=spin",
             f"model.path={tiny_model_path}",
@@ -33,10 +31,8 @@ def run_spin(tiny_model_path, data_files, tmp_path):
             "train.micro_batch_samples=4",
             "trainer.total_steps=4",
             "trainer.trackers=[jsonl]",
-            f"trainer.run_dir={run_dir}",
         ]
-        summary = train(None, [*base, *overrides])
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        summary, rows = run_recipe(run_dir or tmp_path / "spin", base, overrides)
         return summary, [r for r in rows if "spin/pairs" in r]
 
     return run

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trellis.batch import Batch
-from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket
+from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each
 from trellis.interfaces.hf import forward_outputs, load_hf_model
 from trellis.interfaces.optim import clipped_step, make_optimizer, schedule_step
 from trellis.runtime.rng import get_rng_state, set_rng_state
@@ -97,14 +97,9 @@ class FSDPBackend(Backend):
         return results
 
     def forward_backward(self, micros: list[Batch], outputs: tuple[str, ...], loss_fn: LossFn) -> list[dict[str, float]]:
-        metrics = []
-        for micro in micros:
-            loss, m = loss_fn(micro, self._outputs(micro, outputs))
-            # FSDP averages gradients over ranks; the loss is this rank's share of the global
-            # mini-batch, so scale by the world size to get the gradient of the sum.
-            (loss * self.spec.dist.world_size).backward()
-            metrics.append(m)
-        return metrics
+        # FSDP averages gradients over ranks; the loss is this rank's share of the global
+        # mini-batch, so scale by the world size to get the gradient of the sum.
+        return backward_each(micros, lambda micro: self._outputs(micro, outputs), loss_fn, self.spec.dist.world_size)
 
     def optimizer_step(self) -> dict[str, float]:
         return clipped_step(list(self.model.parameters()), self.optimizer, self.spec.optim.grad_clip)

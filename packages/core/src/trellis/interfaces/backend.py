@@ -40,6 +40,20 @@ OUTPUTS = ("log_probs", "entropy", "values", "label_log_probs", "scores")
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
+def backward_each(
+    micros: list[Batch], forward: Callable[[Batch], dict[str, torch.Tensor]], loss_fn: LossFn, scale: float = 1.0
+) -> list[dict[str, float]]:
+    """The usual ``forward_backward``: for each micro-batch, ``forward(micro)`` (with gradient),
+    ``loss_fn``, backward of ``loss * scale`` (a backend that averages gradients over ``W`` ranks
+    passes ``scale=W``); returns each micro-batch's metrics."""
+    metrics = []
+    for micro in micros:
+        loss, m = loss_fn(micro, forward(micro))
+        (loss * scale).backward()
+        metrics.append(m)
+    return metrics
+
+
 @dataclass
 class DistInfo:
     """Where a worker sits: its rank in its role's world and the role's device mesh.

@@ -11,7 +11,7 @@ import torch
 
 import trellis
 from trellis.batch import Batch
-from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket
+from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each
 from trellis.interfaces.hf import forward_outputs, load_hf_model
 from trellis.interfaces.optim import clipped_step, make_optimizer, schedule_step
 from trellis.runtime.rng import get_rng_state, set_rng_state
@@ -40,12 +40,7 @@ class PlainBackend(Backend):
             return [forward_outputs(self.model, m, outputs, self.spec.head) for m in micros]
 
     def forward_backward(self, micros: list[Batch], outputs: tuple[str, ...], loss_fn: LossFn) -> list[dict[str, float]]:
-        metrics = []
-        for micro in micros:
-            loss, m = loss_fn(micro, forward_outputs(self.model, micro, outputs, self.spec.head))
-            loss.backward()
-            metrics.append(m)
-        return metrics
+        return backward_each(micros, lambda micro: forward_outputs(self.model, micro, outputs, self.spec.head), loss_fn)
 
     def optimizer_step(self) -> dict[str, float]:
         return clipped_step(list(self.model.parameters()), self.optimizer, self.spec.optim.grad_clip)
