@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from itertools import chain
 
 import pytest
@@ -23,11 +24,17 @@ from trellis.recipes.options import ActorConfig, CriticConfig, PreferenceTrainCo
 from trellis.runtime.worker import RoleWorker, WorkerSpec
 from trellis_algos.policy_losses import VanillaOptions, vanilla
 from trellis_fsdp.backend import FSDPBackend, FSDPOptions
-from trellis_fsdp.distributed import free_port
 from trellis_plain import PlainBackend
 
 # role -> the objectives its training verbs use
 OBJECTIVES = {"actor": {"update": "policy"}, "critic": {"update": "value"}, "sft": {"sft_update": "sft", "sft_eval": "sft"}}
+
+
+def free_port() -> int:
+    """A free port on loopback for the 2-rank tests' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_worker(registry, path, role, role_options=None, objectives=None, dist=None, backend=FSDPBackend, total_steps=0, **opts):

@@ -13,12 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trellis.interfaces.backend import DistInfo
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def device_for(info: DistInfo) -> torch.device:
     if info.device == "cuda" or (info.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", info.rank % max(torch.cuda.device_count(), 1))))
