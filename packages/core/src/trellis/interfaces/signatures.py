@@ -17,7 +17,7 @@ import torch
 
 from trellis.batch import Batch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Aggregation:
     """How token losses become one scalar, normalised by the *global* mini-batch so that splitting
     it into micro-batches or data-parallel ranks leaves the loss and gradient unchanged.
 
-    mode: ``token-mean`` | ``seq-mean-token-sum`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum-norm``.
+    mode: ``token-mean`` | ``token-sum`` | ``seq-mean-token-sum`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum-norm``.
     global_tokens: valid tokens in the whole mini-batch (``token-mean``); None = this micro-batch's.
     global_seqs: sequences in the whole mini-batch (``seq-mean-*``); None = this micro-batch's.
     norm_constant: divisor for ``seq-mean-token-sum-norm``; None = the response length.
@@ -83,13 +83,16 @@ def aggregation_for(mode: str, mask: torch.Tensor, norm_constant: float | None =
 @dataclass
 class PolicyLossInputs:
     """log_prob, old_log_prob, advantages, response_mask: ``(batch, response_len)``.
-    rollout_log_prob: the rollout engine's own log-probs, ``(batch, response_len)`` or None."""
+    rollout_log_prob: the rollout engine's own log-probs, ``(batch, response_len)`` or None.
+    rollout_is_weights: detached importance weights (rollout correction) the loss multiplies
+    into its per-token loss before aggregating, ``(batch, response_len)`` or None."""
 
     log_prob: torch.Tensor
     old_log_prob: torch.Tensor
     advantages: torch.Tensor
     response_mask: torch.Tensor
     rollout_log_prob: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
 
 class PolicyLoss(Protocol):

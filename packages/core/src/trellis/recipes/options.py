@@ -134,6 +134,7 @@ class CriticConfig(BatchingConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_norm_constant: float | None = None  # seq-mean-token-sum-norm divisor; None = response length
 
 
 @dataclass
