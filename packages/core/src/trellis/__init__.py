@@ -64,6 +64,10 @@ _API = {
     "InteractionTurn": "trellis.interfaces.agents",
     "Tool": "trellis.interfaces.agents",
     "ToolResult": "trellis.interfaces.agents",
+    "ToolCall": "trellis.multiturn.tool_calls",
+    "ToolCallParser": "trellis.multiturn.tool_calls",
+    "MultiTurnConfig": "trellis.multiturn.config",
+    "AgentLoop": "trellis.multiturn.loop",
     # runtime: the harness recipes compose, controllers, trackers
     "Run": "trellis.runtime.harness",
     "RunContext": "trellis.runtime.harness",

@@ -111,7 +111,8 @@ def _messages(value: Any, where: str) -> list[dict[str, Any]]:
     raise DataError(f"{where} must be chat messages [{{'role': ..., 'content': ...}}, ...] or a string, got {value!r:.200}")
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+    """``messages`` as text through the tokenizer's chat template (``kwargs`` go to the template)."""
     if not messages and not generation_prompt:
         return ""
     if not getattr(tokenizer, "chat_template", None):
@@ -122,7 +123,8 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: b
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as written (special-token strings in it become their ids; none added)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
@@ -163,7 +165,7 @@ class PromptDataset:
             if prompt_key not in row:
                 raise DataError(f"row {i} has no {prompt_key!r} column (columns: {sorted(row)}); {_SCHEMA_HINT}")
             messages = _messages(row[prompt_key], f"row {i} column {prompt_key!r}")
-            ids = _encode(tokenizer, _render(tokenizer, messages, True, kwargs))
+            ids = encode_text(tokenizer, render_chat(tokenizer, messages, True, kwargs))
             if len(ids) > max_prompt_length:
                 too_long.append(len(ids))
                 continue
@@ -216,17 +218,26 @@ class PromptDataset:
         return self.collate(range(len(self)))
 
 
-def load_prompt_data(data: Any, tokenizer: Any, seed: int) -> tuple[PromptLoader, PromptDataset | None]:
+def load_prompt_data(
+    data: Any, tokenizer: Any, seed: int, template_kwargs: dict[str, Any] | None = None
+) -> tuple[PromptLoader, PromptDataset | None]:
     """The training prompt loader and the held-out prompts (None without ``val_path``) of a
-    ``PromptData`` config section."""
+    ``PromptData`` config section; ``template_kwargs`` go to the chat template (e.g. ``tools``)."""
+    train_rows, val_rows = load_prompt_rows(data)
     train = PromptLoader(
-        PromptDataset(load_rows(data.train_path, required=PROMPT_COLUMNS), tokenizer, data.max_prompt_length),
+        PromptDataset(train_rows, tokenizer, data.max_prompt_length, chat_template_kwargs=template_kwargs),
         data.train_batch_prompts,
         seed=seed,
         shuffle=data.shuffle,
     )
+    return train, PromptDataset(val_rows, tokenizer, data.max_prompt_length, chat_template_kwargs=template_kwargs) if val_rows else None
+
+
+def load_prompt_rows(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The raw rows of a ``PromptData`` section's training and held-out files (for checks made
+    before anything is built)."""
     val_rows = load_rows(data.val_path, required=PROMPT_COLUMNS)[: data.val_max_prompts or None] if data.val_path else []
-    return train, PromptDataset(val_rows, tokenizer, data.max_prompt_length) if val_rows else None
+    return load_rows(data.train_path, required=PROMPT_COLUMNS), val_rows
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -423,11 +434,11 @@ def encode_response(tokenizer: Any, target: str) -> list[int]:
     """A target answer's token ids as the model would generate them after the prompt: the text,
     then the eos token (unless the text already ends with it)."""
     eos = tokenizer.eos_token or ""
-    return _encode(tokenizer, target if eos and target.endswith(eos) else target + eos)
+    return encode_text(tokenizer, target if eos and target.endswith(eos) else target + eos)
 
 
 def _prompt_response_sample(tokenizer: Any, messages: list[dict[str, Any]], target: str, kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
-    prompt = _encode(tokenizer, _render(tokenizer, messages, True, kwargs))
+    prompt = encode_text(tokenizer, render_chat(tokenizer, messages, True, kwargs))
     response = encode_response(tokenizer, target)
     return prompt + response, [0] * len(prompt) + [1] * len(response)
 
@@ -448,7 +459,7 @@ def _chat_sample(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[st
                 f"SFT row {row}: the chat template does not render turn by turn as prefixes (it rewrites earlier turns), "
                 "so assistant turns cannot be located; use prompt + response rows instead"
             )
-        tokens = _encode(tokenizer, text[len(before):])
+        tokens = encode_text(tokenizer, text[len(before):])
         if learn:
             cut = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
             mask.extend([1] * cut + [0] * (len(tokens) - cut))
@@ -458,12 +469,12 @@ def _chat_sample(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[st
 
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            head = _render(tokenizer, messages[:i], True, kwargs)
+            head = render_chat(tokenizer, messages[:i], True, kwargs)
             extend(head, prev, learn=False)
-            full = _render(tokenizer, messages[: i + 1], False, kwargs)
+            full = render_chat(tokenizer, messages[: i + 1], False, kwargs)
             extend(full, head, learn=True)
         else:
-            full = _render(tokenizer, messages[: i + 1], False, kwargs)
+            full = render_chat(tokenizer, messages[: i + 1], False, kwargs)
             extend(full, prev, learn=False)
         prev = full
     return ids, mask

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
+from trellis.multiturn.tool_calls import HermesParser
 from trellis.recipes.rl import RLRecipe
 from trellis.recipes.sft import SFTRecipe
 from trellis.rewards import gsm8k_score, math_score
@@ -18,5 +19,6 @@ def trellis_register(registry):
     registry.add("tracker", "mlflow", MlflowTracker)
     registry.add("reward", "gsm8k", gsm8k_score)
     registry.add("reward", "math", math_score)
+    registry.add("tool_parser", "hermes", HermesParser)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
     registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)

@@ -20,6 +20,7 @@ KINDS = (
     "reward",
     "interaction",
     "tool",
+    "tool_parser",
     "tracker",
     "recipe",
     "dataset",

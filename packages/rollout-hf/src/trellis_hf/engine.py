@@ -4,6 +4,7 @@ weight updates from the actor."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -11,7 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trellis.batch import Batch
+from trellis.data import left_pad
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+
+_Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]"]  # prompt ids, sampling, result
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +45,9 @@ class HFRollout(RolloutEngine):
         self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[self.opts.dtype]).to(self.device).eval()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self._queue: list[_Request] = []  # async requests waiting for the next batch
+        self._server: asyncio.Task | None = None
+        self.batch_sizes: deque[int] = deque(maxlen=256)  # sizes of the latest async batches
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -80,13 +87,56 @@ class HFRollout(RolloutEngine):
         return tokens.cpu(), log_probs.cpu()
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        one = Batch({"input_ids": torch.tensor([prompt_ids]), "attention_mask": torch.ones(1, len(prompt_ids), dtype=torch.long)})
-        single = SamplingParams(**{**params.__dict__, "n": 1})
-        tokens, log_probs = await asyncio.to_thread(self._generate_tokens, one, single)
-        mask = _mask_through_first_stop(tokens, self.eos_ids | set(params.stop_token_ids))[0].bool()
-        ids = tokens[0][mask].tolist()
-        stopped = bool(ids) and ids[-1] in (self.eos_ids | set(params.stop_token_ids))
-        return Generation(ids, log_probs[0][mask].tolist(), "stop" if stopped else "length")
+        """One sample. Concurrent calls are batched: the requests waiting when a batch starts go
+        into one ``generate`` call per sampling setting (each stops at its own token limit);
+        requests that arrive meanwhile wait for the next batch."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.append((list(prompt_ids), params, future))
+        if self._server is None or self._server.done():
+            self._server = loop.create_task(self._serve())
+        return await future
+
+    async def _serve(self) -> None:
+        while self._queue:
+            await asyncio.sleep(0)  # requests started in the same event-loop tick join this batch
+            waiting, self._queue = [r for r in self._queue if not r[2].done()], []
+            groups: dict[tuple, list[_Request]] = {}
+            for request in waiting:
+                p = request[1]
+                groups.setdefault((p.greedy, p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids)), []).append(request)
+            for group in groups.values():
+                try:
+                    results = await asyncio.to_thread(self._generate_group, group)
+                except Exception as exc:  # noqa: BLE001 - every caller of this batch gets the error
+                    results = [exc] * len(group)
+                for (_, _, future), result in zip(group, results):
+                    if future.done():  # the caller was cancelled
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+
+    def _generate_group(self, group: list[_Request]) -> list[Generation]:
+        params = group[0][1]
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        ids, mask, _ = left_pad([r[0] for r in group], self.pad_id)
+        longest = max(r[1].max_new_tokens for r in group)
+        tokens, log_probs = self._generate_tokens(
+            Batch({"input_ids": ids, "attention_mask": mask}), SamplingParams(**{**params.__dict__, "n": 1, "max_new_tokens": longest})
+        )
+        self.batch_sizes.append(len(group))
+        stops = self.eos_ids | set(params.stop_token_ids)
+        lengths = _mask_through_first_stop(tokens, stops).sum(-1).tolist()
+        out = []
+        for row, (_, p, _) in enumerate(group):
+            n = min(lengths[row], p.max_new_tokens)
+            taken = tokens[row, :n].tolist()
+            stopped = bool(taken) and taken[-1] in stops
+            out.append(Generation(taken, log_probs[row, :n].tolist(), "stop" if stopped else "length"))
+        return out
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -46,7 +46,12 @@ class RolloutSpec:
 
 
 def rollout_batch(
-    prompts: Batch, params: SamplingParams, responses: torch.Tensor, response_mask: torch.Tensor, log_probs: torch.Tensor
+    prompts: Batch,
+    params: SamplingParams,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    log_probs: torch.Tensor,
+    response_attention: torch.Tensor | None = None,
 ) -> Batch:
     """The layout every engine returns, from its sampled tokens.
 

@@ -14,13 +14,17 @@ from transformers import AutoTokenizer
 
 from trellis.batch import Batch
 from trellis.config import ConfigError, component, instantiate_options, resolve_component
-from trellis.data import PromptDataset, load_prompt_data
+from trellis.data import PromptDataset, load_prompt_data, load_prompt_rows
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
+from trellis.multiturn.config import MultiTurnConfig
+from trellis.multiturn.environment import AgentSpec, agent_spec, check_interaction_names
+from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, PromptData, SamplingConfig, TrainerConfig, backend_field, check_inputs
 from trellis.registry import RegistryError
-from trellis.rewards import RewardConfig, RewardError, RewardManager, resolve_reward
+from trellis.rewards import RewardConfig, RewardError, RewardManager, RewardResult, resolve_reward
+from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, backend_mesh
 
 log = logging.getLogger("trellis")
@@ -69,6 +73,7 @@ class RLConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -102,6 +107,11 @@ def check(cfg: DictConfig, registry) -> None:
             raise ConfigError(f"config key '{role}.loss_agg_mode' is {cfg[role].loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
     if cfg.algorithm.use_kl_in_reward:
         _lookup(registry, "objective", "kl_in_reward", "algorithm.use_kl_in_reward")
+    if cfg.multi_turn.enable:
+        names = agent_spec(cfg.multi_turn, registry, tokenizer=None).interaction_names
+        train_rows, val_rows = load_prompt_rows(cfg.data)
+        check_interaction_names(train_rows, names, f"data.train_path {cfg.data.train_path!r}")
+        check_interaction_names(val_rows, names, f"data.val_path {cfg.data.val_path!r}")
     if cfg.algorithm.advantage.name in ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline") and cfg.sampling.n < 2:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
 
@@ -130,7 +140,8 @@ class RLRecipe:
                 return run.finished_summary()
             kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-            train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed)
+            agent = agent_spec(cfg.multi_turn, registry, tokenizer) if cfg.multi_turn.enable else None
+            train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, agent.template_kwargs if agent else None)
             reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
@@ -144,17 +155,17 @@ class RLRecipe:
             timer = run.timer
             summary: dict[str, Any] = {}
             if val is not None and cfg.validation.before_train and not start:
-                summary["val_before"] = self.validate(rollout, val, reward_fn, cfg)
+                summary["val_before"] = self.validate(rollout, val, reward_fn, cfg, agent)
                 run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
             for step in run.steps(start):
                 prompts = train.next_batch()
                 params = SamplingParams(**{**sampling.__dict__, "seed": cfg.seed * 100003 + step})
 
                 with timer("gen"):
-                    batch = rollout.generate(prompts, params)
+                    batch = sample(rollout, prompts, params, agent)
                     batch.meta["step"] = step
                 with timer("reward"):
-                    token_scores, reward_metrics = reward_fn(batch)
+                    token_scores, reward_metrics, _ = score(batch, reward_fn, agent)
                     batch["token_scores"] = token_scores
                 if "greedy_baseline" in needs(estimator):
                     with timer("gen_greedy"):
@@ -193,10 +204,10 @@ class RLRecipe:
                     "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
                 }
                 if val is not None and run.due(step) and step < cfg.trainer.total_steps:
-                    metrics.update({f"val/{k}": v for k, v in self.validate(rollout, val, reward_fn, cfg).items()})
+                    metrics.update({f"val/{k}": v for k, v in self.validate(rollout, val, reward_fn, cfg, agent).items()})
                 run.end_step(step, metrics)
             if val is not None:
-                summary["val_after"] = self.validate(rollout, val, reward_fn, cfg)
+                summary["val_after"] = self.validate(rollout, val, reward_fn, cfg, agent)
                 run.metrics.update({f"val/{k}": v for k, v in summary["val_after"].items()})
                 run.log(cfg.trainer.total_steps, {f"val/{k}": v for k, v in summary["val_after"].items()})
             if cfg.trainer.save_hf_model:
@@ -221,18 +232,31 @@ class RLRecipe:
         return metrics
 
     @staticmethod
-    def validate(rollout, val: PromptDataset, reward_fn: RewardManager, cfg: DictConfig) -> dict[str, float]:
-        """Greedy and sampled reward on every held-out prompt (generated in one pass each)."""
+    def validate(
+        rollout: RolloutGroup, val: PromptDataset, reward_fn: RewardManager, cfg: DictConfig, agent: AgentSpec | None = None
+    ) -> dict[str, float]:
+        """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
+        multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
         prompts = val.as_batch()
         base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.seed)
-        greedy = rollout.generate(prompts, SamplingParams(**{**base.__dict__, "greedy": True}))
-        sampled = rollout.generate(
-            prompts, SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
-        )
-        return {
-            "greedy_reward_mean": float(reward_fn.score(greedy).scores.mean()),
-            "reward_mean": float(reward_fn.score(sampled).scores.mean()),
+        greedy = score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent), reward_fn, agent)
+        sampled_params = SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
+        out = {
+            "greedy_reward_mean": float(greedy.scores.mean()),
+            "reward_mean": float(score(sample(rollout, prompts, sampled_params, agent), reward_fn, agent).scores.mean()),
         }
+        if "reward/first_turn_mean" in greedy.metrics:
+            out["greedy_first_turn_reward_mean"] = greedy.metrics["reward/first_turn_mean"]
+        return out
+
+
+def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: AgentSpec | None) -> Batch:
+    """Single-turn generation, or conversations with the environment when ``agent`` is given."""
+    return rollout.generate(prompts, params) if agent is None else rollout.generate_multiturn(prompts, params, agent)
+
+
+def score(batch: Batch, reward_fn: RewardManager, agent: AgentSpec | None) -> RewardResult:
+    return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.settings, reward_fn)
 
 
 def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:

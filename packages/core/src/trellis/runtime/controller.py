@@ -4,6 +4,8 @@ runs N ranks per role with the same groups."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import pickle
 from collections.abc import Callable
 from itertools import chain
@@ -15,6 +17,8 @@ from trellis.batch import Batch
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import Mesh, Route
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.multiturn.environment import AgentSpec
+from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.worker import Worker
 
 PROMPT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a rollout engine reads of a prompt batch
@@ -76,7 +80,8 @@ class WorkerGroup:
 
 class RolloutGroup:
     """The rollout engine(s), colocated with the actor's ranks (hybrid engine): ``generate`` deals
-    the prompts over the engines' data-parallel groups; ``agenerate`` runs one sample on an engine
+    the prompts over the engines' data-parallel groups; ``generate_multiturn`` runs the agent loop
+    next to each engine on its share of the prompts; ``agenerate`` runs one sample on an engine
     (the multi-turn loop's entry, on the engine's own thread); ``sync_weights`` moves the actor's
     weights into the engines in memory. Every sample carries the ``weight_version`` it came from."""
 
@@ -85,8 +90,16 @@ class RolloutGroup:
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """The engines get the prompts' token ids only; the other fields (data source, ground
         truth, ``uid``...) stay here and are repeated onto each prompt's samples."""
-        shipped = prompts.select(*[k for k in PROMPT_INPUTS if k in prompts])
-        out = self._generate(shipped, params)
+        return self._sample(prompts, params, PROMPT_INPUTS, self._generate)
+
+    def generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
+        """Conversations with the environment ``agent`` describes (:class:`AgentLoop`), run next to
+        each engine; the engines also get each prompt's chat messages and ``extra_info``."""
+        return self._sample(prompts, params, (*PROMPT_INPUTS, "raw_prompt", "extra_info"), functools.partial(self._generate_multiturn, agent=agent))
+
+    def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...], run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
+        shipped = prompts.select(*[k for k in inputs if k in prompts])
+        out = run(shipped, params)
         kept = [k for k in prompts.keys() if k not in shipped]
         if kept:
             out.update(prompts.select(*kept).repeat_interleave(params.n))
@@ -102,6 +115,9 @@ class RolloutGroup:
         self.version = version
 
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        raise NotImplementedError
+
+    def _generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
         raise NotImplementedError
 
     def _sync(self) -> None:
@@ -154,6 +170,9 @@ class LocalRollout(RolloutGroup):
 
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return self.engine.generate(prompts, params)
+
+    def _generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
+        return asyncio.run(AgentLoop(self.engine, agent).run(prompts, params))
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return await self.engine.agenerate(prompt_ids, params)

@@ -23,6 +23,8 @@ from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.multiturn.environment import AgentSpec
+from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup
 from trellis.runtime.worker import Worker
 
@@ -118,6 +120,13 @@ class RankProcess:
         if not len(prompts):  # a short batch left this engine group without prompts
             return Batch(), 0.0
         return _timed(self.engine.generate, prompts, params)
+
+    async def generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> tuple[Batch, float]:
+        if not len(prompts):
+            return Batch(), 0.0
+        start = time.perf_counter()
+        out = await AgentLoop(self.engine, agent).run(prompts, params)
+        return out, time.perf_counter() - start
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return await self.engine.agenerate(prompt_ids, params)
@@ -217,14 +226,20 @@ class RayRollout(RolloutGroup):
         self._next = itertools.cycle([r for i, r in enumerate(pool.ranks) if mesh.collects(i)])
 
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self._deal("generate", prompts, params)
+
+    def _generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
+        return self._deal("generate_multiturn", prompts, params, agent)
+
+    def _deal(self, method: str, prompts: Batch, params: SamplingParams, *extra: Any) -> Batch:
         per_rank = DP_CHUNKS.scatter((prompts,), self.mesh)
         # each engine group samples its own prompts; offset the seed so groups do not repeat each other
         refs = []
         for i, (r, (part,)) in enumerate(zip(self.pool.ranks, per_rank)):
             seed = None if params.seed is None else params.seed + self.mesh.coords(i)["dp"]
-            refs.append(r.generate.remote(part, SamplingParams(**{**params.__dict__, "seed": seed})))
+            refs.append(getattr(r, method).remote(part, SamplingParams(**{**params.__dict__, "seed": seed}), *extra))
         # groups pad responses to their own longest; gather pads to the longest overall
-        return DP_CHUNKS.gather(self.pool.timed(refs, "rollout.generate", "rollout"), self.mesh)
+        return DP_CHUNKS.gather(self.pool.timed(refs, f"rollout.{method}", "rollout"), self.mesh)
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         try:

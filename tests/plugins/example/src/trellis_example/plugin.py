@@ -114,6 +114,18 @@ class AddTool(Tool):
         return ToolResult(text=str(arguments["a"] + arguments["b"]))
 
 
+class CallLineParser(trellis.ToolCallParser):
+    """Calls written one a line as ``CALL <name> <json arguments>``."""
+
+    def parse(self, text):
+        calls = []
+        for line in text.splitlines():
+            if line.startswith("CALL "):
+                name, _, arguments = line[5:].partition(" ")
+                calls.append(trellis.ToolCall(name, json.loads(arguments or "{}")))
+        return calls
+
+
 class ListTracker(Tracker):
     logged: list = []
 
@@ -182,6 +194,7 @@ def trellis_register(registry):
     registry.add("reward", "example_length", length_reward)
     registry.add("interaction", "example_echo", EchoInteraction)
     registry.add("tool", "example_add", AddTool)
+    registry.add("tool_parser", "example_call_line", CallLineParser)
     registry.add("tracker", "example_list", ListTracker)
     registry.add("recipe", "example_echo", EchoRecipe(), options=EchoConfig)
     registry.add("dataset", "example_jsonl", json_lines_dataset)

@@ -1,0 +1,76 @@
+"""The ``multi_turn`` config section: turn and token limits, interactions, tools, scoring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+SCORES = ("last", "sum", "reward")
+
+
+@dataclass
+class InteractionConfig:
+    """An interaction that samples pick by ``extra_info.interaction_kwargs.name`` (verl's schema).
+
+    component: a registered interaction (kind ``interaction``); or
+    verl_class: ``package.module.Class`` of an interaction written for verl (its
+        ``BaseInteraction`` methods), run through an adapter without importing verl.
+    options: the component's options (checked against its options dataclass), or the verl class's
+        config dict.
+    timeout_s: the longest one ``start`` / reply / ``finalize`` may take; past it the sample ends.
+    """
+
+    name: str = MISSING
+    component: Optional[str] = None  # noqa: UP045 (omegaconf needs typing.Optional)
+    verl_class: Optional[str] = None  # noqa: UP045
+    options: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 60.0
+
+
+@dataclass
+class ToolConfig:
+    """A tool the model may call (hermes ``<tool_call>`` JSON by default).
+
+    component / verl_class / options: as for interactions (a verl tool's class takes
+        ``(config, tool_schema)``).
+    schema: the OpenAI function schema (``{type: function, function: {name, description,
+        parameters}}``); default: the component's own. Required for a verl class.
+    max_concurrency: calls of this tool running at once over all samples (0: no limit).
+    timeout_s: the longest one call may take; past it the model is told the call timed out.
+    """
+
+    component: Optional[str] = None  # noqa: UP045
+    verl_class: Optional[str] = None  # noqa: UP045
+    options: dict[str, Any] = field(default_factory=dict)
+    schema: Optional[dict[str, Any]] = None  # noqa: UP045
+    max_concurrency: int = 0
+    timeout_s: float = 30.0
+
+
+@dataclass
+class MultiTurnConfig:
+    """Rollouts as conversations: the model answers, then an interaction replies (or tools run)
+    until the interaction ends it or a limit is reached.
+
+    max_assistant_turns: model turns per sample. max_user_turns: interaction replies fed back.
+    max_response_tokens: tokens after the prompt over all turns, model and environment (0:
+        ``sampling.max_new_tokens`` x ``max_assistant_turns``); each model turn gets at most
+        ``sampling.max_new_tokens`` of what is left.
+    score: where a sample's reward comes from: ``last`` (the interaction's score of the last model
+        turn) or ``sum`` (of every turn), plus tool rewards; or ``reward`` (the ``reward`` section's
+        function on the whole trajectory).
+    max_concurrent_samples: conversations in flight at once per engine.
+    """
+
+    enable: bool = False
+    max_assistant_turns: int = 2
+    max_user_turns: int = 1
+    max_response_tokens: int = 0
+    interactions: list[InteractionConfig] = field(default_factory=list)
+    tools: list[ToolConfig] = field(default_factory=list)
+    tool_parser: str = "hermes"
+    max_tool_response_chars: int = 1024
+    score: str = "last"
+    max_concurrent_samples: int = 64

@@ -1,0 +1,160 @@
+"""What a multi-turn rollout talks to: the configured interactions and tools, resolved once from
+the config (``AgentSpec``, picklable, sent to every rollout process) and built where the loop runs
+(``Environment``)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from trellis.config import ConfigError, instantiate_options, validate
+from trellis.interfaces.agents import Interaction, Tool
+from trellis.multiturn.config import SCORES, InteractionConfig, MultiTurnConfig, ToolConfig
+from trellis.multiturn.tool_calls import ToolCallParser
+from trellis.multiturn.verl_compat import VerlInteraction, VerlTool, import_class
+from trellis.registry import Registry, RegistryError
+
+
+@dataclass
+class AgentSpec:
+    """Everything the agent loop needs, resolved from ``multi_turn`` (factories, not objects, so
+    it pickles to Ray ranks); ``template_kwargs`` go to the chat template (``tools``: the schemas)."""
+
+    settings: MultiTurnConfig
+    interactions: dict[str, Callable[[], Interaction]]
+    tools: list[tuple[Callable[[], Tool], ToolConfig]]
+    parser: Callable[[], ToolCallParser]
+    tokenizer: Any
+    template_kwargs: dict[str, Any]
+
+    @property
+    def interaction_names(self) -> list[str]:
+        return list(self.interactions)
+
+
+def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpec:
+    """Resolve a checked ``multi_turn`` section; every error names the config key and the fix."""
+    settings = _settings(node)
+    interactions: dict[str, Callable[[], Interaction]] = {}
+    for i, icfg in enumerate(settings.interactions):
+        key = f"multi_turn.interactions[{i}]"
+        if icfg.name in interactions:
+            raise ConfigError(f"config key '{key}.name': interaction {icfg.name!r} is configured twice; give each a distinct name")
+        interactions[icfg.name] = _factory(icfg, "interaction", registry, key)
+    tools: list[tuple[Callable[[], Tool], ToolConfig]] = []
+    schemas: list[dict[str, Any]] = []
+    for i, tcfg in enumerate(settings.tools):
+        key = f"multi_turn.tools[{i}]"
+        if tcfg.verl_class and not tcfg.schema:
+            raise ConfigError(f"config key '{key}.schema' is required for a verl tool; give its OpenAI function schema")
+        make = _factory(tcfg, "tool", registry, key)
+        schema = tcfg.schema or getattr(registry.get("tool", tcfg.component).obj, "schema", None)
+        name = tool_name(schema, key)
+        if name in (tool_name(s, "") for s in schemas):
+            raise ConfigError(f"config key '{key}': a tool named {name!r} is configured twice")
+        schemas.append(schema)
+        tools.append((make, tcfg))
+    try:
+        parser = registry.get("tool_parser", settings.tool_parser).obj
+    except RegistryError as exc:
+        raise ConfigError(f"config key 'multi_turn.tool_parser': {exc}") from None
+    return AgentSpec(settings, interactions, tools, parser, tokenizer, {"tools": schemas} if schemas else {})
+
+
+def _settings(node: DictConfig) -> MultiTurnConfig:
+    data = OmegaConf.to_container(node, resolve=True)
+    interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
+    settings = MultiTurnConfig(**data, interactions=interactions, tools=[ToolConfig(**x) for x in data.pop("tools")])
+    for key in ("max_assistant_turns", "max_concurrent_samples", "max_tool_response_chars"):
+        if getattr(settings, key) < 1:
+            raise ConfigError(f"config key 'multi_turn.{key}' is {getattr(settings, key)}; it must be at least 1")
+    if settings.max_user_turns < 0 or settings.max_response_tokens < 0:
+        raise ConfigError("config keys 'multi_turn.max_user_turns' and 'multi_turn.max_response_tokens' must be >= 0")
+    if settings.score not in SCORES:
+        raise ConfigError(f"config key 'multi_turn.score' is {settings.score!r}; valid: {', '.join(SCORES)}")
+    if not settings.interactions and not settings.tools:
+        raise ConfigError("multi_turn.enable=true needs at least one entry in multi_turn.interactions or multi_turn.tools")
+    return settings
+
+
+def _factory(cfg: InteractionConfig | ToolConfig, kind: str, registry: Registry, key: str) -> Callable[[], Any]:
+    """Builds the component (with its checked options) or the verl class behind its adapter."""
+    if bool(cfg.component) == bool(cfg.verl_class):
+        raise ConfigError(f"config key {key!r}: set exactly one of 'component' (a registered {kind}) and 'verl_class' (a class path)")
+    if cfg.verl_class:
+        try:
+            cls = import_class(cfg.verl_class, f"{key}.verl_class")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if isinstance(cfg, InteractionConfig):
+            return functools.partial(VerlInteraction, cls, dict(cfg.options), cfg.name)
+        return functools.partial(VerlTool, cls, dict(cfg.options), dict(cfg.schema or {}))
+    try:
+        entry = registry.get(kind, cfg.component)
+    except RegistryError as exc:
+        raise ConfigError(f"config key '{key}.component': {exc}") from None
+    if entry.options is None:
+        if cfg.options:
+            raise ConfigError(f"config key '{key}.options': {kind} {cfg.component!r} takes no options, got {sorted(cfg.options)}")
+        return functools.partial(entry.obj, None)
+    checked = validate(OmegaConf.create(dict(cfg.options)), entry.options, registry, f"{key}.options.")
+    return functools.partial(entry.obj, instantiate_options(checked, entry.options))
+
+
+def tool_name(schema: Any, key: str) -> str:
+    """The function name an OpenAI schema declares (``{type: function, function: {name: ...}}``)."""
+    function = schema.get("function", schema) if isinstance(schema, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"config key {key!r}: the tool's schema {schema!r:.200} has no function name; give schema.function.name")
+    return name
+
+
+def interaction_name(extra_info: Any, names: Sequence[str]) -> str | None:
+    """The interaction a sample uses: ``extra_info.interaction_kwargs.name``, or the only one
+    configured; None when none is configured. Raises ``ValueError`` naming the known ones."""
+    kwargs = (extra_info or {}).get("interaction_kwargs") or {} if isinstance(extra_info, dict) else {}
+    name = kwargs.get("name")
+    if name is None:
+        if len(names) > 1:
+            known = ", ".join(names)
+            raise ValueError(f"has no extra_info.interaction_kwargs.name, and {len(names)} interactions are configured ({known}); name one")
+        return names[0] if names else None
+    if name not in names:
+        raise ValueError(f"names interaction {name!r}, which multi_turn.interactions does not configure (configured: {', '.join(names) or 'none'})")
+    return name
+
+
+def check_interaction_names(rows: Sequence[dict[str, Any]], names: Sequence[str], where: str) -> None:
+    """Every row of a prompt file picks a configured interaction (checked before any model is built)."""
+    for i, row in enumerate(rows):
+        try:
+            interaction_name(row.get("extra_info"), names)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: row {i} {exc}") from None
+
+
+class Environment:
+    """The interactions (by name), tools (by function name) and parser, built in the process that
+    runs the loop, with each tool's concurrency limit."""
+
+    def __init__(self, spec: AgentSpec) -> None:
+        self.interactions = {name: make() for name, make in spec.interactions.items()}
+        self.tools: dict[str, Tool] = {}
+        self.tool_configs: dict[str, ToolConfig] = {}
+        self.limits: dict[str, asyncio.Semaphore] = {}
+        for make, tcfg in spec.tools:
+            tool = make()
+            if tcfg.schema:
+                tool.schema = dict(tcfg.schema)
+            name = tool_name(tool.schema, "multi_turn.tools")
+            self.tools[name] = tool
+            self.tool_configs[name] = tcfg
+            if tcfg.max_concurrency > 0:
+                self.limits[name] = asyncio.Semaphore(tcfg.max_concurrency)
+        self.parser = spec.parser()

@@ -1,0 +1,42 @@
+"""Rewards of multi-turn samples: the environment's scores, or the reward function on the whole
+trajectory, placed on each sample's last model token."""
+
+from __future__ import annotations
+
+import torch
+
+from trellis.batch import Batch
+from trellis.multiturn.config import MultiTurnConfig
+from trellis.multiturn.loop import environment_scores, multiturn_metrics
+from trellis.rewards import RewardManager, RewardResult
+
+
+def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: RewardManager) -> RewardResult:
+    """``settings.score`` ``reward``: ``reward_fn`` decodes and scores the trajectory (model and
+    environment text); ``last`` / ``sum``: the environment's scores. Metrics add ``multiturn/...``
+    and, where the interaction scored it, ``reward/first_turn_mean`` (the first answer alone,
+    i.e. the reward without feedback)."""
+    if settings.score == "reward":
+        result = reward_fn.score(batch)
+        metrics = dict(result.metrics)
+    else:
+        scores = environment_scores(batch, settings.score)
+        result = RewardResult(last_token_scores(scores, batch["response_mask"]), {}, scores)
+        metrics = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min())}
+    first = [s[0] for s in batch["turn_scores"] if len(s)]
+    if first:
+        metrics["reward/first_turn_mean"] = sum(first) / len(first)
+    return RewardResult(result.token_scores, {**metrics, **multiturn_metrics(batch)}, result.scores)
+
+
+def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(batch, response_len)`` zeros with ``scores[i]`` on row i's last mask-1 token (a row with
+    no model token gets none)."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    if response_mask.shape[1] == 0:
+        return out
+    counts = response_mask.long().cumsum(-1)
+    last = counts.argmax(-1)  # the first position holding the row's total: its last 1
+    has = counts[:, -1] > 0
+    out[has, last[has]] = scores[has].float()
+    return out
