@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -222,3 +223,55 @@ def test_batched_reward(tok):
     reg.add("reward", "lengths", batch_fn)
     token_scores, metrics = RewardManager(RewardConfig(name="lengths", batched=True), reg, tok)(responses(tok, ["#### 46", "ab"]))
     assert token_scores.sum(-1).tolist() == [7.0, 2.0] and metrics["reward/max"] == 7.0
+
+
+# -- concurrency -------------------------------------------------------------------------------------
+def _gathered(parties):
+    """A reward that returns only once ``parties`` calls are inside it at the same time (a barrier):
+    run one at a time, it raises BrokenBarrierError after 10 s instead."""
+    barrier = threading.Barrier(parties, timeout=10)
+    threads = set()
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        threads.add(threading.get_ident())
+        barrier.wait()
+        return float(extra_info["i"])
+
+    return reward, threads
+
+
+def test_max_concurrency_scores_samples_at_once_in_order(tok):
+    reward, threads = _gathered(4)
+    reg = Registry()
+    reg.add("reward", "gathered", reward)
+    manager = RewardManager(RewardConfig(name="gathered", max_concurrency=4), reg, tok)
+    result = manager.score(responses(tok, ["#### 46"] * 8))
+    assert result.scores.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # batch order, not finishing order
+    assert len(threads) == 4 and threading.get_ident() not in threads
+    assert result.metrics["reward/errors"] == 0.0
+
+
+def test_max_concurrency_comes_from_the_function_and_defaults_to_serial(tok):
+    reward, _ = _gathered(3)
+    reward.max_concurrency = 3
+    reg = Registry()
+    reg.add("reward", "gathered", reward)
+    in_main = threading.main_thread
+    reg.add("reward", "where", lambda data_source, solution_str, ground_truth, extra_info=None: float(threading.current_thread() is in_main()))
+    assert RewardManager(RewardConfig(name="gathered"), reg, tok).score(responses(tok, ["x"] * 6)).scores.tolist() == [0, 1, 2, 3, 4, 5]
+    manager = RewardManager(RewardConfig(name="where"), reg, tok)
+    assert manager.max_concurrency == 1 and manager.score(responses(tok, ["x"] * 3)).scores.tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(RewardError, match=r"reward.max_concurrency=0 for reward 'where'; give a whole number >= 1"):
+        RewardManager(RewardConfig(name="where", max_concurrency=0), reg, tok)
+
+
+def test_concurrent_errors_are_handled_as_serial_ones(tok, caplog):
+    reg = Registry()
+    reg.add("reward", "flaky", _flaky)
+    batch = responses(tok, ["#### 46", "#### 4", "#### 4", "nothing"])
+    with caplog.at_level(logging.ERROR, logger="trellis"):
+        token_scores, metrics = RewardManager(RewardConfig(name="flaky", max_concurrency=4), reg, tok)(batch)
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1  # logged once across threads
+    assert metrics["reward/errors"] == 2.0 and token_scores.sum(-1).tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(RewardError, match=r"failed on sample 1 \(data_source='arithmetic'\): ZeroDivisionError"):
+        RewardManager(RewardConfig(name="flaky", max_concurrency=4, fail_fast=True), reg, tok)(batch)

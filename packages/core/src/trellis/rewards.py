@@ -17,6 +17,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -124,6 +125,9 @@ class RewardConfig:
         extra_infos, **kwargs) -> list`` (verl's batch reward manager); also set by a ``batched = True``
         attribute on the function.
     kwargs: extra keyword arguments for every call (verl's ``reward_kwargs``), e.g. ``{method: flexible}``.
+    max_concurrency: how many samples of a batch are scored at once, each call in a thread of a pool
+        (for rewards that wait on something, such as a code sandbox); None = the function's
+        ``max_concurrency`` attribute, else 1 (one after another). Ignored when batched.
     """
 
     name: str = "gsm8k"
@@ -131,6 +135,7 @@ class RewardConfig:
     fail_fast: bool = False
     batched: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
+    max_concurrency: Optional[int] = None  # noqa: UP045
 
 
 def load_function(path: str | Path, name: str) -> Callable[..., Any]:
@@ -213,6 +218,9 @@ class RewardManager:
     A function that raises (or returns no number) scores the sample 0, counts in ``reward/errors``
     and has its first traceback logged (once per manager); with ``fail_fast`` it raises
     :class:`RewardError` naming the sample index and data source.
+
+    With a ``max_concurrency`` above 1 (``cfg.max_concurrency``, else the function's attribute of
+    that name) the per-sample calls run in a thread pool of that size; scores keep the batch order.
     """
 
     def __init__(self, cfg: RewardConfig, registry: Any, tokenizer: Any) -> None:
@@ -222,7 +230,12 @@ class RewardManager:
         self.kwargs = dict(cfg.kwargs or {})
         self.batched = bool(cfg.batched or getattr(self.fn, "batched", False))
         self.name = f"{cfg.name} ({cfg.path})" if cfg.path else cfg.name
+        limit = cfg.max_concurrency if cfg.max_concurrency is not None else getattr(self.fn, "max_concurrency", 1)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise RewardError(f"reward.max_concurrency={limit!r} for reward {self.name!r}; give a whole number >= 1 (1 = one sample at a time)")
+        self.max_concurrency = limit
         self._logged_error = False
+        self._error_lock = threading.Lock()
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         result = self.score(batch)
@@ -239,6 +252,9 @@ class RewardManager:
 
         if self.batched:
             raw = self._call_batched(data_sources, solutions, ground_truths, extra_infos)
+        elif self.max_concurrency > 1 and n > 1:
+            with ThreadPoolExecutor(min(self.max_concurrency, n), thread_name_prefix="trellis-reward") as pool:
+                raw = list(pool.map(self._call_one, range(n), data_sources, solutions, ground_truths, extra_infos))
         else:
             raw = [self._call_one(i, data_sources[i], solutions[i], ground_truths[i], extra_infos[i]) for i in range(n)]
 
@@ -295,8 +311,9 @@ class RewardManager:
         what = f"sample {i} (data_source={data_source!r})" if i is not None else "a batch"
         if self.cfg.fail_fast:
             raise RewardError(f"reward {self.name!r} failed on {what}: {type(exc).__name__}: {exc} (reward.fail_fast=true)") from exc
-        if not self._logged_error:
-            self._logged_error = True
+        with self._error_lock:
+            first, self._logged_error = not self._logged_error, True
+        if first:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             logger.error(
                 "reward %r failed on %s; it scores 0 and counts in reward/errors (later failures are counted, not logged; "
