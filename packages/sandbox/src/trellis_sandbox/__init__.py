@@ -1,0 +1,1 @@
+"""trellis-sandbox: run untrusted code through the Sandbox Fusion HTTP API (client, reward, tool, server)."""

@@ -1,0 +1,93 @@
+"""``trellis-sandbox serve``: start the local Sandbox Fusion-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from aiohttp import web
+
+from trellis_sandbox.isolation import IsolationUnavailable, detect
+from trellis_sandbox.languages import available_languages, default_python
+from trellis_sandbox.runner import Runner, RunnerConfig
+from trellis_sandbox.server import SandboxServer, ServerConfig
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trellis-sandbox", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve POST /run_code on HOST:PORT")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (the URL is printed)")
+    s.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="programs run at once (default: the CPU count)")
+    s.add_argument("--queue-size", type=int, default=256, help="requests that may wait for a worker; more get 503")
+    s.add_argument("--memory-mb", type=int, default=1024, help="address-space limit when a request gives no memory_limit_MB")
+    s.add_argument("--output-cap-kb", type=int, default=1024, help="stdout and stderr kept per run; a program writing more is stopped")
+    s.add_argument("--max-timeout", type=float, default=60.0, help="largest compile_timeout / run_timeout accepted (s)")
+    s.add_argument("--max-request-mb", type=int, default=16, help="largest request body")
+    s.add_argument("--nproc", type=int, default=64, help="processes (and threads) per run")
+    s.add_argument("--isolation", choices=["auto", "bwrap", "unshare"], default="auto", help="auto: bubblewrap, else unshare")
+    s.add_argument("--unsafe-no-isolation", action="store_true", help="run programs with rlimits only: NEVER for untrusted code")
+    s.add_argument("--python", default=None, help="interpreter for language 'python' (default: the system's python3)")
+    s.add_argument("--uid-base", type=int, default=61000, help="when root, worker i runs programs as uid UID_BASE+i")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name, value, least in (("--workers", args.workers, 1), ("--queue-size", args.queue_size, 0), ("--output-cap-kb", args.output_cap_kb, 1)):
+        if value < least:
+            print(f"trellis-sandbox: {name}={value}; give at least {least}", file=sys.stderr)
+            return 2
+    root = Path(tempfile.mkdtemp(prefix="trellis-sandbox-"))
+    os.chmod(root, 0o711)  # the sandbox users may pass through, not list
+    try:
+        as_root = os.geteuid() == 0
+        try:
+            isolation = detect("none" if args.unsafe_no_isolation else args.isolation, args.uid_base if as_root else None, root)
+        except IsolationUnavailable as exc:
+            print(f"trellis-sandbox: refusing to start: {exc}", file=sys.stderr)
+            return 2
+        if isolation.kind == "none":
+            print("trellis-sandbox: WARNING: --unsafe-no-isolation: programs run with rlimits only; never serve untrusted code", file=sys.stderr)
+        config = RunnerConfig(
+            memory_mb=args.memory_mb, output_cap=args.output_cap_kb << 10, nproc=args.nproc, uid_base=args.uid_base
+        )
+        runner = Runner(isolation, available_languages(args.python or default_python()), root, config)
+        server = SandboxServer(runner, ServerConfig(args.workers, args.queue_size, args.max_timeout, args.max_request_mb))
+        asyncio.run(_serve(server, args.host, args.port))
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _serve(server: SandboxServer, host: str, port: int) -> None:
+    app_runner = web.AppRunner(server.app(), access_log=None)
+    await app_runner.setup()
+    site = web.TCPSite(app_runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # the real port when asked for 0
+    langs = ", ".join(sorted(server.runner.languages))
+    print(
+        f"trellis-sandbox: serving http://{host}:{bound} (isolation {server.runner.isolation.kind}, "
+        f"{server.config.workers} workers, languages {langs})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await app_runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

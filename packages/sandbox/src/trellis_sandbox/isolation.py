@@ -1,0 +1,129 @@
+"""How one run is isolated: bubblewrap, else ``unshare`` namespaces, else (only when asked) nothing.
+
+Either way the program gets: no network (a new, empty network namespace), its own PID namespace
+(every process in it dies when the run's first process ends or is killed), the whole file system
+read-only, a fresh empty ``/tmp`` (and server's home, when it is not ``/``) with the run's work dir
+bound read-write at ``/tmp/work``, a scrubbed environment, and no capabilities. When the server
+runs as root, each worker slot runs its programs as its own unprivileged uid (``uid_base + slot``),
+so that the per-user process limit counts that run's processes only.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+WORK_MOUNT = "/tmp/work"
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+SCRUBBED_ENV = {"PATH": SAFE_PATH, "HOME": WORK_MOUNT, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class IsolationUnavailable(RuntimeError):
+    """Neither bubblewrap nor unshare namespaces work here; the message says what was tried and the fix."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """kind: ``bwrap``, ``unshare`` or ``none``; hidden: host folders replaced by an empty tmpfs."""
+
+    kind: str
+    hidden: tuple[str, ...] = ()
+
+    def wrap(self, argv: list[str], workdir: Path, stage: Path) -> list[str]:
+        """The command that runs ``argv`` inside the sandbox with ``workdir`` at ``WORK_MOUNT``.
+        ``stage``: an empty folder next to ``workdir`` (the unshare form builds the new /tmp there)."""
+        if self.kind == "bwrap":
+            return self._bwrap(argv, workdir)
+        if self.kind == "unshare":
+            return self._unshare(argv, workdir, stage)
+        return ["env", "-i", *(f"{k}={v}" for k, v in {**SCRUBBED_ENV, "HOME": str(workdir)}.items()), *argv]
+
+    def workdir_in_sandbox(self, workdir: Path) -> str:
+        return str(workdir) if self.kind == "none" else WORK_MOUNT
+
+    def _bwrap(self, argv: list[str], workdir: Path) -> list[str]:
+        cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/"]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp", "--tmpfs", "/dev/shm"]
+        for folder in self.hidden:
+            cmd += ["--tmpfs", folder]
+        cmd += ["--bind", str(workdir), WORK_MOUNT, "--chdir", WORK_MOUNT, "--clearenv"]
+        for k, v in SCRUBBED_ENV.items():
+            cmd += ["--setenv", k, v]
+        return [*cmd, "--cap-drop", "ALL", "--", *argv]
+
+    def _unshare(self, argv: list[str], workdir: Path, stage: Path) -> list[str]:
+        # Inside a new user namespace the setup shell is root with capabilities over its own mounts:
+        # it builds the new /tmp on `stage`, binds the work dir into it, moves it over /tmp, hides the
+        # home, mounts /proc for the new PID namespace and makes / read-only; then `setpriv` drops every
+        # capability (so the program cannot undo a mount) and execs the program in a clean environment.
+        q = shlex.quote
+        steps = [
+            f"mount -n -t tmpfs -o mode=1777 tmpfs {q(str(stage))}",
+            f"mkdir {q(str(stage))}/work",
+            f"mount -n --bind {q(str(workdir))} {q(str(stage))}/work",
+            f"mount -n --move {q(str(stage))} /tmp",
+            *(f"mount -n -t tmpfs tmpfs {q(d)}" for d in ("/var/tmp", "/dev/shm", *self.hidden) if os.path.isdir(d)),
+            "mount -n -t proc proc /proc",
+            "mount -n -o remount,bind,ro /",
+            f"cd {WORK_MOUNT}",
+            "exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs env -i "
+            + " ".join(q(f"{k}={v}") for k, v in SCRUBBED_ENV.items())
+            + " "
+            + " ".join(q(a) for a in argv),
+        ]
+        unshare = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child"]
+        return [*unshare, "--propagation", "private", "sh", "-ec", "; ".join(steps)]
+
+
+def hidden_folders() -> tuple[str, ...]:
+    """The server's home, when it is a real folder other than ``/`` (its files stay out of reach)."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    return (home,) if home not in ("/", "/tmp") and os.path.isdir(home) else ()
+
+
+def _works(cmd: list[str], user: int | None) -> str | None:
+    """None when ``cmd`` runs and prints ``ok``; else why not."""
+    kwargs = {"user": user, "group": user, "extra_groups": []} if user is not None else {}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, **kwargs)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if out.returncode == 0 and out.stdout.strip().endswith("ok"):
+        return None
+    return (out.stderr or out.stdout).strip()[-300:] or f"exit code {out.returncode}"
+
+
+def detect(preferred: str, probe_user: int | None, scratch: Path) -> Isolation:
+    """The first isolation of ``preferred`` (``auto``, ``bwrap``, ``unshare``, ``none``) that works on this
+    machine, tried for real as ``probe_user``; :class:`IsolationUnavailable` when none does."""
+    if preferred == "none":
+        return Isolation("none")
+    hidden = hidden_folders()
+    kinds = ["bwrap", "unshare"] if preferred == "auto" else [preferred]
+    problems = []
+    for kind in kinds:
+        tool = "bwrap" if kind == "bwrap" else "unshare"
+        if shutil.which(tool) is None:
+            problems.append(f"{kind}: `{tool}` is not installed")
+            continue
+        work, stage = scratch / f"probe-{kind}", scratch / f"probe-{kind}-stage"
+        for d in (work, stage):
+            d.mkdir(parents=True, exist_ok=True)
+            if probe_user is not None:
+                os.chown(d, probe_user, probe_user)
+        iso = Isolation(kind, hidden)
+        why = _works(iso.wrap(["sh", "-c", "echo ok"], work, stage), probe_user)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)
+        if why is None:
+            return iso
+        problems.append(f"{kind}: {why}")
+    raise IsolationUnavailable(
+        "no isolation works on this machine (" + "; ".join(problems) + "). Install bubblewrap (Debian/Ubuntu: "
+        "`apt-get install bubblewrap`) or allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), "
+        "or start with --unsafe-no-isolation to run programs with rlimits only (never with untrusted code)"
+    )

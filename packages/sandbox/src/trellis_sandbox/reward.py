@@ -1,0 +1,67 @@
+"""The ``sandbox_fusion`` reward: run a response's code against its test cases on a Sandbox Fusion server.
+
+Used as ``reward.name=sandbox_fusion`` with ``reward.kwargs.url=http://127.0.0.1:8080``. The reward
+manager scores samples concurrently (this function's ``max_concurrency`` attribute, or
+``reward.max_concurrency``), and one sample's cases run concurrently too; all of them share the
+process's one limit on requests in flight (``get_client``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trellis_sandbox.api import RunRequest
+from trellis_sandbox.client import get_client
+from trellis_sandbox.testcases import CLASSES, build_cases, classify, extract_code
+
+SCORINGS = ("fraction", "all")
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    url: str | None = None,
+    language: str = "python",
+    scoring: str = "fraction",
+    stop_on_first_failure: bool = False,
+    run_timeout: float = 10.0,
+    compile_timeout: float = 10.0,
+    memory_limit_mb: int = 1024,
+    max_concurrency: int = 32,
+) -> dict[str, float]:
+    """``score``: the fraction of cases passed (``scoring="fraction"``) or 1.0 only when all pass
+    (``"all"``). Also returns, for each result class in ``CLASSES`` (pass, wrong_answer,
+    runtime_error, timeout, compile_error, sandbox_error), the fraction of this sample's cases in it,
+    so the reward manager reports ``reward/<class>``. ``stop_on_first_failure``: run the cases one by
+    one and stop at the first that does not pass (the rest count as not run: in no class).
+    The code is the response's last fenced block (see ``extract_code``)."""
+    if url is None:
+        raise ValueError("reward sandbox_fusion needs the server's address: set reward.kwargs.url=http://HOST:PORT (e.g. `trellis-sandbox serve`)")
+    if scoring not in SCORINGS:
+        raise ValueError(f"reward.kwargs.scoring={scoring!r}; use one of {SCORINGS}")
+    cases = build_cases(extract_code(solution_str, language), ground_truth, language)
+    if not cases:
+        raise ValueError("sandbox_fusion ground_truth has no test cases; give at least one")
+    client = get_client(url, max_concurrency)
+
+    def request(case):
+        return RunRequest(case.code, language, compile_timeout, run_timeout, memory_limit_mb, case.stdin)
+
+    if stop_on_first_failure:
+        classes = []
+        for case in cases:
+            classes.append(classify(case, client.run_sync(request(case))))
+            if classes[-1] != "pass":
+                break
+    else:
+        responses = client.run_many_sync([request(c) for c in cases])
+        classes = [classify(c, r) for c, r in zip(cases, responses)]
+    passed = classes.count("pass") / len(cases)
+    score = passed if scoring == "fraction" else float(passed == 1.0)
+    return {"score": score, **{k: classes.count(k) / len(cases) for k in CLASSES}}
+
+
+compute_score.max_concurrency = 32  # the reward manager's default thread count for this reward

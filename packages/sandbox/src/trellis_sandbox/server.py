@@ -1,0 +1,109 @@
+"""The HTTP server: ``POST /run_code`` (Sandbox Fusion's API), ``GET /v1/ping`` and ``GET /stats``.
+
+At most ``workers`` programs run at once, each in its own slot; up to ``queue_size`` more requests
+wait, and past that the server answers 503 (a client retries those: nothing was run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from trellis_sandbox.api import SANDBOX_ERROR, RequestError, RunRequest, RunResponse
+from trellis_sandbox.runner import Runner
+
+logger = logging.getLogger("trellis.sandbox")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    workers: int = 2
+    queue_size: int = 256
+    max_timeout_s: float = 60.0
+    max_request_mb: int = 16
+
+
+class SandboxServer:
+    def __init__(self, runner: Runner, config: ServerConfig) -> None:
+        self.runner = runner
+        self.config = config
+        self.slots: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(config.workers):
+            self.slots.put_nowait(slot)
+        self.waiting = 0
+        self.running = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_request_mb << 20)
+        app.router.add_post("/run_code", self.run_code)
+        app.router.add_get("/v1/ping", self.ping)
+        app.router.add_get("/stats", self.stats)
+        return app
+
+    async def ping(self, request: web.Request) -> web.Response:
+        return web.Response(text="pong")
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "isolation": self.runner.isolation.kind,
+                "languages": sorted(self.runner.languages),
+                "workers": self.config.workers,
+                "running": self.running,
+                "waiting": self.waiting,
+                "work_root": str(self.runner.root),
+                "uids": [self.runner.uid(s) for s in range(self.config.workers)] if self.runner.as_root else [],
+                "leftovers_killed": self.runner.leftovers_killed,
+                **dict(self.counts),
+            }
+        )
+
+    async def run_code(self, request: web.Request) -> web.Response:
+        self.counts["requests"] += 1
+        try:
+            body = await request.json(loads=json.loads)
+        except web.HTTPRequestEntityTooLarge:
+            return self._refuse(413, f"the request is larger than the server's limit of {self.config.max_request_mb} MB (--max-request-mb)")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return self._refuse(400, f"the body is not valid JSON ({exc}); send a JSON object with 'code' and 'language'")
+        try:
+            req = RunRequest.from_json(body, max_timeout=self.config.max_timeout_s)
+            self.runner.check(req)
+        except RequestError as exc:
+            return self._refuse(400, str(exc))
+        if self.waiting >= self.config.queue_size:
+            self.counts["rejected_busy"] += 1
+            return web.json_response(
+                {"status": SANDBOX_ERROR, "message": f"the server is busy: {self.waiting} requests are waiting (--queue-size)"},
+                status=503,
+                headers={"Retry-After": "1"},
+            )
+        self.waiting += 1
+        try:
+            slot = await self.slots.get()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            response = await self.runner.execute(req, slot)
+        except RequestError as exc:
+            return self._refuse(400, str(exc))
+        except Exception as exc:  # the sandbox failed, not the program: say so, keep serving
+            logger.exception("run failed inside the sandbox server")
+            response = RunResponse(SANDBOX_ERROR, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.running -= 1
+            self.slots.put_nowait(slot)
+        self.counts["runs"] += 1
+        self.counts[f"status_{response.status}"] += 1
+        return web.json_response(response.to_json())
+
+    def _refuse(self, code: int, message: str) -> web.Response:
+        self.counts[f"refused_{code}"] += 1
+        return web.json_response({"status": SANDBOX_ERROR, "message": message}, status=code)
