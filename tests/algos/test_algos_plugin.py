@@ -14,8 +14,11 @@ from trellis.plugins import load_plugins
 
 EXPECTED = {
     "advantage": {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"},
-    "policy_loss": {"vanilla", "clip_cov", "kl_cov", "gspo", "cispo", "gmpo", "geo_mean", "reinforce", "gpg"},
-    "kl": {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"},
+    "policy_loss": {
+        *("vanilla", "clip_cov", "kl_cov", "gspo", "sapo", "cispo", "gmpo", "geo_mean"),
+        *("dppo_tv", "dppo_kl", "dro", "reinforce", "gpg", "bypass_mode"),
+    },
+    "kl": {name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+")},
     "sft_loss": {"cross_entropy", "dft"},
     "preference_loss": {"sigmoid", "ipo"},
     "objective": {"policy", "value", "sft", "preference", "kl_in_reward"},

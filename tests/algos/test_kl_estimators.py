@@ -88,7 +88,10 @@ def test_k2_and_k3_are_non_negative(deltas):
 
 
 @FAST
-@given(st.lists(st.floats(-5, 5), min_size=1, max_size=8), st.sampled_from([("k1+", "k1"), ("k3+", "k3")]))
+@given(
+    st.lists(st.floats(-5, 5), min_size=1, max_size=8),
+    st.sampled_from([("k1+", "k1"), ("kl+", "k1"), ("abs+", "abs"), ("k2+", "k2"), ("mse+", "k2"), ("k3+", "k3"), ("low_var_kl+", "k3")]),
+)
 def test_straight_through_has_value_of_one_and_gradient_of_k2(deltas, names):
     plus, plain = names
     v_plus, g_plus = value_and_grad(plus, deltas)
@@ -96,6 +99,17 @@ def test_straight_through_has_value_of_one_and_gradient_of_k2(deltas, names):
     _, g_k2 = value_and_grad("k2", deltas)
     torch.testing.assert_close(v_plus, v_plain)
     torch.testing.assert_close(g_plus, g_k2)
+
+
+def test_abs_plus_by_hand():
+    # delta = -ln 2: value |delta| = ln 2, gradient of k2 = delta = -ln 2 (abs alone: -1)
+    value, grad = value_and_grad("abs+", [-LN2])
+    assert value.item() == pytest.approx(LN2) and grad.item() == pytest.approx(-LN2)
+    assert value_and_grad("abs", [-LN2])[1].item() == -1.0
+
+
+def test_every_name_has_a_plus_variant():
+    assert {n for n in ESTIMATORS if not n.endswith("+")} == {n[:-1] for n in ESTIMATORS if n.endswith("+")}
 
 
 # -- controllers -------------------------------------------------------------------------------

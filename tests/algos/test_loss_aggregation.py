@@ -25,6 +25,9 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
         (Aggregation("token-mean"), 7 / 3),
         # same sum over a global count of 7 tokens
         (Aggregation("token-mean", global_tokens=7.0), 1.0),
+        # the plain sum of the valid tokens, whatever the counts
+        (Aggregation("token-sum"), 7.0),
+        (Aggregation("token-sum", global_tokens=7.0, global_seqs=4.0), 7.0),
         # sequence sums 3 and 4, mean over 2 sequences
         (Aggregation("seq-mean-token-sum"), 3.5),
         (Aggregation("seq-mean-token-sum", global_seqs=4.0), 7 / 4),
@@ -63,7 +66,7 @@ def test_empty_mask_gives_zero_with_a_graph():
 
 def test_unknown_mode_and_bad_count():
     with pytest.raises(ValueError, match="valid modes"):
-        agg_loss(LOSS, MASK, Aggregation("token-sum"))
+        agg_loss(LOSS, MASK, Aggregation("token-total"))
     with pytest.raises(ValueError, match="global_tokens"):
         agg_loss(LOSS, MASK, Aggregation("token-mean", global_tokens=-1.0))
 

@@ -20,6 +20,7 @@ from trellis_algos.policy_losses import (
     KLCovOptions,
     VanillaOptions,
     cispo,
+    clip_range,
     clip_cov,
     clip_cov_selection,
     gmpo,
@@ -126,13 +127,26 @@ def test_gspo_sequence_ratio_by_hand():
     close(grad_of(loss, data), [[-s / 2, -s / 2]])
 
 
-def test_gspo_forces_seq_mean_token_mean():
+def test_gspo_honours_the_aggregation_mode():
     # ratio 1; seq 1 has two tokens with A 1, seq 2 one token with A 4:
-    # seq-mean-token-mean = (-1 + -4) / 2 = -2.5 (token-mean would be -6 / 3 = -2)
+    # token-mean = -6 / 3 = -2; seq-mean-token-mean = (-1 + -4) / 2 = -2.5 (as verl 0.9.1)
     data = inputs([[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [4.0, 4.0]], mask=[[1, 1], [1, 0]])
-    assert gspo(data, TOKEN_MEAN)[0].item() == pytest.approx(-2.5)
-    # global_seqs is kept: 4 sequences in the mini-batch -> -5 / 4
-    assert gspo(data, Aggregation("token-mean", global_seqs=4.0))[0].item() == pytest.approx(-1.25)
+    assert gspo(data, TOKEN_MEAN)[0].item() == pytest.approx(-2.0)
+    assert gspo(data, Aggregation("seq-mean-token-mean"))[0].item() == pytest.approx(-2.5)
+    # the global counts are those of the mini-batch: 4 sequences -> -5 / 4; 6 tokens -> -6 / 6
+    assert gspo(data, Aggregation("seq-mean-token-mean", global_seqs=4.0))[0].item() == pytest.approx(-1.25)
+    assert gspo(data, Aggregation("token-mean", global_tokens=6.0))[0].item() == pytest.approx(-1.0)
+
+
+def test_symmetric_clip_ratio_fills_the_bounds_left_null():
+    # r = 1.25, A = 1: clip_ratio .1 clips at 1.1; an explicit clip_ratio_high .3 wins over it
+    data = inputs([[math.log(1.25)]], [[1.0]])
+    assert vanilla(data, TOKEN_MEAN, VanillaOptions(clip_ratio=0.1))[0].item() == pytest.approx(-1.1)
+    assert vanilla(data, TOKEN_MEAN, VanillaOptions(clip_ratio=0.1, clip_ratio_high=0.3))[0].item() == pytest.approx(-1.25)
+    # GSPO's bounds default to the paper's; nulling them hands over to clip_ratio
+    assert gspo(data, TOKEN_MEAN, GSPOOptions(clip_ratio=0.1, clip_ratio_low=None, clip_ratio_high=None))[0].item() == pytest.approx(-1.1)
+    with pytest.raises(ValueError, match="gspo: set clip_ratio"):
+        gspo(data, TOKEN_MEAN, GSPOOptions(clip_ratio_high=None))
 
 
 # -- gmpo / geo_mean ---------------------------------------------------------------------------
@@ -202,7 +216,7 @@ def test_kl_cov_by_hand():
     x = [0.1, 0.2, -0.3, -0.4]
     data = inputs([x], [[3.0, 1.0, -1.0, -3.0]], logp=[[0.0, -3.0, -1.0, -2.0]])
     assert kl_cov_selection(data, KLCovOptions(kl_cov_ratio=0.5)).tolist() == [[True, False, False, True]]
-    loss, metrics = kl_cov(data, TOKEN_MEAN, KLCovOptions(kl_cov_ratio=0.5))
+    loss, metrics = kl_cov(data, TOKEN_MEAN, KLCovOptions(kl_cov_ratio=0.5, ppo_kl_coef=1.0))
     terms = [-3 * math.exp(0.1) + 0.1, -math.exp(0.2), math.exp(-0.3), 3 * math.exp(-0.4) + 0.4]
     assert loss.item() == pytest.approx(sum(terms) / 4)
     assert metrics["kl_cov_frac"] == 0.5
@@ -239,7 +253,8 @@ def check_clip_cov(data, opts, seed):
     cov = reference_covariance(data)
     r = torch.exp(data.log_prob.detach() - data.old_log_prob)
     a = data.advantages
-    ppo_clipped = -a * torch.clamp(r, 1 - opts.clip_ratio_low, 1 + opts.clip_ratio_high) > -a * r
+    low, high = clip_range(opts, "clip_cov")
+    ppo_clipped = -a * torch.clamp(r, 1 - low, 1 + high) > -a * r
     band = valid & ~ppo_clipped & (cov > opts.clip_cov_lb) & (cov < opts.clip_cov_ub)
     k = max(1, int(opts.clip_cov_ratio * int(valid.sum())))
 
@@ -250,7 +265,7 @@ def check_clip_cov(data, opts, seed):
 
     torch.manual_seed(seed)  # the loss draws the same tokens
     loss, _ = clip_cov(data, TOKEN_MEAN, opts)
-    per_token = torch.maximum(-a * r, -a * torch.clamp(r, 1 - opts.clip_ratio_low, 1 + opts.clip_ratio_high))
+    per_token = torch.maximum(-a * r, -a * torch.clamp(r, 1 - low, 1 + high))
     expected = per_token[valid & ~selected].sum() / max(1, int(valid.sum()))
     assert loss.item() == pytest.approx(expected.item(), abs=1e-9)
     assert torch.all(grad_of(loss, data)[selected] == 0)

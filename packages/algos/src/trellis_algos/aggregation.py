@@ -41,6 +41,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: Aggregation | None
     """Aggregate ``loss_mat`` ``(batch, response_len)`` over ``mask`` into a scalar.
 
     - ``token-mean``: sum over valid tokens / ``global_tokens`` (default: valid tokens here).
+    - ``token-sum``: sum over valid tokens (no normaliser: the micro-batches' sums add up).
     - ``seq-mean-token-sum``: per-sequence token sum, summed / ``global_seqs``.
     - ``seq-mean-token-mean``: per-sequence token mean, summed / ``global_seqs``.
     - ``seq-mean-token-sum-norm`` (Dr. GRPO): per-sequence token sum / ``norm_constant``
@@ -56,6 +57,8 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: Aggregation | None
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(MODES)}")
     if mode == "token-mean":
         return _divide(masked_sum(loss_mat, mask), agg.global_tokens, masked_count(mask), "global_tokens")
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     seq_tokens = masked_count(mask, dim=-1)
     token_sums = masked_sum(loss_mat, mask, dim=-1)
     if mode == "seq-mean-token-sum":

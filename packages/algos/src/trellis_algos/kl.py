@@ -4,8 +4,9 @@ An estimator is ``fn(log_prob, ref_log_prob) -> (batch, response_len)`` per-toke
 KL(pi || pi_ref) from samples of pi, with ``delta = logp - logp_ref`` (Schulman, "Approximating
 KL divergence", 2020): ``k1 = delta``, ``abs = |delta|``, ``k2 = delta^2 / 2``,
 ``k3 = exp(-delta) + delta - 1`` (``low_var_kl``; input clamped to ±20, output to ±10, as verl).
-``k1+`` / ``k3+`` are straight-through: the value of k1 / k3 with the gradient of k2, whose
-expected gradient is the true KL gradient. ``kl`` and ``mse`` are verl's aliases of k1 and k2.
+Every name has a straight-through ``+`` variant (``k1+``, ``abs+``, ``k3+``, ...): the value of the
+estimator with the gradient of k2, whose expected gradient is the true KL gradient (``k2+`` is k2).
+``kl``, ``mse`` and ``low_var_kl`` are verl's aliases of k1, k2 and k3.
 
 Use in the reward: :func:`apply_kl_penalty` with a controller from :func:`make_kl_controller`.
 Use as a loss term: :func:`kl_loss`.
@@ -48,32 +49,25 @@ def k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)
 
 
-def _straight_through(value: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    grad_source = k2(log_prob, ref_log_prob)
-    return grad_source - grad_source.detach() + value.detach()
+def straight_through(estimator: KLEstimatorFn) -> KLEstimatorFn:
+    """The ``+`` variant of ``estimator``: its value, with the gradient of k2 (whose expected
+    gradient is the true KL gradient). ``k2+`` is k2 itself."""
+
+    def plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+        grad_source = k2(log_prob, ref_log_prob)
+        return grad_source - grad_source.detach() + estimator(log_prob, ref_log_prob).detach()
+
+    plus.__doc__ = f"Value of {estimator.__name__}, gradient of k2."
+    return plus
 
 
-def k1_plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """Value of k1, gradient of k2."""
-    return _straight_through(k1(log_prob, ref_log_prob), log_prob, ref_log_prob)
+_BASE: dict[str, KLEstimatorFn] = {"k1": k1, "kl": k1, "abs": abs_kl, "k2": k2, "mse": k2, "k3": k3, "low_var_kl": k3}
 
-
-def k3_plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """Value of k3, gradient of k2."""
-    return _straight_through(k3(log_prob, ref_log_prob), log_prob, ref_log_prob)
-
-
-# name -> estimator; plugin.py registers these (none has options).
+# name -> estimator; plugin.py registers these (none has options). Every name also has its
+# straight-through ``name+`` (as verl, which strips the ``+`` and keeps k2 as it is).
 ESTIMATORS: dict[str, KLEstimatorFn] = {
-    "k1": k1,
-    "kl": k1,
-    "abs": abs_kl,
-    "k2": k2,
-    "mse": k2,
-    "k3": k3,
-    "low_var_kl": k3,
-    "k1+": k1_plus,
-    "k3+": k3_plus,
+    **_BASE,
+    **{f"{name}+": fn if fn is k2 else straight_through(fn) for name, fn in _BASE.items()},
 }
 
 

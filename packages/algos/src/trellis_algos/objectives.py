@@ -15,18 +15,31 @@ from trellis.config import resolve_component
 from trellis.interfaces.signatures import Aggregation, PolicyLossInputs, PreferenceInputs, aggregation_for
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
+from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, rejection_mask, rollout_correction
 from trellis_algos.value_loss import clipped_value_loss
 
 
 class PolicyObjective:
     """The actor's PPO-family loss: ``policy_loss - entropy_coeff * entropy + kl_loss_coef * KL``,
-    every term aggregated over the global mini-batch with ``loss_agg_mode``."""
+    every term aggregated over the global mini-batch with ``loss_agg_mode``.
+
+    Rollout correction (the policy loss's ``rollout_is`` / ``rollout_rs`` keys, verl's decoupled
+    mode): importance weights between ``old_log_probs`` and ``rollout_log_probs`` multiply the
+    policy loss per token, and rejected tokens leave every term and the global counts. The
+    batch-normalised weights are divided by the mean of the mini-batch last passed to
+    :meth:`counts` (the worker counts each mini-batch before computing its micro-batches).
+    A loss marked ``corrects_rollout`` (``bypass_mode``) does its own.
+    """
 
     summed = frozenset({"pg_loss", "entropy_loss", "kl_loss"})
 
     def __init__(self, options: Any, registry: Any) -> None:
         self.options = options
         self.policy_loss, self.policy_options = resolve_component(registry, "policy_loss", options.policy_loss)
+        opts = self.policy_options
+        corrected = isinstance(opts, RolloutCorrectionOptions) and opts.enabled
+        self.correction = opts if corrected and not getattr(self.policy_loss, "corrects_rollout", False) else None
+        self.is_batch_mean: torch.Tensor | None = None
         self.kl = registry.get("kl", options.kl_loss_type).obj if options.use_kl_loss else None
         self.outputs = ("log_probs", "entropy") if options.entropy_coeff != 0 else ("log_probs",)
         self.inputs = ("responses", "response_mask", "old_log_probs", "advantages", "rollout_log_probs") + (
@@ -37,21 +50,45 @@ class PolicyObjective:
         return batch
 
     def counts(self, batch: Batch) -> Aggregation:
-        return aggregation_for(self.options.loss_agg_mode, batch["response_mask"], self.options.loss_norm_constant)
+        mask = batch["response_mask"]
+        if self.correction is not None:
+            old, rollout = batch["old_log_probs"], self._rollout_log_probs(batch)
+            if self.correction.rollout_rs is not None:
+                kept, _ = rejection_mask(old - rollout, mask, self.correction.rollout_rs, self.correction.rollout_rs_threshold)
+                mask = kept
+            if self.correction.rollout_is is not None and self.correction.rollout_is_batch_normalize:
+                self.is_batch_mean = batch_normaliser(old, rollout, batch["response_mask"], self.correction)
+        return aggregation_for(self.options.loss_agg_mode, mask, self.options.loss_norm_constant)
+
+    @staticmethod
+    def _rollout_log_probs(batch: Batch) -> torch.Tensor:
+        if "rollout_log_probs" not in batch:
+            raise ValueError(
+                "rollout correction (actor.policy_loss.rollout_is / rollout_rs / log_metrics) needs the rollout "
+                "engine's rollout_log_probs in the batch; this batch has none"
+            )
+        return batch["rollout_log_probs"]
 
     def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
         log_prob = outputs["log_probs"]
         device = log_prob.device
         mask = micro["response_mask"].to(device)
+        old = micro["old_log_probs"].to(device)
+        rollout = micro["rollout_log_probs"].to(device) if "rollout_log_probs" in micro else None
+        weights, corr_metrics = None, {}
+        if self.correction is not None:
+            rollout = self._rollout_log_probs(micro).to(device)
+            weights, mask, corr_metrics = rollout_correction(old, rollout, mask, self.correction, self.is_batch_mean)
         data = PolicyLossInputs(
             log_prob=log_prob,
-            old_log_prob=micro["old_log_probs"].to(device),
+            old_log_prob=old,
             advantages=micro["advantages"].to(device),
             response_mask=mask,
-            rollout_log_prob=micro["rollout_log_probs"].to(device) if "rollout_log_probs" in micro else None,
+            rollout_log_prob=rollout,
+            rollout_is_weights=weights,
         )
         loss, metrics = self.policy_loss(data, agg, self.policy_options)
-        metrics = dict(metrics)
+        metrics = {**metrics, **corr_metrics}
         if "entropy" in outputs:
             ent = entropy_loss(outputs["entropy"], mask, agg)
             loss = loss - self.options.entropy_coeff * ent
@@ -64,7 +101,8 @@ class PolicyObjective:
 
 
 class ValueObjective:
-    """The critic's clipped value loss (``cliprange_value``), aggregated with ``loss_agg_mode``."""
+    """The critic's clipped value loss (``cliprange_value``), aggregated with ``loss_agg_mode``
+    (``loss_norm_constant``: the ``seq-mean-token-sum-norm`` divisor, verl's ``loss_scale_factor``)."""
 
     summed = frozenset({"vf_loss"})
     outputs = ("values",)
@@ -77,7 +115,7 @@ class ValueObjective:
         return batch
 
     def counts(self, batch: Batch) -> Aggregation:
-        return aggregation_for(self.options.loss_agg_mode, batch["response_mask"])
+        return aggregation_for(self.options.loss_agg_mode, batch["response_mask"], self.options.loss_norm_constant)
 
     def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
         vpreds = outputs["values"]
