@@ -116,6 +116,9 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
             if name in raw:
                 with _unlocked(node):
                     node[name] = validate(raw[name], hints[name], registry, sub_path + ".")
+        elif _dataclass_items(hints[name]) is not None:
+            if name in raw:
+                node[name] = _validate_list(raw[name], _dataclass_items(hints[name]), registry, sub_path)
         elif name in raw:
             value = raw._get_node(name)._value() if OmegaConf.is_interpolation(raw, name) else raw[name]
             if hints[name] is float and type(value) is int:
@@ -125,6 +128,18 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
             except OmegaConfBaseException as exc:
                 raise ConfigError(_wrong_type(sub_path, value, hints[name], exc)) from None
     return node
+
+
+def _dataclass_items(hint: Any) -> type | None:
+    """``X`` for a ``list[X]`` field whose items are option dataclasses, else None."""
+    args = typing.get_args(hint)
+    return args[0] if typing.get_origin(hint) is list and args and dataclasses.is_dataclass(args[0]) else None
+
+
+def _validate_list(raw: Any, item: type, registry: Registry, path: str) -> list[DictConfig]:
+    if not isinstance(raw, ListConfig):
+        raise ConfigError(f"config key {path!r} must be a list of {item.__name__} entries, got {_show(raw)}")
+    return [validate(entry, item, registry, f"{path}[{i}].") for i, entry in enumerate(raw)]
 
 
 def _with_default_options(sub: Any, default: dict) -> Any:

@@ -60,10 +60,13 @@ def rollout_batch(
     Returns ``prompts.repeat_interleave(n)`` plus ``prompts``, ``responses``, ``response_mask``,
     ``rollout_log_probs`` (zero where masked) and ``input_ids`` / ``attention_mask`` /
     ``position_ids`` over prompt + response; ``meta["temperature"]`` is the one the log-probs use.
+    response_attention: which response tokens exist ``(B*n, response_len)``; default
+    ``response_mask``. Multi-turn rollouts pass 1 on environment tokens too, whose mask is 0.
     """
     out = prompts.repeat_interleave(params.n)
     response_mask = response_mask.to(out["attention_mask"].dtype)
-    attention_mask = torch.cat([out["attention_mask"], response_mask], dim=1)
+    attend = response_mask if response_attention is None else response_attention.to(response_mask.dtype)
+    attention_mask = torch.cat([out["attention_mask"], attend], dim=1)
     out.update(
         Batch(
             {

@@ -69,7 +69,8 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
 def _settings(node: DictConfig) -> MultiTurnConfig:
     data = OmegaConf.to_container(node, resolve=True)
     interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
-    settings = MultiTurnConfig(**data, interactions=interactions, tools=[ToolConfig(**x) for x in data.pop("tools")])
+    tools = [ToolConfig(**x) for x in data.pop("tools")]
+    settings = MultiTurnConfig(**data, interactions=interactions, tools=tools)
     for key in ("max_assistant_turns", "max_concurrent_samples", "max_tool_response_chars"):
         if getattr(settings, key) < 1:
             raise ConfigError(f"config key 'multi_turn.{key}' is {getattr(settings, key)}; it must be at least 1")

@@ -1,0 +1,337 @@
+"""The agent loop on a scripted engine: masks, token-exact turns, interactions per sample, tools,
+limits, clean-up on every path, and verl-style classes through the adapters.
+
+A random tiny model cannot be made to write a given answer or tool call, so these tests use
+``ScriptedEngine``, a stand-in rollout engine that answers each turn with a scripted text (the
+real engines run the same loop in tests/hf, tests/vllm and tests/interactions)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trellis.config import ConfigError, validate
+from trellis.data import PromptDataset, encode_text, render_chat
+from trellis.examples.tiny import make_tiny_tokenizer
+from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult
+from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.multiturn.config import MultiTurnConfig
+from trellis.multiturn.environment import agent_spec, check_interaction_names
+from trellis.multiturn.loop import AgentLoop, environment_scores
+from trellis.plugins import load_plugins
+
+EVENTS: list[tuple[str, str]] = []  # (what, instance) from the recording components below
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = ["12+34= #### 46 wrong, try again right Error: tool failed timed out truncated characters", '<tool_call>{"name": "add"}']
+    return make_tiny_tokenizer(texts * 20)
+
+
+@pytest.fixture(autouse=True)
+def _clear_events():
+    EVENTS.clear()
+
+
+class ScriptedEngine(RolloutEngine):
+    """Stand-in engine: turn k of every conversation answers ``script[k]`` (cut at the turn's
+    token limit), each token with log-prob -0.25, and records the prompt ids it was given."""
+
+    def __init__(self, tokenizer, script, block: asyncio.Event | None = None):
+        self.tokenizer, self.script, self.block = tokenizer, script, block
+        self.prompts: list[list[int]] = []
+        self.opening = encode_text(tokenizer, "<|im_start|>assistant\n")  # one per assistant turn, this one included
+
+    def generate(self, prompts, params):
+        raise NotImplementedError
+
+    def load_weights(self, weights):
+        raise NotImplementedError
+
+    async def agenerate(self, prompt_ids, params):
+        self.prompts.append(list(prompt_ids))
+        if self.block is not None:
+            await self.block.wait()
+        k = len(self.opening)
+        turn = sum(prompt_ids[i : i + k] == self.opening for i in range(len(prompt_ids))) - 1
+        text = self.script[min(turn, len(self.script) - 1)]
+        ids = encode_text(self.tokenizer, text) + [self.tokenizer.eos_token_id]
+        ids = ids[: params.max_new_tokens]
+        return Generation(ids, [-0.25] * len(ids), "stop" if ids[-1] == self.tokenizer.eos_token_id else "length")
+
+
+class Checker(Interaction):
+    """Right when the last answer contains the sample's ``answer``; records every call."""
+
+    async def start(self, instance_id, answer="46", **kwargs):
+        EVENTS.append(("start", instance_id))
+        self.answer = answer
+
+    async def respond(self, instance_id, messages):
+        EVENTS.append(("respond", instance_id))
+        right = self.answer in messages[-1]["content"]
+        return InteractionTurn(done=right, message="" if right else "wrong, try again", score=1.0 if right else 0.0)
+
+    async def finalize(self, instance_id):
+        EVENTS.append(("finalize", instance_id))
+
+
+class Raising(Checker):
+    async def respond(self, instance_id, messages):
+        raise RuntimeError("the checker broke")
+
+
+class Slow(Checker):
+    async def respond(self, instance_id, messages):
+        await asyncio.sleep(5)
+
+
+class Constant(Interaction):
+    """Never done; scores every turn ``options`` (a float)."""
+
+    async def respond(self, instance_id, messages):
+        return InteractionTurn(done=False, message="again", score=float(self.options))
+
+
+class Adder(Tool):
+    schema = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+    async def create(self, instance_id, **kwargs):
+        EVENTS.append(("create", instance_id))
+
+    async def execute(self, instance_id, arguments):
+        return ToolResult(text=str(arguments["a"] + arguments["b"]), reward=0.5)
+
+    async def release(self, instance_id):
+        EVENTS.append(("release", instance_id))
+
+
+class Big(Adder):
+    schema = {"type": "function", "function": {"name": "big", "parameters": {"type": "object"}}}
+
+    async def execute(self, instance_id, arguments):
+        return ToolResult(text="x" * 1_000_000)
+
+
+class Broken(Adder):
+    schema = {"type": "function", "function": {"name": "broken", "parameters": {"type": "object"}}}
+
+    async def execute(self, instance_id, arguments):
+        raise ValueError("no such file")
+
+
+@pytest.fixture(scope="module")
+def registry():
+    reg = load_plugins().registry
+    reg.adding_for("test_multiturn_loop")
+    for name, cls in (("checker", Checker), ("raising", Raising), ("slow", Slow)):
+        reg.add("interaction", name, cls)
+    reg.add("interaction", "constant", Constant)
+    for name, cls in (("adder", Adder), ("big", Big), ("broken", Broken)):
+        reg.add("tool", name, cls)
+    return reg
+
+
+def spec(registry, tokenizer, **section):
+    node = validate(OmegaConf.create({"enable": True, **section}), MultiTurnConfig, registry, "multi_turn.")
+    return agent_spec(node, registry, tokenizer)
+
+
+def prompts(tokenizer, rows, template_kwargs=None):
+    return PromptDataset(rows, tokenizer, 64, chat_template_kwargs=template_kwargs).as_batch()
+
+
+def row(question="12+34=", **extra_info):
+    prompt = [{"role": "user", "content": question}]
+    return {"prompt": prompt, "data_source": "arithmetic", "reward_model": {"ground_truth": "46"}, "extra_info": extra_info}
+
+
+def run(engine, agent, batch, n=1, max_new_tokens=16):
+    return asyncio.run(AgentLoop(engine, agent).run(batch, SamplingParams(n=n, max_new_tokens=max_new_tokens)))
+
+
+def test_feedback_turn_is_token_exact_and_masked(registry, tokenizer):
+    agent = spec(registry, tokenizer, interactions=[{"name": "check", "component": "checker"}], max_assistant_turns=3)
+    engine = ScriptedEngine(tokenizer, ["#### 45", "#### 46"])
+    batch = prompts(tokenizer, [row()])
+    out = run(engine, agent, batch)
+
+    first = encode_text(tokenizer, "#### 45") + [tokenizer.eos_token_id]
+    second = encode_text(tokenizer, "#### 46") + [tokenizer.eos_token_id]
+    prompt = batch["input_ids"][0].tolist()
+    # the second model turn saw exactly: prompt + its own first turn's ids + the feedback delta
+    delta = engine.prompts[1][len(prompt) + len(first) :]
+    assert engine.prompts[1][: len(prompt) + len(first)] == prompt + first
+    assert tokenizer.decode(delta) == "\n<|im_start|>user\nwrong, try again<|im_end|>\n<|im_start|>assistant\n"
+    assert out["responses"][0].tolist() == first + delta + second
+    assert out["response_mask"][0].tolist() == [1] * len(first) + [0] * len(delta) + [1] * len(second)
+    assert out["rollout_log_probs"][0].tolist() == [-0.25] * len(first) + [0.0] * len(delta) + [-0.25] * len(second)
+    assert out["attention_mask"][0].tolist() == [1] * (len(prompt) + len(first) + len(delta) + len(second))
+    # the whole sequence is the chat template's rendering of the conversation, token for token
+    conversation = [*row()["prompt"], {"role": "assistant", "content": "#### 45"}, {"role": "user", "content": "wrong, try again"},
+                    {"role": "assistant", "content": "#### 46"}]  # fmt: skip
+    assert tokenizer.decode(out["input_ids"][0].tolist()) == render_chat(tokenizer, conversation, False, {}).rstrip("\n")
+    assert out["num_turns"].tolist() == [2] and out["user_turns"].tolist() == [1]
+    assert list(out["turn_scores"]) == [[0.0, 1.0]] and list(out["finish_reason"]) == ["done"]
+    assert environment_scores(out, "last").tolist() == [1.0] and environment_scores(out, "sum").tolist() == [1.0]
+    assert [e for e, _ in EVENTS] == ["start", "respond", "respond", "finalize"]
+
+
+def test_each_sample_uses_the_interaction_it_names(registry, tokenizer):
+    agent = spec(registry, tokenizer, interactions=[{"name": "a", "component": "constant", "options": {}},
+                                                    {"name": "b", "component": "checker"}], max_assistant_turns=1)  # fmt: skip
+    agent.interactions["a"] = lambda: Constant(0.25)
+    rows = [row(interaction_kwargs={"name": "a"}), row(interaction_kwargs={"name": "b", "answer": "45"})]
+    out = run(ScriptedEngine(tokenizer, ["#### 45"]), agent, prompts(tokenizer, rows), n=2)
+    assert list(out["interaction"]) == ["a", "a", "b", "b"]
+    assert [s[-1] for s in out["turn_scores"]] == [0.25, 0.25, 1.0, 1.0]  # "answer" reached the checker's start
+
+
+def test_unknown_or_missing_interaction_name_is_found_in_the_data(registry, tokenizer):
+    names = ["a", "b"]
+    with pytest.raises(ConfigError, match=r"data.train_path 'x.parquet': row 1 names interaction 'c'.*configured: a, b"):
+        check_interaction_names([row(interaction_kwargs={"name": "a"}), row(interaction_kwargs={"name": "c"})], names, "data.train_path 'x.parquet'")
+    with pytest.raises(ConfigError, match=r"row 0 has no extra_info.interaction_kwargs.name, and 2 interactions"):
+        check_interaction_names([row()], names, "data")
+    check_interaction_names([row()], ["only"], "data")  # one interaction: rows need not name it
+
+
+def test_interaction_error_ends_the_sample_and_finalizes(registry, tokenizer):
+    agent = spec(registry, tokenizer, interactions=[{"name": "r", "component": "raising"}])
+    out = run(ScriptedEngine(tokenizer, ["#### 45"]), agent, prompts(tokenizer, [row()]), n=2)
+    assert list(out["finish_reason"]) == ["error", "error"] and out["env_errors"].tolist() == [1, 1]
+    assert out["response_mask"].sum().item() > 0  # the model's turn is kept
+    assert sorted(e for e, _ in EVENTS) == ["finalize", "finalize", "start", "start"]
+
+
+def test_interaction_timeout_ends_the_sample_and_finalizes(registry, tokenizer):
+    agent = spec(registry, tokenizer, interactions=[{"name": "s", "component": "slow", "timeout_s": 0.05}])
+    out = run(ScriptedEngine(tokenizer, ["#### 45"]), agent, prompts(tokenizer, [row()]))
+    assert list(out["finish_reason"]) == ["error"]
+    assert [e for e, _ in EVENTS] == ["start", "finalize"]
+
+
+def test_cancelled_rollout_finalizes_and_releases(registry, tokenizer):
+    agent = spec(registry, tokenizer, interactions=[{"name": "check", "component": "checker"}], tools=[{"component": "adder"}])
+
+    async def cancel_midway():
+        engine = ScriptedEngine(tokenizer, ["#### 45"], block=asyncio.Event())  # never set: generation hangs
+        task = asyncio.create_task(AgentLoop(engine, agent).run(prompts(tokenizer, [row()]), SamplingParams(n=3)))
+        while len(engine.prompts) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    whats = [e for e, _ in EVENTS]
+    assert whats.count("start") == whats.count("finalize") == 3 and whats.count("create") == whats.count("release") == 3
+
+
+def test_tool_calls_results_errors_and_truncation(registry, tokenizer):
+    agent = spec(registry, tokenizer, tools=[{"component": "adder"}, {"component": "big"}, {"component": "broken"}],
+                 max_assistant_turns=2, max_tool_response_chars=100, max_response_tokens=2000)  # fmt: skip
+    calls = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+             '<tool_call>{"name": "big", "arguments": {}}</tool_call><tool_call>{"name": "broken", "arguments": {}}</tool_call>')  # fmt: skip
+    engine = ScriptedEngine(tokenizer, [calls, "done"])
+    batch = prompts(tokenizer, [row()], agent.template_kwargs)
+    out = run(engine, agent, batch, max_new_tokens=400)
+    prompt_len = len(batch["input_ids"][0])
+    first_turn = len(encode_text(tokenizer, calls)) + 1
+    tool_text = tokenizer.decode(engine.prompts[1][prompt_len + first_turn :])
+    assert "<|im_start|>tool\n5<|im_end|>" in tool_text
+    assert "x" * 100 + "\n...[truncated 999900 characters]" in tool_text
+    assert "Error: tool 'broken' failed: ValueError: no such file" in tool_text
+    assert out["tool_calls"].tolist() == [3] and out["tool_errors"].tolist() == [1] and out["malformed_calls"].tolist() == [0]
+    assert out["tool_rewards"].tolist() == [0.5] and list(out["finish_reason"]) == ["stop"]
+    assert [e for e, _ in EVENTS].count("release") == 3  # one per tool
+
+
+def test_model_that_never_calls_validly(registry, tokenizer):
+    agent = spec(registry, tokenizer, tools=[{"component": "adder"}], max_assistant_turns=3)
+    engine = ScriptedEngine(tokenizer, ["<tool_call>not json</tool_call>", '<tool_call>{"name": "mul", "arguments": {}}</tool_call>', "no call"])
+    out = run(engine, agent, prompts(tokenizer, [row()]), max_new_tokens=64)
+    text = tokenizer.decode(out["responses"][0].tolist())
+    assert "Error: the tool call is not valid JSON" in text and "Error: unknown tool 'mul'; available: add" in text
+    assert out["malformed_calls"].tolist() == [2] and out["num_turns"].tolist() == [3] and list(out["finish_reason"]) == ["stop"]
+
+
+@pytest.mark.parametrize(
+    ("limits", "finish", "turns"),
+    [
+        ({"max_assistant_turns": 3, "max_user_turns": 5, "max_response_tokens": 500}, "max_assistant_turns", 3),
+        ({"max_assistant_turns": 5, "max_user_turns": 1, "max_response_tokens": 500}, "max_user_turns", 2),
+        ({"max_assistant_turns": 5, "max_user_turns": 5, "max_response_tokens": 30}, "max_response_tokens", None),
+    ],
+)
+def test_turn_and_token_limits(registry, tokenizer, limits, finish, turns):
+    agent = spec(registry, tokenizer, interactions=[{"name": "c", "component": "checker"}], **limits)
+    batch = prompts(tokenizer, [row()])
+    out = run(ScriptedEngine(tokenizer, ["#### 45"]), agent, batch)
+    assert list(out["finish_reason"]) == [finish]
+    if turns is not None:
+        assert out["num_turns"].tolist() == [turns] and len(out["turn_scores"][0]) == turns
+    response_tokens = int(out["attention_mask"][0].sum() - batch["attention_mask"][0].sum())
+    assert response_tokens <= limits["max_response_tokens"]
+
+
+def test_per_turn_token_limit_comes_out_of_the_budget(registry, tokenizer):
+    agent = spec(registry, tokenizer, interactions=[{"name": "c", "component": "checker"}], max_assistant_turns=4, max_user_turns=4,
+                 max_response_tokens=12)  # fmt: skip
+    out = run(ScriptedEngine(tokenizer, ["#### 45 #### 45 #### 45"]), agent, prompts(tokenizer, [row()]), max_new_tokens=8)
+    assert out["response_mask"][0, :8].tolist() == [1] * 8  # the first turn got its full 8
+    assert int(out["attention_mask"][0].sum()) - int(prompts(tokenizer, [row()])["attention_mask"][0].sum()) <= 12
+
+
+def test_verl_style_classes_run_through_the_adapters(registry, tokenizer):
+    agent = spec(
+        registry,
+        tokenizer,
+        interactions=[{"name": "gsm8k", "verl_class": "verl_style.VerlStyleInteraction", "options": {"feedback": "try again"}}],
+        tools=[{"verl_class": "verl_style.VerlStyleTool", "schema": {"type": "function", "function": {"name": "calc", "parameters": {}}}}],
+        max_assistant_turns=3,
+    )
+    engine = ScriptedEngine(tokenizer, ['<tool_call>{"name": "calc", "arguments": {"expr": "12+34"}}</tool_call>', "#### 45", "#### 46"])
+    out = run(engine, agent, prompts(tokenizer, [row(interaction_kwargs={"name": "gsm8k", "ground_truth": "46"})]), max_new_tokens=64)
+    import verl_style
+
+    assert list(out["turn_scores"]) == [[0.0, 1.0]] and out["tool_rewards"].tolist() == [0.25]
+    assert "<|im_start|>tool\n46<|im_end|>" in tokenizer.decode(out["responses"][0].tolist())
+    assert [c for c, _ in verl_style.CALLS] == ["start", "create", "execute", "respond", "respond", "release", "finalize"]
+
+
+def test_bad_sections_name_the_key(registry, tokenizer):
+    with pytest.raises(ConfigError, match=r"multi_turn.interactions\[0\]': set exactly one of 'component'"):
+        spec(registry, tokenizer, interactions=[{"name": "a"}])
+    with pytest.raises(ConfigError, match=r"multi_turn.interactions\[0\].component.*nope"):
+        spec(registry, tokenizer, interactions=[{"name": "a", "component": "nope"}])
+    with pytest.raises(ConfigError, match=r"multi_turn.interactions\[0\].verl_class.*cannot import module 'no_such_pkg'"):
+        spec(registry, tokenizer, interactions=[{"name": "a", "verl_class": "no_such_pkg.Thing"}])
+    with pytest.raises(ConfigError, match=r"multi_turn.tools\[0\].schema' is required for a verl tool"):
+        spec(registry, tokenizer, tools=[{"verl_class": "verl_style.VerlStyleTool"}])
+    with pytest.raises(ConfigError, match=r"interaction 'a' is configured twice"):
+        spec(registry, tokenizer, interactions=[{"name": "a", "component": "checker"}, {"name": "a", "component": "checker"}])
+    with pytest.raises(ConfigError, match=r"multi_turn.score' is 'best'"):
+        spec(registry, tokenizer, interactions=[{"name": "a", "component": "checker"}], score="best")
+
+
+def test_many_samples_are_in_flight_at_once(registry, tokenizer):
+    """With a slow interaction, 8 conversations overlap instead of running one after another."""
+    agent = spec(registry, tokenizer, interactions=[{"name": "c", "component": "checker"}], max_concurrent_samples=8)
+    gate = asyncio.Event()
+    engine = ScriptedEngine(tokenizer, ["#### 46"], block=gate)
+
+    async def go():
+        task = asyncio.create_task(AgentLoop(engine, agent).run(prompts(tokenizer, [row()]), SamplingParams(n=8)))
+        while len(engine.prompts) < 8 and not task.done():
+            await asyncio.sleep(0.01)
+        in_flight = len(engine.prompts)
+        gate.set()
+        return in_flight, await task
+
+    in_flight, out = asyncio.run(go())
+    assert in_flight == 8 and torch.equal(out["num_turns"], torch.ones(8, dtype=torch.long))
