@@ -18,6 +18,7 @@ from trellis_algos.advantages import (
     gae,
     gpg,
     grpo,
+    grpo_passk,
     opo,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
@@ -131,9 +132,26 @@ def test_reinforce_plus_plus_by_hand():
     close(adv, [[-4 / s, -1 / s, 5 / s, 0.0]], rtol=1e-6)
 
 
+def test_grpo_passk_by_hand():
+    # group 0: R = 0, 3, 1 (std sqrt(7/3)): only sample 1 learns, (3 - 1) / std
+    # group 1: R = 2, 2 (a tie, std 0): the first best gets (2 - 2) / eps = 0
+    data = outcome([0.0, 3.0, 1.0, 2.0, 2.0], [2, 1, 3, 1, 2], [0, 0, 0, 1, 1])
+    adv, ret = grpo_passk(data, GRPOOptions(epsilon=0.0 + 1e-6))
+    std = math.sqrt(((0 - 4 / 3) ** 2 + (3 - 4 / 3) ** 2 + (1 - 4 / 3) ** 2) / 2)
+    assert per_sample(adv, data) == pytest.approx([0.0, 2 / (std + 1e-6), 0.0, 0.0, 0.0])
+    assert torch.equal(adv, ret)
+    adv, _ = grpo_passk(data, GRPOOptions(norm_by_std=False))
+    assert per_sample(adv, data) == pytest.approx([0.0, 2.0, 0.0, 0.0, 0.0])
+
+
+def test_grpo_passk_refuses_a_group_of_one():
+    with pytest.raises(ValueError, match="at least 2 samples per group"):
+        grpo_passk(outcome([1.0, 0.0, 1.0], [1, 1, 1], [0, 0, 5]))
+
+
 def test_reinforce_plus_plus_carries_the_return_over_environment_tokens():
     # multi-turn: token 1 is an environment token (reward 9 there is ignored). gamma .5:
-    # G_2 = 1, G_0 = 0 + .5 * 1 = .5 (verl would reset at the env token and give G_0 = 0)
+    # G_2 = 1, G_0 = 0 + .5 * 1 = .5 (verl 0.9.1 carries it over the env token the same way)
     data = AdvantageInputs(torch.tensor([[0.0, 9.0, 1.0]]), torch.tensor([[1, 0, 1]]), torch.tensor([0]))
     _, ret = reinforce_plus_plus(data, ReinforcePlusPlusOptions(gamma=0.5))
     close(ret, [[0.5, 0.0, 1.0]])

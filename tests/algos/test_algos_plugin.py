@@ -13,7 +13,10 @@ from trellis.interfaces.signatures import AdvantageInputs, Aggregation, PolicyLo
 from trellis.plugins import load_plugins
 
 EXPECTED = {
-    "advantage": {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"},
+    "advantage": {
+        *("gae", "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized"),
+        *("reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"),
+    },
     "policy_loss": {
         *("vanilla", "clip_cov", "kl_cov", "gspo", "sapo", "cispo", "gmpo", "geo_mean"),
         *("dppo_tv", "dppo_kl", "dro", "reinforce", "gpg", "bypass_mode"),

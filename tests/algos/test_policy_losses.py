@@ -15,19 +15,26 @@ from trellis_algos.aggregation import MODES, aggregation_for
 from trellis_algos.policy_losses import (
     CISPOOptions,
     ClipCovOptions,
+    DPPOOptions,
+    DROOptions,
     GMPOOptions,
     GSPOOptions,
     KLCovOptions,
+    SAPOOptions,
     VanillaOptions,
     cispo,
-    clip_range,
     clip_cov,
     clip_cov_selection,
+    clip_range,
+    dppo_kl,
+    dppo_tv,
+    dro,
     gmpo,
     gspo,
     kl_cov,
     kl_cov_selection,
     reinforce,
+    sapo,
     vanilla,
 )
 
@@ -147,6 +154,69 @@ def test_symmetric_clip_ratio_fills_the_bounds_left_null():
     assert gspo(data, TOKEN_MEAN, GSPOOptions(clip_ratio=0.1, clip_ratio_low=None, clip_ratio_high=None))[0].item() == pytest.approx(-1.1)
     with pytest.raises(ValueError, match="gspo: set clip_ratio"):
         gspo(data, TOKEN_MEAN, GSPOOptions(clip_ratio_high=None))
+
+
+# -- sapo / dppo / dro ------------------------------------------------------------------------
+def test_sapo_gate_by_hand():
+    # r = 1: gate (4 / tau) sigmoid(0) = 2 / tau; A = 1 (tau_pos 1) -> -2, A = -1 (tau_neg 1.05) -> 2 / 1.05.
+    # d/dlogp of -A (4 / tau) sigmoid(tau (r - 1)) at r = 1 is -A (PPO's); one sequence of 2 tokens: / 2
+    data = inputs([[0.0, 0.0]], [[1.0, -1.0]])
+    loss, _ = sapo(data, TOKEN_MEAN, SAPOOptions())
+    assert loss.item() == pytest.approx((-2.0 + 2.0 / 1.05) / 2)
+    close(grad_of(loss, data), [[-0.5, 0.5]])
+    # always seq-mean-token-mean (as verl): seqs of 2 and 1 tokens, means -2 and -2 -> -2, not token-mean's
+    data = inputs([[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]], mask=[[1, 1], [1, 0]])
+    assert sapo(data, Aggregation("token-mean", global_seqs=4.0))[0].item() == pytest.approx(-4.0 / 4)
+    with pytest.raises(ValueError, match="tau_pos"):
+        sapo(data, TOKEN_MEAN, SAPOOptions(tau_pos=0.0))
+
+
+def dppo_inputs():
+    # p_old = .5 everywhere; p = .8, .6 (A = 1), .2, .4 (A = -1)
+    p = [[0.8, 0.6, 0.2, 0.4]]
+    return inputs([[math.log(x / 0.5) for x in p[0]]], [[1.0, 1.0, -1.0, -1.0]], logp=[[math.log(x) for x in p[0]]])
+
+
+@pytest.mark.parametrize("loss_fn", [dppo_tv, dppo_kl])
+def test_dppo_masks_tokens_that_moved_past_the_threshold(loss_fn):
+    # TV: |p - p_old| = .3 (out), .1 (in), .3 (out), .1 (in) with threshold .2.
+    # binary KL: .5 ln(.5/.8) + .5 ln(.5/.2) = .223 (out), .020 (in), .223 (out), .020 (in), moved the advantage's way.
+    # inside tokens: -A sg(r) logp with r = 1.2 and .8; token-mean over 4
+    data = dppo_inputs()
+    loss, metrics = loss_fn(data, TOKEN_MEAN, DPPOOptions())
+    assert loss.item() == pytest.approx((-1.2 * math.log(0.6) + 0.8 * math.log(0.4)) / 4, rel=1e-6)
+    close(grad_of(loss, data), [[0.0, -1.2 / 4, 0.0, 0.8 / 4]])
+    assert metrics["clip_frac"] == 0.5 and metrics["clip_frac_lower"] == 0.0
+    # truncating the ratio at 1: the inside A > 0 token's weight 1.2 becomes 1 and counts as truncated
+    loss, metrics = loss_fn(dppo_inputs(), TOKEN_MEAN, DPPOOptions(clip_ratio_c=1.0))
+    assert loss.item() == pytest.approx((-math.log(0.6) + 0.8 * math.log(0.4)) / 4, rel=1e-6)
+    assert metrics["clip_frac_lower"] == 0.25
+
+
+def test_dppo_kl_keeps_a_token_that_moved_against_its_advantage():
+    # p .8 -> .2 with A = 1 is far in KL but moved down: it keeps learning
+    data = inputs([[math.log(0.2 / 0.8)]], [[1.0]], logp=[[math.log(0.2)]])
+    assert dppo_kl(data, TOKEN_MEAN)[1]["clip_frac"] == 0.0
+
+
+def test_dro_by_hand():
+    # beta 2: L = -(A logp - (logp - old)^2); logp -1 on both tokens.
+    # t0: x .5, A 1: -(-1 - .25) = 1.25, dL/dlogp = -(A - beta x) = 0. t1: x 0, A 2: 2, gradient -2. token-mean
+    data = inputs([[0.5, 0.0]], [[1.0, 2.0]])
+    loss, _ = dro(data, TOKEN_MEAN, DROOptions(dro_beta=2.0))
+    assert loss.item() == pytest.approx((1.25 + 2.0) / 2)
+    close(grad_of(loss, data), [[0.0, -1.0]])
+    with pytest.raises(ValueError, match="set actor.policy_loss.dro_beta"):
+        dro(data, TOKEN_MEAN)
+
+
+def test_rollout_is_weights_multiply_every_token_loss():
+    # reinforce with weights 2 and .5: -(A w logp) = -(1 * 2 * -1), -(1 * .5 * -1), token-mean
+    data = inputs([[0.0, 0.0]], [[1.0, 1.0]])
+    data.rollout_is_weights = torch.tensor([[2.0, 0.5]], dtype=torch.float64)
+    assert reinforce(data, TOKEN_MEAN)[0].item() == pytest.approx(1.25)
+    # gmpo takes one weight per sequence, the geometric mean sqrt(2 * .5) = 1
+    assert gmpo(data, TOKEN_MEAN)[0].item() == pytest.approx(-1.0)
 
 
 # -- gmpo / geo_mean ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Advantage estimators (kind ``advantage``): gae, grpo, rloo, reinforce_plus_plus(_baseline), remax, opo, gpg.
+"""Advantage estimators (kind ``advantage``): gae, grpo, grpo_passk, rloo, reinforce_plus_plus(_baseline),
+remax, opo, gpg; ``grpo_vectorized`` and ``rloo_vectorized`` are verl's names for grpo and rloo.
 
 Each is ``fn(data: AdvantageInputs, options) -> (advantages, returns)``, both ``(batch, response_len)``
 and zero on masked tokens. Outcome estimators use the sequence score ``R = sum of token_rewards over
@@ -102,6 +103,29 @@ def grpo(data: AdvantageInputs, options: GRPOOptions | None = None) -> tuple[tor
 
 
 @torch.no_grad()
+def grpo_passk(data: AdvantageInputs, options: GRPOOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (arXiv:2503.19595): only the best sample of each group learns, with
+    ``A = (R_max - R_second) / (std_g + epsilon)`` (without the division when ``norm_by_std`` is
+    False); the others get 0. The first of tied best samples is the one. Every group needs at
+    least two samples. Returns = A."""
+    opts = options if options is not None else GRPOOptions()
+    scores = _scores(data)
+    inverse, n_groups = group_index(data.group_ids, scores.device)
+    _, std, size = group_mean_std(scores, data.group_ids)
+    if bool((size < 2).any()):
+        raise ValueError(f"grpo_passk needs at least 2 samples per group; group sizes here: {sorted(set(size.long().tolist()))}")
+    adv = torch.zeros_like(scores)
+    for g in range(n_groups):
+        members = torch.nonzero(inverse == g, as_tuple=True)[0]
+        top = torch.topk(scores[members], 2)
+        best = members[top.indices[0]]
+        gap = top.values[0] - top.values[1]
+        adv[best] = gap / (std[best] + opts.epsilon) if opts.norm_by_std else gap
+    adv = _per_token(adv, data.response_mask)
+    return adv, adv
+
+
+@torch.no_grad()
 def rloo(data: AdvantageInputs, options: None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: leave-one-out baseline, ``A = R - mean of the others = n/(n-1) (R - mean_g)``.
     A group of one keeps its raw score (as verl). Returns = A."""
@@ -119,10 +143,9 @@ def reinforce_plus_plus(
     """REINFORCE++: discounted return-to-go ``G_t = r_t + gamma G_next`` over valid tokens
     (starting from 0 after the last valid token), then whitened over the batch's valid tokens.
 
-    Differs from verl on purpose: verl resets the running return at *every* masked token, so in a
-    multi-turn response the final reward never reaches the tokens of earlier turns (they get
-    return 0). Here environment tokens are skipped instead (no reward, no discount, no reset);
-    single-turn responses get exactly verl's values. Returns (unwhitened) are zeroed where masked.
+    Environment tokens of a multi-turn response are skipped (no reward, no discount, no reset),
+    as verl 0.9.1, which carries the running return across masked tokens. Returns (unwhitened)
+    are zeroed where masked (verl too).
     """
     opts = options if options is not None else ReinforcePlusPlusOptions()
     rewards, valid = data.token_rewards, data.response_mask.bool()
@@ -202,7 +225,10 @@ def gpg(data: AdvantageInputs, options: GPGOptions | None = None) -> tuple[torch
 ESTIMATORS = {
     "gae": (gae, GAEOptions),
     "grpo": (grpo, GRPOOptions),
+    "grpo_vectorized": (grpo, GRPOOptions),
+    "grpo_passk": (grpo_passk, GRPOOptions),
     "rloo": (rloo, None),
+    "rloo_vectorized": (rloo, None),
     "reinforce_plus_plus": (reinforce_plus_plus, ReinforcePlusPlusOptions),
     "reinforce_plus_plus_baseline": (reinforce_plus_plus_baseline, None),
     "remax": (remax, None),
