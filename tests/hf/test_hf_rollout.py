@@ -102,12 +102,23 @@ def test_bad_weight_update_fails_clearly_and_keeps_old_weights(engine, make_prom
     assert len(engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(max_new_tokens=4))) == 3
 
 
-def test_agenerate_runs_samples_concurrently(engine):
-    ids = engine.tokenizer("12+35=", add_special_tokens=False)["input_ids"]
+def test_concurrent_agenerate_calls_form_one_batch_with_the_same_results(engine):
+    """Requests started together run as one batched generate (left-padded, each cut at its own
+    token limit), and greedy results equal those of the requests run one at a time."""
+    questions = ["12+35=", "7+1=", "40+15=", "3+3="]
+    prompts = [engine.tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+    limits = [6, 3, 6, 1]
 
-    async def both():
-        return await asyncio.gather(*[engine.agenerate(ids, SamplingParams(greedy=True, max_new_tokens=6)) for _ in range(2)])
+    async def together():
+        calls = [engine.agenerate(p, SamplingParams(greedy=True, max_new_tokens=m)) for p, m in zip(prompts, limits)]
+        return await asyncio.gather(*calls)
 
-    a, b = asyncio.run(both())
-    assert a.token_ids == b.token_ids and len(a.log_probs) == len(a.token_ids)
-    assert a.finish_reason in ("stop", "length")
+    engine.batch_sizes.clear()
+    batched = asyncio.run(together())
+    assert list(engine.batch_sizes) == [4]
+    alone = [asyncio.run(engine.agenerate(p, SamplingParams(greedy=True, max_new_tokens=m))) for p, m in zip(prompts, limits)]
+    assert list(engine.batch_sizes) == [4, 1, 1, 1, 1]
+    for b, a, m in zip(batched, alone, limits):
+        assert b.token_ids == a.token_ids and len(b.token_ids) <= m
+        assert b.log_probs == pytest.approx(a.log_probs, abs=1e-4)
+        assert b.finish_reason == a.finish_reason

@@ -39,6 +39,7 @@ def make_arithmetic_split(
     noisy_answer: float = 0.0,
     noise_max_offset: int = 9,
     data_source: str = "arithmetic",
+    interaction: str | None = None,
 ) -> list[dict[str, Any]]:
     """``n`` rows of ``a<op>b=`` questions with operands in ``[min_value, max_value]``, deterministic by ``seed``.
 
@@ -49,6 +50,8 @@ def make_arithmetic_split(
         correct result plus a random non-zero offset in ``[-noise_max_offset, noise_max_offset]``
         (kept >= 0 when ``nonnegative``). ``reward_model.ground_truth`` stays correct. Used to give an
         SFT model a mixture of right and wrong answers that RL can sharpen. Default 0.
+    interaction: for multi-turn runs, the interaction each row picks: ``extra_info.interaction_kwargs``
+        becomes ``{name, query, ground_truth}`` (verl's GSM8K multi-turn schema).
     Questions are distinct while the split has enough of them; past that they repeat in a fresh
     shuffled order (each noisy row draws its own offset).
     """
@@ -63,13 +66,16 @@ def make_arithmetic_split(
         if noisy_answer > 0 and rng.random() < noisy_answer:
             offsets = [d for d in range(-noise_max_offset, noise_max_offset + 1) if d and (not nonnegative or result + d >= 0)]
             taught, noisy = result + rng.choice(offsets), True
+        extra_info: dict[str, Any] = {"split": split, "index": i, "question": question, "answer": f"#### {taught}", "noisy": noisy}
+        if interaction is not None:
+            extra_info["interaction_kwargs"] = {"name": interaction, "query": question, "ground_truth": str(result)}
         rows.append(
             {
                 "data_source": data_source,
                 "prompt": [{"role": "user", "content": question}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(result)},
-                "extra_info": {"split": split, "index": i, "question": question, "answer": f"#### {taught}", "noisy": noisy},
+                "extra_info": extra_info,
             }
         )
     return rows

@@ -1,0 +1,1 @@
+"""Interactions for multi-turn RL (kind ``interaction``)."""
