@@ -27,7 +27,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         ["tensorboard>=2.14"],
         "tests/integration",
     ),
-    "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/ray"),
+    "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"], [], "tests/ray"),
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"],
         [],

@@ -293,3 +293,38 @@ def test_spin_recipe_on_two_ray_ranks_refreshes_the_reference_in_memory(ray_clus
     steps = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["spin/pairs"] for s in steps] == [4.0, 4.0]
     assert all(s["actor/reward_margin"] == pytest.approx(0.0, abs=1e-5) and s["actor/grad_norm"] > 0 for s in steps)
+
+
+def test_multiturn_rollout_runs_the_loop_next_to_each_engine(ray_cluster, tiny_model_path):
+    """Conversations with the gsm8k interaction, dealt over two ranks' engines, come back as the
+    same trajectories (greedy) as on one local engine."""
+    from transformers import AutoTokenizer
+
+    from trellis.data import PromptDataset
+    from trellis.examples.tasks import make_arithmetic_split
+    from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+    from trellis.multiturn.config import MultiTurnConfig
+    from trellis.multiturn.environment import agent_spec
+    from trellis.runtime.controller import LocalRollout
+    from trellis_hf.engine import make_engine
+
+    registry = load_plugins().registry
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    section = {"enable": True, "max_assistant_turns": 2, "max_response_tokens": 40, "interactions": [{"name": "gsm8k", "component": "gsm8k"}]}
+    agent = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
+    prompts = PromptDataset(make_arithmetic_split(4, 0, max_value=30, interaction="gsm8k"), tokenizer, 64).as_batch()
+    params = SamplingParams(n=2, greedy=True, max_new_tokens=5)
+    local = LocalRollout(make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), None).generate_multiturn(prompts, params, agent)
+    ctrl = controller(2)
+    try:
+        actor = ctrl.spawn("actor", actor_factory(tiny_model_path))
+        rollout = ctrl.spawn_rollout(lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
+        dealt = rollout.generate_multiturn(prompts, params, agent)
+    finally:
+        ctrl.shutdown()
+    assert len(dealt) == 8 and dealt["num_turns"].tolist() == local["num_turns"].tolist() == [2] * 8
+    width = local["responses"].shape[1]
+    for key in ("responses", "response_mask", "attention_mask"):
+        assert torch.equal(dealt[key][:, : local[key].shape[1]], local[key]), key
+    assert list(dealt["turn_scores"]) == list(local["turn_scores"]) and list(dealt["uid"]) == list(local["uid"])
+    assert width == dealt["responses"].shape[1]
