@@ -61,13 +61,15 @@ class Isolation:
         # home, mounts /proc for the new PID namespace and makes / read-only; then `setpriv` drops every
         # capability (so the program cannot undo a mount) and execs the program in a clean environment.
         q = shlex.quote
+        ip = shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin")
         steps = [
             f"mount -n -t tmpfs -o mode=1777 tmpfs {q(str(stage))}",
             f"mkdir {q(str(stage))}/work",
             f"mount -n --bind {q(str(workdir))} {q(str(stage))}/work",
             f"mount -n --move {q(str(stage))} /tmp",
-            *(f"mount -n -t tmpfs tmpfs {q(d)}" for d in ("/var/tmp", "/dev/shm", *self.hidden) if os.path.isdir(d)),
+            *(f"mount -n -t tmpfs tmpfs {q(d)}" for d in _outside_tmp(("/var/tmp", "/dev/shm", *self.hidden)) if os.path.isdir(d)),
             "mount -n -t proc proc /proc",
+            *([f"{q(ip)} link set lo up"] if ip else []),  # as bwrap does: a loopback of its own
             "mount -n -o remount,bind,ro /",
             f"cd {WORK_MOUNT}",
             "exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs env -i "
@@ -77,6 +79,11 @@ class Isolation:
         ]
         unshare = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child"]
         return [*unshare, "--propagation", "private", "sh", "-ec", "; ".join(steps)]
+
+
+def _outside_tmp(folders: tuple[str, ...]) -> list[str]:
+    """Those of ``folders`` not inside /tmp (which the new, empty /tmp already hides)."""
+    return [f for f in folders if f != "/tmp" and not f.startswith("/tmp/")]
 
 
 def hidden_folders() -> tuple[str, ...]:

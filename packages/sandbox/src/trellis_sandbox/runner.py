@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from trellis_sandbox.api import ERROR, FAILED, FINISHED, SUCCESS, TIME_LIMIT, CommandResult, RequestError, RunRequest, RunResponse
-from trellis_sandbox.isolation import Isolation
+from trellis_sandbox.isolation import SCRUBBED_ENV, Isolation
 from trellis_sandbox.languages import Language
 
 logger = logging.getLogger("trellis.sandbox")
@@ -151,6 +151,7 @@ class Runner:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # one process group to kill, whatever the program does
             cwd=work,
+            env=SCRUBBED_ENV,  # also for the launcher: bwrap's own process is visible from inside as PID 1
             **ids,
         )
         over_cap = asyncio.Event()
@@ -210,12 +211,12 @@ class _Capture:
         self.total = 0
 
     async def read(self, stream: asyncio.StreamReader) -> None:
+        # Reads to the end even past the cap: asyncio reports the process's exit only once its pipes close.
         while chunk := await stream.read(READ_CHUNK):
             self.data += chunk[: self.cap - len(self.data)]
             self.total += len(chunk)
             if self.total > self.cap:
                 self.over.set()
-                return
 
     def text(self, name: str) -> str:
         text = self.data.decode("utf-8", errors="replace")
