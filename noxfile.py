@@ -114,3 +114,11 @@ def demo(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(*[f"./{p}" for p in DEMO_PACKAGES])
     session.run("trellis", "demo", *session.posargs)
+
+
+@nox.session(name="demo-multiturn")
+def demo_multiturn(session: nox.Session) -> None:
+    """The demo with feedback: RL on conversations where a wrong answer is told so and tries again."""
+    session.install(TORCH)
+    session.install(*[f"./{p}" for p in DEMO_PACKAGES], "./packages/interactions")
+    session.run("trellis", "demo", "--multiturn", "--out", "runs/demo-multiturn", *session.posargs)

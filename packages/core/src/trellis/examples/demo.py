@@ -2,6 +2,9 @@
 
 Stages: task data (train / held-out) -> tiny model -> ``sft`` recipe -> ``rl`` recipe. Prints a
 before/after table of held-out reward, writes ``summary.json`` and ``curves.png`` in the run folder.
+With ``--multiturn`` the RL stage is a conversation: a wrong answer gets "Wrong, try again." from
+the ``gsm8k`` interaction (trellis-interactions) and a second try; the table shows the reward of
+the first answer alone (no feedback) and after feedback.
 """
 
 from __future__ import annotations
@@ -24,20 +27,28 @@ log = logging.getLogger("trellis")
 TASK = {"ops": ("+",), "min_value": 0, "max_value": 99}
 SFT_ROWS, RL_ROWS, VAL_ROWS = 6000, 2000, 200
 NOISY_ANSWER = 0.5  # share of SFT answers taught wrong: the SFT model samples a mixture RL can sharpen
+MULTI_TURN = [  # a wrong first answer is told so and may try once more
+    "multi_turn.enable=true",
+    "multi_turn.max_assistant_turns=2",
+    "multi_turn.max_user_turns=1",
+    "multi_turn.max_response_tokens=48",
+    "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]",
+]
 
 
 def config_path(name: str) -> str:
     return str(resources.files("trellis.examples") / "configs" / name)
 
 
-def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] = (), seed: int = 0) -> dict:
+def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] = (), seed: int = 0, multiturn: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     start = time.perf_counter()
     data = out / "data"
     write_rows(make_arithmetic_split(SFT_ROWS, seed, noisy_answer=NOISY_ANSWER, **TASK), data / "sft_train.parquet")
-    write_rows(make_arithmetic_split(RL_ROWS, seed + 1, **TASK), data / "rl_train.parquet")
-    write_rows(make_arithmetic_split(VAL_ROWS, seed, split="test", **TASK), data / "test.parquet")
+    interaction = "gsm8k" if multiturn else None
+    write_rows(make_arithmetic_split(RL_ROWS, seed + 1, interaction=interaction, **TASK), data / "rl_train.parquet")
+    write_rows(make_arithmetic_split(VAL_ROWS, seed, split="test", interaction=interaction, **TASK), data / "test.parquet")
     model = make_tiny_model(out / "model", task_texts(seed=seed, ops=TASK["ops"]), hidden_size=128, num_layers=4, num_heads=4, seed=seed)
     times["setup_s"] = time.perf_counter() - start
 
@@ -67,6 +78,7 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
             f"data.val_path={data / 'test.parquet'}",
             f"trainer.run_dir={rl_dir}",
             f"seed={seed}",
+            *(MULTI_TURN if multiturn else []),
             *rl_overrides,
         ],
     )
@@ -74,17 +86,30 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
 
     before, after = summary["val_before"], summary["val_after"]
     result = {
-        "after_sft": {"sampled_reward": before["reward_mean"], "greedy_accuracy": before["greedy_reward_mean"]},
-        "after_rl": {"sampled_reward": after["reward_mean"], "greedy_accuracy": after["greedy_reward_mean"]},
+        "after_sft": _figures(before),
+        "after_rl": _figures(after),
         "gain_sampled_reward": after["reward_mean"] - before["reward_mean"],
         "wall_time_s": {**times, "total_s": sum(times.values())},
         "held_out_prompts": VAL_ROWS,
         "seed": seed,
+        "multiturn": multiturn,
     }
     (out / "summary.json").write_text(json.dumps(result, indent=2))
-    plot_metrics([rl_dir], out / "curves.png", ["reward/mean", "val/reward_mean", "actor/entropy", "response/length_mean"])
-    print(format_table(result))
+    curves = ["reward/mean", "val/reward_mean", "actor/entropy", "response/length_mean"]
+    if multiturn:
+        curves = ["reward/mean", "reward/first_turn_mean", "val/reward_mean", "val/first_turn_reward_mean", "multiturn/num_turns_mean"]
+    plot_metrics([rl_dir], out / "curves.png", curves)
+    print(format_multiturn_table(result) if multiturn else format_table(result))
     return result
+
+
+def _figures(val: dict) -> dict:
+    """Held-out figures: with multi-turn, "sampled_reward" / "greedy_accuracy" are after feedback
+    and the ``first_answer_`` ones are the first answer alone."""
+    out = {"sampled_reward": val["reward_mean"], "greedy_accuracy": val["greedy_reward_mean"]}
+    if "first_turn_reward_mean" in val:
+        out |= {"first_answer_sampled_reward": val["first_turn_reward_mean"], "first_answer_greedy_accuracy": val["greedy_first_turn_reward_mean"]}
+    return out
 
 
 def format_table(r: dict) -> str:
@@ -99,12 +124,31 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def format_multiturn_table(r: dict) -> str:
+    t = r["wall_time_s"]
+    rows = [("after SFT", r["after_sft"]), ("after RL (multi-turn GRPO)", r["after_rl"])]
+    lines = [
+        f"held-out ({r['held_out_prompts']} prompts)      first answer (no feedback)    after feedback (2nd try)",
+        "                                sampled      greedy          sampled      greedy",
+        *(
+            f"{name:<28}{f['first_answer_sampled_reward']:>11.3f} {f['first_answer_greedy_accuracy']:>11.3f}"
+            f"      {f['sampled_reward']:>11.3f} {f['greedy_accuracy']:>11.3f}"
+            for name, f in rows
+        ),
+        f"wall time: setup {t['setup_s']:.0f} s, SFT {t['sft_s']:.0f} s, RL {t['rl_s']:.0f} s, total {t['total_s']:.0f} s",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trellis demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft", nargs="*", default=[], help="overrides for the SFT stage (key=value)")
     parser.add_argument("--rl", nargs="*", default=[], help="overrides for the RL stage (key=value)")
+    parser.add_argument(
+        "--multiturn", action="store_true", help="RL with feedback: a wrong answer is told so and tries again (needs trellis-interactions)"
+    )
     args = parser.parse_args(argv)
-    run_demo(Path(args.out), args.sft, args.rl, args.seed)
+    run_demo(Path(args.out), args.sft, args.rl, args.seed, args.multiturn)
     return 0

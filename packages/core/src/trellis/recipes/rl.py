@@ -241,12 +241,11 @@ class RLRecipe:
         base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.seed)
         greedy = score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent), reward_fn, agent)
         sampled_params = SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
-        out = {
-            "greedy_reward_mean": float(greedy.scores.mean()),
-            "reward_mean": float(score(sample(rollout, prompts, sampled_params, agent), reward_fn, agent).scores.mean()),
-        }
+        sampled = score(sample(rollout, prompts, sampled_params, agent), reward_fn, agent)
+        out = {"greedy_reward_mean": float(greedy.scores.mean()), "reward_mean": float(sampled.scores.mean())}
         if "reward/first_turn_mean" in greedy.metrics:
             out["greedy_first_turn_reward_mean"] = greedy.metrics["reward/first_turn_mean"]
+            out["first_turn_reward_mean"] = sampled.metrics["reward/first_turn_mean"]
         return out
 
 
