@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from parity_inputs import Case, make_case
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from parity_inputs import EMPTY_ROW, TOL, make_case
 
 from trellis.interfaces.signatures import AdvantageInputs
 from trellis_algos import advantages as ours
-
-from parity_inputs import EMPTY_ROW, TOL, make_case
 
 core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the parity tests need verl==0.9.1 (nox -s parity)")
 AlgoConfig = pytest.importorskip("verl.trainer.config").AlgoConfig

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from parity_inputs import TOL, make_case
+
 from trellis.interfaces.signatures import AGG_MODES, Aggregation, PolicyLossInputs
 from trellis_algos import kl as kl_mod
 from trellis_algos import policy_losses as ours
@@ -116,11 +116,10 @@ def test_geo_mean_matches_verl_but_averages_valid_sequences_by_global_count():
     """Deliberate differences: verl takes a plain mean over every row of the call (a fully masked
     row counts, and splitting a mini-batch changes the loss); trellis divides the valid sequences'
     sum by ``global_seqs``. Beyond the ±20 clamp the values differ too."""
-    opts = ours.GMPOOptions()
-    case = make_case(1, empty_row=False)
-    assert_same(*run_both("geo_mean", ours.gmpo, opts, case, "token-mean", None, {"clip_ratio": 0.4, "clip_ratio_low": 0.4, "clip_ratio_high": 0.4}))
-    case = make_case(1)  # row 4 fully masked: verl divides by 12 rows, trellis by 11 sequences
-    loss, _, verl_loss, _ = run_both("geo_mean", ours.gmpo, opts, case, "token-mean", None, {"clip_ratio": 0.4, "clip_ratio_low": 0.4, "clip_ratio_high": 0.4})
+    opts, clip = ours.GMPOOptions(), {"clip_ratio": 0.4, "clip_ratio_low": 0.4, "clip_ratio_high": 0.4}
+    assert_same(*run_both("geo_mean", ours.gmpo, opts, make_case(1, empty_row=False), "token-mean", None, clip))
+    # row 4 fully masked: verl divides by 12 rows, trellis by 11 sequences
+    loss, _, verl_loss, _ = run_both("geo_mean", ours.gmpo, opts, make_case(1), "token-mean", None, clip)
     torch.testing.assert_close(loss.detach() * 11 / 12, verl_loss.detach(), **TOL)
 
 
@@ -166,7 +165,8 @@ def test_aggregation_entropy_and_value_loss_match_verl(mode, scale, case):
     torch.testing.assert_close(agg_loss(values, case.mask, agg), core.agg_loss(values, case.mask, mode, **info), **TOL)
     logits = torch.randn(*case.mask.shape, 11, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     if scale is None:  # verl's entropy loss aggregates with local counts only
-        torch.testing.assert_close(entropy_loss(entropy_from_logits(logits), case.mask, agg), core.compute_entropy_loss(logits, case.mask, mode), **TOL)
+        ours_entropy = entropy_loss(entropy_from_logits(logits), case.mask, agg)
+        torch.testing.assert_close(ours_entropy, core.compute_entropy_loss(logits, case.mask, mode), **TOL)
     a, b = case.values.clone().requires_grad_(True), case.values.clone().requires_grad_(True)
     vpreds_a, vpreds_b = a + 0.3 * case.returns, b + 0.3 * case.returns
     ours_loss, metrics = clipped_value_loss(vpreds_a, case.returns, case.values, case.mask, agg, 0.2)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from parity_inputs import TOL
+
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, rollout_correction
 
 helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="the parity tests need verl==0.9.1 (nox -s parity)")
 
-SETTINGS = [
-    # (trellis options, verl keyword arguments)
+IS = [
     ({"rollout_is": "token", "rollout_is_threshold": 1.2}, {"rollout_is": "token", "rollout_is_threshold": 1.2}),
     ({"rollout_is": "sequence", "rollout_is_threshold": 1.5}, {"rollout_is": "sequence", "rollout_is_threshold": 1.5}),
     (
@@ -21,11 +20,17 @@ SETTINGS = [
     ),
     ({"rollout_is": "token", "rollout_is_batch_normalize": True}, {"rollout_is": "token", "rollout_is_batch_normalize": True}),
     ({"rollout_is": "sequence", "rollout_is_batch_normalize": True}, {"rollout_is": "sequence", "rollout_is_batch_normalize": True}),
-    ({"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.8_1.25,0.05"}, {"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.8_1.25,0.05"}),
-    ({"rollout_rs": "seq_sum_k3,seq_mean_k1", "rollout_rs_threshold": "0.1,1.1"}, {"rollout_rs": "seq_sum_k3,seq_mean_k1", "rollout_rs_threshold": "0.1,1.1"}),
-    ({"rollout_rs": "token_k2,seq_mean_k3", "rollout_rs_threshold": "0.02"}, {"rollout_rs": "token_k2,seq_mean_k3", "rollout_rs_threshold": 0.02}),
 ]
-SHARED_METRICS = {"is_mean": "rollout_is_mean", "rs_masked_fraction": "rollout_rs_masked_fraction", "kl": "kl", "k3_kl": "k3_kl", "chi2_token": "chi2_token"}
+RS = [("token_k1,seq_max_k2", "0.8_1.25,0.05"), ("seq_sum_k3,seq_mean_k1", "0.1,1.1"), ("token_k2,seq_mean_k3", "0.02")]
+# (trellis options, verl keyword arguments): the same keys for rejection
+SETTINGS = IS + [({"rollout_rs": rs, "rollout_rs_threshold": th},) * 2 for rs, th in RS]
+SHARED_METRICS = {
+    "is_mean": "rollout_is_mean",
+    "rs_masked_fraction": "rollout_rs_masked_fraction",
+    "kl": "kl",
+    "k3_kl": "k3_kl",
+    "chi2_token": "chi2_token",
+}
 
 
 @pytest.mark.parametrize(("ours_opts", "verl_kwargs"), SETTINGS)
@@ -40,6 +45,8 @@ def test_rollout_correction_matches_verl(ours_opts, verl_kwargs, case):
     else:
         torch.testing.assert_close(weights, verl_weights.batch["rollout_is_weights"], **TOL)
     assert torch.equal(kept, verl_mask.to(kept.dtype))
+    if "rollout_rs" in ours_opts:
+        assert metrics["rollout_corr/rs_masked_fraction"] > 0  # the thresholds do reject here
     for ours_key, verl_key in SHARED_METRICS.items():
         if f"rollout_corr/{verl_key}" in verl_metrics:
             assert metrics[f"rollout_corr/{ours_key}"] == pytest.approx(verl_metrics[f"rollout_corr/{verl_key}"], abs=1e-5)
