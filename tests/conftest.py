@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny local model (random Qwen2 + trained tokenizer), built once per session."""
+"""Shared fixtures: a tiny local model (random Qwen2 + trained tokenizer), built once per session;
+the check that an options dataclass declares and enforces ranges for its numbers."""
 
 from __future__ import annotations
 
@@ -44,3 +45,48 @@ def _left_padded_prompts(tokenizer, texts):
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
     return Batch({"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, {"text": texts})
+
+
+@pytest.fixture
+def assert_ranges_enforced():
+    """``assert_ranges_enforced(schema, registry)``: every numeric option of ``schema`` declares a
+    range, and a value just outside each bound fails validation with an error that names the
+    dotted key, the value and the range."""
+    return _assert_ranges_enforced
+
+
+def _assert_ranges_enforced(schema, registry) -> int:
+    import typing
+
+    from omegaconf import OmegaConf
+
+    from trellis.config import ConfigError, field_range, numeric_fields, validate
+
+    checked = 0
+    hints = typing.get_type_hints(schema)
+    for f in numeric_fields(schema):
+        allowed = field_range(f)
+        assert allowed is not None, f"{schema.__name__}.{f.name} declares no range"
+        is_list = typing.get_origin(hints[f.name]) is list
+        for bad in _just_outside(allowed):
+            with pytest.raises(ConfigError) as err:
+                validate(OmegaConf.create({f.name: [bad] if is_list else bad}), schema, registry, "section.")
+            message = str(err.value)
+            assert f"'section.{f.name}'" in message and repr(bad) in message and f"must be {allowed}" in message, message
+            checked += 1
+    return checked
+
+
+def _just_outside(allowed) -> list:
+    """A value beyond each declared bound (the bound itself when it is excluded)."""
+    out = []
+    if allowed.gt is not None:
+        out.append(allowed.gt)
+    if allowed.ge is not None:
+        out.append(allowed.ge - 1)
+    if allowed.lt is not None:
+        out.append(allowed.lt)
+    if allowed.le is not None:
+        out.append(allowed.le + 1)
+    assert out, "a range with no bound"
+    return out

@@ -9,8 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from trellis.config import option_dataclasses
 from trellis.interfaces.signatures import AdvantageInputs, Aggregation, PolicyLossInputs
 from trellis.plugins import load_plugins
+from trellis_algos.kl import KLControlOptions
 
 EXPECTED = {
     "advantage": {
@@ -66,6 +68,13 @@ def test_options_are_omegaconf_friendly(plugins):
         cfg = OmegaConf.merge(OmegaConf.structured(entry.options), OmegaConf.create({}))
         assert OmegaConf.to_object(cfg) == entry.options()
     assert seen >= 10
+
+
+def test_every_numeric_option_declares_and_enforces_a_range(plugins, assert_ranges_enforced):
+    schemas = {s for e in plugins.registry.entries() if e.plugin == "algos" and e.options for s in option_dataclasses(e.options)}
+    schemas = {s for s in schemas if s.__module__.startswith("trellis_algos")}
+    checked = sum(assert_ranges_enforced(schema, plugins.registry) for schema in schemas | {KLControlOptions})
+    assert checked >= 30
 
 
 def test_components_run_by_name_with_default_options(plugins):

@@ -357,3 +357,7 @@ def test_log_probs_take_only_the_response_positions_through_the_lm_head(tiny_mod
     assert everything.shape[1] == PROMPT + RESPONSE
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(kept[key], sliced[key], atol=1e-6, rtol=0)
+
+
+def test_numeric_options_declare_and_enforce_ranges(registry, assert_ranges_enforced):
+    assert assert_ranges_enforced(FSDPOptions, registry) == 1

@@ -122,3 +122,9 @@ def test_concurrent_agenerate_calls_form_one_batch_with_the_same_results(engine)
         assert b.token_ids == a.token_ids and len(b.token_ids) <= m
         assert b.log_probs == pytest.approx(a.log_probs, abs=1e-4)
         assert b.finish_reason == a.finish_reason
+
+
+def test_numeric_options_declare_and_enforce_ranges(assert_ranges_enforced):
+    from trellis.plugins import load_plugins
+
+    assert assert_ranges_enforced(HFRolloutOptions, load_plugins().registry) == 1

@@ -287,3 +287,9 @@ def test_bad_options_fail_with_the_option_name(tiny_model_path):
     ]:
         with pytest.raises(ValueError, match=message):
             build(tiny_model_path, **options)
+
+
+def test_numeric_options_declare_and_enforce_ranges(assert_ranges_enforced):
+    from trellis.plugins import load_plugins
+
+    assert assert_ranges_enforced(VLLMRolloutOptions, load_plugins().registry) == 9

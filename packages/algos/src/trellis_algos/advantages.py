@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trellis import ranged
 from trellis.interfaces.signatures import AdvantageInputs
 from trellis_algos.stats import group_index, group_mean_std, group_sum, masked_sum, masked_whiten
 
@@ -23,8 +24,8 @@ from trellis_algos.stats import group_index, group_mean_std, group_sum, masked_s
 class GAEOptions:
     """gamma: discount per generated token; lam: GAE lambda."""
 
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = ranged(1.0, ge=0, le=1)
+    lam: float = ranged(1.0, ge=0, le=1)
 
 
 @dataclass
@@ -32,14 +33,14 @@ class GRPOOptions:
     """norm_by_std: divide by the group std (False: Dr. GRPO); epsilon: added to the std."""
 
     norm_by_std: bool = True
-    epsilon: float = 1e-6
+    epsilon: float = ranged(1e-6, ge=0)
 
 
 @dataclass
 class ReinforcePlusPlusOptions:
     """gamma: discount per generated token for the return."""
 
-    gamma: float = 1.0
+    gamma: float = ranged(1.0, ge=0, le=1)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class GPGOptions:
     that carry a gradient); f_norm: divisor of the advantage."""
 
     alpha_from: str = "nonzero_rewards"
-    f_norm: float = 1.0
+    f_norm: float = ranged(1.0, gt=0)
 
 
 def _scores(data: AdvantageInputs) -> torch.Tensor:

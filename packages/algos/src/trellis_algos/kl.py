@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from trellis import ranged
 from trellis.interfaces.signatures import Aggregation
 from trellis_algos.aggregation import agg_loss
 from trellis_algos.stats import masked_mean
@@ -88,9 +89,9 @@ class KLControlOptions:
     horizon: the adaptive controller's target and horizon (verl's defaults)."""
 
     type: str = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    kl_coef: float = ranged(0.001, ge=0)
+    target_kl: float = ranged(0.1, gt=0)
+    horizon: int = ranged(10000, ge=1)
 
 
 class FixedKLController:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trellis import ranged
 from trellis.interfaces.signatures import Aggregation, PolicyLossInputs
 from trellis_algos.aggregation import agg_loss, seq_mean
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, rollout_correction
@@ -39,9 +40,9 @@ class ClipOptions(PolicyLossOptions):
     """Clip range ``[1 - clip_ratio_low, 1 + clip_ratio_high]``; a bound left null takes the
     symmetric ``clip_ratio`` (as verl)."""
 
-    clip_ratio: float | None = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
+    clip_ratio: float | None = ranged(0.2, ge=0)
+    clip_ratio_low: float | None = ranged(None, ge=0)
+    clip_ratio_high: float | None = ranged(None, ge=0)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class VanillaOptions(ClipOptions):
     """PPO clip range (clip-higher when high > low); dual clip bound ``clip_ratio_c`` (> 1) for
     negative advantages."""
 
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = ranged(3.0, gt=1)
 
 
 @dataclass
@@ -57,9 +58,9 @@ class ClipCovOptions(ClipOptions):
     """PPO clip range; ``clip_cov_ratio``: fraction of valid tokens detached; detached tokens are
     drawn among those with ``clip_cov_lb < cov < clip_cov_ub``."""
 
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
+    clip_cov_ratio: float = ranged(2e-4, gt=0, le=1)
+    clip_cov_lb: float = ranged(1.0, ge=0)
+    clip_cov_ub: float = ranged(5.0, ge=0)
 
 
 @dataclass
@@ -67,8 +68,8 @@ class KLCovOptions(PolicyLossOptions):
     """``kl_cov_ratio``: fraction of valid tokens (highest covariance) penalised by
     ``ppo_kl_coef * |log r|`` (0.1: verl's ``PolicyLossConfig`` default)."""
 
-    kl_cov_ratio: float = 2e-4
-    ppo_kl_coef: float = 0.1
+    kl_cov_ratio: float = ranged(2e-4, gt=0, le=1)
+    ppo_kl_coef: float = ranged(0.1, ge=0)
 
 
 @dataclass
@@ -77,9 +78,9 @@ class GSPOOptions(ClipOptions):
     sequence ratios are geometric means and stay close to 1, so PPO's 0.2 would never clip.
     Set both bounds to null to use ``clip_ratio``."""
 
-    clip_ratio: float | None = None
-    clip_ratio_low: float | None = 3e-4
-    clip_ratio_high: float | None = 4e-4
+    clip_ratio: float | None = ranged(None, ge=0)
+    clip_ratio_low: float | None = ranged(3e-4, ge=0)
+    clip_ratio_high: float | None = ranged(4e-4, ge=0)
 
 
 @dataclass
@@ -93,7 +94,7 @@ class GMPOOptions(ClipOptions):
     """Token-level clip range in *log* space, ``log r`` in ``[-clip_ratio_low, clip_ratio_high]``;
     the default is the GMPO paper's (e^-0.4, e^0.4)."""
 
-    clip_ratio: float | None = 0.4
+    clip_ratio: float | None = ranged(0.4, ge=0)
 
 
 @dataclass
@@ -101,8 +102,8 @@ class SAPOOptions(PolicyLossOptions):
     """Gate temperatures: ``tau_pos`` for tokens with ``A > 0``, ``tau_neg`` otherwise (verl's
     defaults; the paper takes ``tau_neg > tau_pos``)."""
 
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
+    tau_pos: float = ranged(1.0, gt=0)
+    tau_neg: float = ranged(1.05, gt=0)
 
 
 @dataclass
@@ -111,14 +112,14 @@ class DPPOOptions(ClipOptions):
     others (total variation ``|p - p_old|`` for ``dppo_tv``, binary KL for ``dppo_kl``);
     ``clip_ratio_c``: truncation of the (detached) importance ratio."""
 
-    clip_ratio_c: float = 20.0
+    clip_ratio_c: float = ranged(20.0, gt=0)
 
 
 @dataclass
 class DROOptions(PolicyLossOptions):
     """``dro_beta`` (> 0, required): weight of the quadratic log-ratio penalty."""
 
-    dro_beta: float | None = None
+    dro_beta: float | None = ranged(None, gt=0)
 
 
 @dataclass

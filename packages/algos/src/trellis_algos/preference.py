@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trellis import ranged
 from trellis.interfaces.signatures import PreferenceInputs
 from trellis_algos.stats import group_index
 
@@ -18,8 +19,8 @@ class SigmoidOptions:
     """beta: inverse temperature; label_smoothing: eps of conservative DPO (cDPO);
     reference_free: drop the reference log-ratio."""
 
-    beta: float = 0.1
-    label_smoothing: float = 0.0
+    beta: float = ranged(0.1, gt=0)
+    label_smoothing: float = ranged(0.0, ge=0, lt=0.5)
     reference_free: bool = False
 
 
@@ -27,7 +28,7 @@ class SigmoidOptions:
 class IPOOptions:
     """beta: regularisation (the target margin is 1 / (2 beta)); reference_free: drop the reference."""
 
-    beta: float = 0.1
+    beta: float = ranged(0.1, gt=0)
     reference_free: bool = False
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trellis import ranged
 from trellis_algos.stats import masked_count, masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0
@@ -50,8 +51,8 @@ class RolloutCorrectionOptions:
     """
 
     rollout_is: str | None = None
-    rollout_is_threshold: float = 2.0
-    rollout_is_threshold_lower: float | None = None
+    rollout_is_threshold: float = ranged(2.0, gt=0)
+    rollout_is_threshold_lower: float | None = ranged(None, ge=0)
     rollout_is_batch_normalize: bool = False
     rollout_rs: str | None = None
     rollout_rs_threshold: str | None = None

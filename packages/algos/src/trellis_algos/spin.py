@@ -39,6 +39,7 @@ from trellis import (
     instantiate_options,
     load_prompt_data,
     pair_batch,
+    ranged,
     resolve_reward,
     rollout_batch,
 )
@@ -50,7 +51,7 @@ PAIR_SOURCES = ("reference", "ranked")
 @dataclass
 class SPINConfig:
     recipe: str = "spin"
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: PromptData = field(default_factory=PromptData)  # with pairs: reference, each row's answer in extra_info.answer
     backend: dict = backend_field()
@@ -58,7 +59,7 @@ class SPINConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     pairs: str = "reference"  # reference (dataset answer vs each sample) | ranked (best vs worst sample by reward)
     reward: RewardConfig = field(default_factory=RewardConfig)  # ranks samples (ranked) and scores held-out prompts
-    ref_update_every: int = 1  # steps between reference <- actor (0: never)
+    ref_update_every: int = ranged(1, ge=0)  # steps between reference <- actor (0: never)
     train: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -70,8 +71,6 @@ def check(cfg: DictConfig, registry: Any) -> None:
         raise ConfigError(f"config key 'pairs' is {cfg.pairs!r}; valid: {', '.join(PAIR_SOURCES)}")
     if cfg.pairs == "ranked" and cfg.sampling.n < 2:
         raise ConfigError(f"config key 'sampling.n' is {cfg.sampling.n}; pairs: ranked compares samples of a prompt, so it needs at least 2")
-    if cfg.ref_update_every < 0:
-        raise ConfigError(f"config key 'ref_update_every' is {cfg.ref_update_every}; give 0 (never) or a number of steps")
     try:
         resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
     except (RewardError, RegistryError) as exc:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trellis.batch import Batch
+from trellis.config import ranged
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each
 from trellis.interfaces.hf import forward_outputs, load_hf_model
 from trellis.interfaces.optim import clipped_step, make_optimizer, schedule_step
@@ -42,7 +43,7 @@ class FSDPOptions:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     activation_checkpointing: bool = False
-    entropy_chunk_size: int | None = 2048
+    entropy_chunk_size: int | None = ranged(2048, ge=1)
 
 
 class FSDPBackend(Backend):

@@ -19,6 +19,7 @@ _API = {
     "load_plugins": "trellis.plugins",
     # config
     "component": "trellis.config",
+    "ranged": "trellis.config",
     "ConfigError": "trellis.config",
     "instantiate_options": "trellis.config",
     "resolve_component": "trellis.config",

@@ -27,6 +27,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for kind in KINDS:
             if kind in by_kind:
                 print(f"    {kind}: {', '.join(by_kind[kind])}")
+    for option in config_mod.unranged_options(plugins.registry):
+        print(f"note: numeric option {option} declares no range; make it with trellis.ranged(default, ge=..., ...) so bad values fail at start-up")
     for kind, what in (("backend", "training backend"), ("rollout", "rollout engine")):
         if not plugins.registry.names(kind):
             print(f"no {what} is installed ({kind}): e.g. pip install trellis-{'backend-fsdp' if kind == 'backend' else 'rollout-hf'}")

@@ -2,14 +2,15 @@
 
 A recipe declares its config as a dataclass (registered as the recipe's options). A field made
 with :func:`component` holds a named component (``{name: grpo, <options>}``) whose options are
-checked against the dataclass that the component registered. Every error names the dotted
-path, the bad value and the fix.
+checked against the dataclass that the component registered; a field made with :func:`ranged`
+declares the numbers it accepts. Every error names the dotted path, the bad value and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,106 @@ class ConfigError(ValueError):
 
 
 COMPONENT_KIND = "trellis_component_kind"
+RANGE = "trellis_range"
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Bounds of a numeric option: greater than ``gt`` / at least ``ge``, less than ``lt`` / at most ``le``."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+
+    def contains(self, value: float) -> bool:
+        return not (
+            (self.gt is not None and not value > self.gt)
+            or (self.ge is not None and not value >= self.ge)
+            or (self.lt is not None and not value < self.lt)
+            or (self.le is not None and not value <= self.le)
+        )
+
+    def __str__(self) -> str:
+        low = f"({_num(self.gt)}" if self.gt is not None else f"[{_num(self.ge)}" if self.ge is not None else None
+        high = f"{_num(self.lt)})" if self.lt is not None else f"{_num(self.le)}]" if self.le is not None else None
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f"{'>' if low[0] == '(' else '>='} {low[1:]}"
+        return f"{'<' if high[-1] == ')' else '<='} {high[:-1]}" if high else "any number"
+
+
+def ranged(
+    default: Any = dataclasses.MISSING,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A numeric option with the values it accepts, checked when the config is composed:
+    ``lr: float = ranged(1e-5, gt=0)``. None passes (for optional fields); a list's items are
+    each checked."""
+    metadata = {RANGE: Range(gt, ge, lt, le)}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def option_dataclasses(schema: type) -> list[type]:
+    """``schema`` and every options dataclass nested in it (sections and list items), each once."""
+    found: list[type] = []
+    todo = [schema]
+    while todo:
+        cls = todo.pop()
+        if cls in found:
+            continue
+        found.append(cls)
+        for hint in typing.get_type_hints(cls).values():
+            nested = hint if dataclasses.is_dataclass(hint) else _dataclass_items(hint)
+            if nested is not None:
+                todo.append(nested)
+    return found
+
+
+def numeric_fields(schema: type) -> list[dataclasses.Field]:
+    """The fields of ``schema`` that hold numbers (int or float, optional, or a list of them)."""
+    hints = typing.get_type_hints(schema)
+    return [f for f in dataclasses.fields(schema) if _is_numeric(hints[f.name])]
+
+
+def unranged_options(registry: Registry) -> list[str]:
+    """``Class.field`` for every numeric option, in the installed recipes' and components' options,
+    that declares no range (see :func:`ranged`)."""
+    schemas = {s for entry in registry.entries() if entry.options for s in option_dataclasses(entry.options)}
+    return sorted(
+        f"{s.__module__}.{s.__qualname__}.{f.name}" for s in schemas for f in numeric_fields(s) if field_range(f) is None
+    )
+
+
+def _is_numeric(hint: Any) -> bool:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return bool(args) and _is_numeric(args[0])
+    if args and len(args) == 1 and typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return _is_numeric(args[0])
+    return hint in (int, float)
+
+
+def field_range(f: dataclasses.Field) -> Range | None:
+    """The range a :func:`ranged` field declares, or None."""
+    return f.metadata.get(RANGE)
+
+
+def check_range(path: str, value: Any, allowed: Range) -> None:
+    """Raise ``ConfigError`` naming ``path``, the value and the range when ``value`` (or an item of it) lies outside."""
+    items = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    for item in items:
+        if item is not None and not allowed.contains(item):
+            shown = repr(value) if item is value else f"{_show(value)} (item {item!r})"
+            raise ConfigError(f"config key {path!r} is {shown}; it must be {allowed}; set {path} to a value {allowed}")
 
 
 def component(kind: str, name: str, **options: Any) -> Any:
@@ -105,7 +206,8 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
             raise ConfigError(_unknown_key(f"{path}{key}", str(key), list(fields)))
     hints = typing.get_type_hints(schema)
     node = OmegaConf.structured(schema)
-    for name, f in fields.items():
+    # plain values first: their errors need no registry lookup
+    for name, f in sorted(fields.items(), key=lambda item: COMPONENT_KIND in item[1].metadata):
         sub_path = f"{path}{name}"
         kind = f.metadata.get(COMPONENT_KIND)
         if kind is not None:
@@ -121,12 +223,15 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
                 node[name] = _validate_list(raw[name], _dataclass_items(hints[name]), registry, sub_path)
         elif name in raw:
             value = raw._get_node(name)._value() if OmegaConf.is_interpolation(raw, name) else raw[name]
-            if hints[name] is float and type(value) is int:
+            if type(value) is int and float in (hints[name], *typing.get_args(hints[name])):
                 value = float(value)
             try:
                 node[name] = value
             except OmegaConfBaseException as exc:
                 raise ConfigError(_wrong_type(sub_path, value, hints[name], exc)) from None
+        allowed = field_range(f)
+        if allowed is not None and not OmegaConf.is_missing(node, name) and not OmegaConf.is_interpolation(node, name):
+            check_range(sub_path, node[name], allowed)
     return node
 
 
@@ -213,6 +318,10 @@ def _show(value: Any) -> str:
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value)
     return repr(value)
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 def _key(exc: OmegaConfBaseException) -> str:

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from trellis.batch import Batch
+from trellis.config import ranged
 
 logger = logging.getLogger("trellis")
 
@@ -135,7 +136,7 @@ class RewardConfig:
     fail_fast: bool = False
     batched: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
-    max_concurrency: Optional[int] = None  # noqa: UP045
+    max_concurrency: Optional[int] = ranged(None, ge=1)  # noqa: UP045
 
 
 def load_function(path: str | Path, name: str) -> Callable[..., Any]:

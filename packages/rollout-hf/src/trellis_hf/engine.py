@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trellis.batch import Batch
+from trellis.config import ranged
 from trellis.data import left_pad
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
 
@@ -26,7 +27,7 @@ class HFRolloutOptions:
     device: ``auto`` (cuda when available), ``cuda`` or ``cpu``."""
 
     dtype: str = "float32"
-    micro_batch_prompts: int = 0
+    micro_batch_prompts: int = ranged(0, ge=0)
     device: str = "auto"
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from trellis.config import ranged
+
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")
 
@@ -34,17 +36,17 @@ class VLLMRolloutOptions:
     """
 
     dtype: str = "float32"
-    max_model_len: int = 0
-    gpu_memory_utilization: float = 0.5
-    kv_cache_gib: float = 0.0
-    tensor_parallel_size: int = 1
+    max_model_len: int = ranged(0, ge=0)
+    gpu_memory_utilization: float = ranged(0.5, gt=0, le=1)
+    kv_cache_gib: float = ranged(0.0, ge=0)
+    tensor_parallel_size: int = ranged(1, ge=1)
     enforce_eager: bool | None = None
-    seed: int | None = None
+    seed: int | None = ranged(None, ge=0)
     executor: str = "uni"
     in_process: bool = True
     enable_sleep_mode: bool = True
-    sleep_level: int = 1
-    max_num_seqs: int = 0
+    sleep_level: int = ranged(1, ge=1, le=2)
+    max_num_seqs: int = ranged(0, ge=0)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:

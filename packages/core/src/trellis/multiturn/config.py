@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from trellis.config import ranged
+
 SCORES = ("last", "sum", "reward")
 
 
@@ -26,7 +28,7 @@ class InteractionConfig:
     component: Optional[str] = None  # noqa: UP045 (omegaconf needs typing.Optional)
     verl_class: Optional[str] = None  # noqa: UP045
     options: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 60.0
+    timeout_s: float = ranged(60.0, gt=0)
 
 
 @dataclass
@@ -45,8 +47,8 @@ class ToolConfig:
     verl_class: Optional[str] = None  # noqa: UP045
     options: dict[str, Any] = field(default_factory=dict)
     schema: Optional[dict[str, Any]] = None  # noqa: UP045
-    max_concurrency: int = 0
-    timeout_s: float = 30.0
+    max_concurrency: int = ranged(0, ge=0)
+    timeout_s: float = ranged(30.0, gt=0)
 
 
 @dataclass
@@ -65,12 +67,12 @@ class MultiTurnConfig:
     """
 
     enable: bool = False
-    max_assistant_turns: int = 2
-    max_user_turns: int = 1
-    max_response_tokens: int = 0
+    max_assistant_turns: int = ranged(2, ge=1)
+    max_user_turns: int = ranged(1, ge=0)
+    max_response_tokens: int = ranged(0, ge=0)
     interactions: list[InteractionConfig] = field(default_factory=list)
     tools: list[ToolConfig] = field(default_factory=list)
     tool_parser: str = "hermes"
-    max_tool_response_chars: int = 1024
+    max_tool_response_chars: int = ranged(1024, ge=1)
     score: str = "last"
-    max_concurrent_samples: int = 64
+    max_concurrent_samples: int = ranged(64, ge=1)

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from trellis.config import ConfigError, component
+from trellis.config import ConfigError, component, ranged
 
 
 @dataclass
@@ -24,20 +24,20 @@ class TrainerConfig:
     """total_steps: optimizer-driving steps of the recipe. threads: torch threads in this process
     (0: the cores this process may use). controller: where roles run (``local``: this process)."""
 
-    total_steps: int = 10
+    total_steps: int = ranged(10, ge=0)
     run_dir: str | None = None
     trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    val_every_steps: int = 0  # 0: validate only before and after training
-    threads: int = 0
+    val_every_steps: int = ranged(0, ge=0)  # 0: validate only before and after training
+    threads: int = ranged(0, ge=0)
     controller: str = "local"  # local | ray
-    nnodes: int = 1  # ray: nodes
-    procs_per_node: int = 1  # ray: ranks per node (GPUs, or CPU processes)
+    nnodes: int = ranged(1, ge=1)  # ray: nodes
+    procs_per_node: int = ranged(1, ge=1)  # ray: ranks per node (GPUs, or CPU processes)
     separate_pools: list[str] = field(default_factory=list)  # ray: roles (critic, reward_model) on pools of their own
-    ray_timeout_s: float = 120.0  # ray: placement must succeed within this
-    ray_call_timeout_s: float = 3600.0  # ray: any one call to the ranks must finish within this
+    ray_timeout_s: float = ranged(120.0, gt=0)  # ray: placement must succeed within this
+    ray_call_timeout_s: float = ranged(3600.0, gt=0)  # ray: any one call to the ranks must finish within this
     save_hf_model: bool = False  # write the final policy as a Hugging Face folder in <run_dir>/hf_model
-    save_every_steps: int = 0  # a checkpoint every N steps (0: only at the last step)
-    keep_checkpoints: int = 2  # the latest complete checkpoints kept (0: write none)
+    save_every_steps: int = ranged(0, ge=0)  # a checkpoint every N steps (0: only at the last step)
+    keep_checkpoints: int = ranged(2, ge=0)  # the latest complete checkpoints kept (0: write none)
     resume: str = "auto"  # auto (the latest complete checkpoint in run_dir, if any) | never | a checkpoint or run folder
     resume_allow_changes: list[str] = field(default_factory=list)  # dotted keys that may differ from the checkpoint's config
 
@@ -49,9 +49,9 @@ class PromptData:
 
     train_path: str = MISSING
     val_path: str | None = None
-    max_prompt_length: int = 256
-    train_batch_prompts: int = 8
-    val_max_prompts: int = 0  # 0: every held-out prompt
+    max_prompt_length: int = ranged(256, ge=1)
+    train_batch_prompts: int = ranged(8, ge=1)
+    val_max_prompts: int = ranged(0, ge=0)  # 0: every held-out prompt
     shuffle: bool = True
 
 
@@ -59,11 +59,11 @@ class PromptData:
 class SamplingConfig:
     """Rollout sampling for training: ``n`` samples per prompt (``SamplingParams(**cfg.sampling)``)."""
 
-    n: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
+    n: int = ranged(4, ge=1)
+    temperature: float = ranged(1.0, ge=0)
+    top_p: float = ranged(1.0, gt=0, le=1)
+    top_k: int = ranged(-1, ge=-1)  # -1: no top-k
+    max_new_tokens: int = ranged(64, ge=1)
 
 
 def check_inputs(cfg: DictConfig) -> None:
@@ -85,14 +85,14 @@ class OptimConfig:
     """AdamW with warm-up then a constant or cosine schedule; the scheduler steps once per
     trainer step (as verl does), so ``warmup_steps`` counts trainer steps."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    warmup_steps: int = 0
+    lr: float = ranged(1e-5, gt=0)
+    weight_decay: float = ranged(0.0, ge=0)
+    betas: list[float] = ranged(default_factory=lambda: [0.9, 0.999], ge=0, lt=1)
+    eps: float = ranged(1e-8, gt=0)
+    warmup_steps: int = ranged(0, ge=0)
     lr_schedule: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    min_lr_ratio: float = ranged(0.0, ge=0, le=1)  # cosine floor, as a fraction of lr
+    grad_clip: float = ranged(1.0, ge=0)  # max global grad norm; 0 disables clipping
 
 
 @dataclass
@@ -105,10 +105,10 @@ class BatchingConfig:
         instead (dynamic batching); ``micro_batch_samples`` is then ignored.
     """
 
-    ppo_epochs: int = 1
-    mini_batch_samples: int = 0
-    micro_batch_samples: int = 8
-    max_tokens_per_micro_batch: int = 0
+    ppo_epochs: int = ranged(1, ge=1)
+    mini_batch_samples: int = ranged(0, ge=0)
+    micro_batch_samples: int = ranged(8, ge=1)
+    max_tokens_per_micro_batch: int = ranged(0, ge=0)
     shuffle: bool = False
 
 
@@ -119,11 +119,11 @@ class ActorConfig(BatchingConfig):
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: dict = component("policy_loss", "vanilla")
     loss_agg_mode: str = "token-mean"
-    loss_norm_constant: float | None = None  # seq-mean-token-sum-norm divisor; None = response length
+    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = response length
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = ranged(0.001, ge=0)
     kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = ranged(0.0, ge=0)
 
 
 @dataclass
@@ -132,9 +132,9 @@ class CriticConfig(BatchingConfig):
 
     model_path: str | None = None  # None: start from the actor's model
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    cliprange_value: float = 0.5
+    cliprange_value: float = ranged(0.5, gt=0)
     loss_agg_mode: str = "token-mean"
-    loss_norm_constant: float | None = None  # seq-mean-token-sum-norm divisor; None = response length
+    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = response length
 
 
 @dataclass
@@ -142,8 +142,8 @@ class SFTTrainConfig:
     """Supervised fine-tuning update: a registered SFT loss over ``loss_mask`` tokens."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
-    micro_batch_samples: int = 8
-    max_tokens_per_micro_batch: int = 0
+    micro_batch_samples: int = ranged(8, ge=1)
+    max_tokens_per_micro_batch: int = ranged(0, ge=0)
     loss: dict = component("sft_loss", "cross_entropy")
     loss_agg_mode: str = "token-mean"
 
@@ -154,5 +154,5 @@ class PreferenceTrainConfig:
     preference loss, batching in pairs."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
-    micro_batch_samples: int = 8
+    micro_batch_samples: int = ranged(8, ge=1)
     loss: dict = component("preference_loss", "sigmoid")

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis.batch import Batch
-from trellis.config import ConfigError, component, instantiate_options, resolve_component
+from trellis.config import ConfigError, component, instantiate_options, ranged, resolve_component
 from trellis.data import PromptDataset, load_prompt_data, load_prompt_rows
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
@@ -41,8 +41,8 @@ class ValidationConfig:
     """Held-out evaluation: greedy reward and reward of ``n`` samples at ``temperature``."""
 
     before_train: bool = True
-    n: int = 1
-    temperature: float = 1.0
+    n: int = ranged(1, ge=1)
+    temperature: float = ranged(1.0, ge=0)
 
 
 @dataclass
@@ -54,15 +54,15 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "k1"
     kl_ctrl_type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    kl_horizon: int = 10000
+    kl_coef: float = ranged(0.001, ge=0)
+    target_kl: float = ranged(0.1, gt=0)
+    kl_horizon: int = ranged(10000, ge=1)
 
 
 @dataclass
 class RLConfig:
     recipe: str = "rl"
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: PromptData = field(default_factory=PromptData)
     backend: dict = backend_field()

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
-from trellis.config import ConfigError
+from trellis.config import ConfigError, ranged
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.export import save_hf_folder
 from trellis.interfaces.signatures import AGG_MODES
@@ -24,8 +24,8 @@ class SFTData:
     train_path: str = MISSING
     val_path: str | None = None
     response_key: str | None = None  # None: extra_info.answer when present, else response
-    max_length: int = 256
-    batch_samples: int = 32
+    max_length: int = ranged(256, ge=2)
+    batch_samples: int = ranged(32, ge=1)
     pack: bool = False
     shuffle: bool = True
 
@@ -33,7 +33,7 @@ class SFTData:
 @dataclass
 class SFTConfig:
     recipe: str = "sft"
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: SFTData = field(default_factory=SFTData)
     backend: dict = backend_field()
