@@ -120,3 +120,28 @@ def test_installed_provider_gets_no_pip_hint(registry, yaml_file, monkeypatch):
     with pytest.raises(ConfigError) as err:
         compose(yaml_file(BASE), ["advantage.name=grpo"], registry)
     assert "pip install" not in str(err.value) and "installed advantage names: example_scaled" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.path=...", "override 'data.path': the value '...' is not valid YAML (did not find expected node content); "
+         "if it is a string, quote it: data.path=\"'...'\" in the shell"),
+        ("trainer.trackers=[jsonl", "override 'trainer.trackers': the value '[jsonl' is not valid YAML (did not find expected ',' or ']')"),
+    ],
+)
+def test_override_value_yaml_cannot_read_names_the_key(registry, yaml_file, override, message):
+    with pytest.raises(ConfigError) as err:
+        compose(yaml_file(BASE), [override], registry)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert compose(yaml_file(BASE), ["data.path='...'"], registry).data.path == "..."
+
+
+def test_cli_prints_one_line_for_an_unreadable_override(yaml_file, capsys):
+    from trellis.cli import main
+
+    assert main(["config", "show", str(yaml_file(BASE)), "data.path=..."]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "trellis: error: override 'data.path': the value '...' is not valid YAML (did not find expected node content); "
+        "if it is a string, quote it: data.path=\"'...'\" in the shell"
+    ]

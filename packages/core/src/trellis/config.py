@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -151,10 +152,26 @@ def load_raw(path: str | Path | None, overrides: list[str] = ()) -> DictConfig:
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. trainer.total_steps=10)")
+    parsed = [_parse_override(o) for o in overrides]
     try:
-        return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.merge(cfg, *parsed)
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from None
+        raise ConfigError(f"cannot apply overrides {list(overrides)}: {exc}") from None
+
+
+def _parse_override(override: str) -> DictConfig:
+    """One ``key=value``; a value YAML cannot read is named with its key (no parser traceback)."""
+    key, value = override.split("=", 1)
+    try:
+        return OmegaConf.from_dotlist([override])
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"override {key!r}: the value {value!r} is not valid YAML ({problem}); "
+            f"if it is a string, quote it: {key}=\"'{value}'\" in the shell"
+        ) from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"override {key!r}: cannot read {override!r}: {exc.msg.splitlines()[0]}") from None
 
 
 def compose(path: str | Path | None, overrides: list[str], registry: Registry, schema: type | None = None) -> DictConfig:
