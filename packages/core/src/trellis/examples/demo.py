@@ -4,7 +4,8 @@ Stages: task data (train / held-out) -> tiny model -> ``sft`` recipe -> ``rl`` r
 before/after table of held-out reward, writes ``summary.json`` and ``curves.png`` in the run folder.
 With ``--multiturn`` the RL stage is a conversation: a wrong answer gets "Wrong, try again." from
 the ``gsm8k`` interaction (trellis-interactions) and a second try; the table shows the reward of
-the first answer alone (no feedback) and after feedback.
+the first answer alone (no feedback) and after feedback. Its SFT data shows the format: each row
+taught a wrong answer goes on with the feedback and the right answer.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ log = logging.getLogger("trellis")
 TASK = {"ops": ("+",), "min_value": 0, "max_value": 99}
 SFT_ROWS, RL_ROWS, VAL_ROWS = 6000, 2000, 200
 NOISY_ANSWER = 0.5  # share of SFT answers taught wrong: the SFT model samples a mixture RL can sharpen
+FEEDBACK = "Wrong, try again."
 MULTI_TURN = [  # a wrong first answer is told so and may try once more
     "multi_turn.enable=true",
     "multi_turn.max_assistant_turns=2",
     "multi_turn.max_user_turns=1",
     "multi_turn.max_response_tokens=48",
-    "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]",
+    f"multi_turn.interactions=[{{name: gsm8k, component: gsm8k, options: {{feedback: '{FEEDBACK}'}}}}]",
 ]
+MULTI_TURN_SFT = ["data.max_length=64"]  # room for the corrected conversations
 
 
 def config_path(name: str) -> str:
@@ -45,11 +48,13 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
     times: dict[str, float] = {}
     start = time.perf_counter()
     data = out / "data"
-    write_rows(make_arithmetic_split(SFT_ROWS, seed, noisy_answer=NOISY_ANSWER, **TASK), data / "sft_train.parquet")
+    sft_rows = make_arithmetic_split(SFT_ROWS, seed, noisy_answer=NOISY_ANSWER, **TASK)
+    write_rows(feedback_conversations(sft_rows) if multiturn else sft_rows, data / "sft_train.parquet")
     interaction = "gsm8k" if multiturn else None
     write_rows(make_arithmetic_split(RL_ROWS, seed + 1, interaction=interaction, **TASK), data / "rl_train.parquet")
     write_rows(make_arithmetic_split(VAL_ROWS, seed, split="test", interaction=interaction, **TASK), data / "test.parquet")
-    model = make_tiny_model(out / "model", task_texts(seed=seed, ops=TASK["ops"]), hidden_size=128, num_layers=4, num_heads=4, seed=seed)
+    texts = [*task_texts(seed=seed, ops=TASK["ops"]), *([FEEDBACK] if multiturn else [])]
+    model = make_tiny_model(out / "model", texts, hidden_size=128, num_layers=4, num_heads=4, seed=seed)
     times["setup_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -64,6 +69,7 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
             f"data.val_path={data / 'test.parquet'}",
             f"trainer.run_dir={sft_dir}",
             f"seed={seed}",
+            *(MULTI_TURN_SFT if multiturn else []),
             *sft_overrides,
         ],
     )
@@ -101,6 +107,19 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
     plot_metrics([rl_dir], out / "curves.png", curves)
     print(format_multiturn_table(result) if multiturn else format_table(result))
     return result
+
+
+def feedback_conversations(rows: list[dict]) -> list[dict]:
+    """SFT rows as chat ``messages``: a row taught a wrong answer goes on with the feedback and the
+    right answer, so the model has seen what a second try after "Wrong, try again." looks like."""
+    out = []
+    for row in rows:
+        messages = [*row["prompt"], {"role": "assistant", "content": row["extra_info"]["answer"]}]
+        if row["extra_info"]["noisy"]:
+            right = f"#### {row['reward_model']['ground_truth']}"
+            messages += [{"role": "user", "content": FEEDBACK}, {"role": "assistant", "content": right}]
+        out.append({"messages": messages, "data_source": row["data_source"]})
+    return out
 
 
 def _figures(val: dict) -> dict:
