@@ -45,7 +45,12 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from trellis.recipes.train import train
 
-    train(args.config, args.overrides)
+    result = train(args.config, args.overrides, dry_run=args.dry_run)
+    if args.dry_run:
+        start = f"resumes from {result['resume_from']}" if result["resume_from"] else "a fresh run"
+        print(f"dry run of recipe {result['recipe']}: every check that needs no model passed")
+        print(f"  run folder: {result['run_dir']} ({start}; nothing written)")
+        print(f"  data: {result['data']}")
     return 0
 
 
@@ -129,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run the recipe the config names")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="only the checks that need no model (config, ranges, plugin names, trackers, files, columns, prompt lengths, "
+        "batch divisibility, the checkpoint to resume); writes nothing",
+    )
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("make-tiny-model", help="build (or reuse) a tiny local Qwen2 model + tokenizer trained on your text")
     p.add_argument("out_dir")
@@ -168,7 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         from trellis.examples.demo import main as demo_main
 
         return demo_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    # overrides after a flag (`train run.yaml --dry-run k=v`) are left over by argparse
+    if rest and (not hasattr(args, "overrides") or any("=" not in r or r.startswith("-") for r in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.overrides += rest
     try:
         return args.func(args)
     except (config_mod.ConfigError, RegistryError, DataError, RewardError, PluginValidationError) as exc:

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from trellis.batch import Batch
 from trellis.config import ConfigError, component, instantiate_options, ranged, resolve_component
-from trellis.data import PromptDataset, load_prompt_data, load_prompt_rows
+from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
@@ -123,11 +123,27 @@ def _lookup(registry, kind: str, name: str, key: str):
         raise ConfigError(f"config key {key!r}: {exc}") from None
 
 
+def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentSpec | None, PromptLoader, PromptDataset | None]:
+    """The agent (multi-turn runs), the training prompt loader and the held-out prompts."""
+    agent = agent_spec(cfg.multi_turn, registry, tokenizer) if cfg.multi_turn.enable else None
+    train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, agent.template_kwargs if agent else None)
+    return agent, train, val
+
+
+def check_data(cfg: DictConfig, registry) -> str:
+    """The prompts read and tokenized as training would (columns, chat template, lengths)."""
+    _, train, val = load_data(cfg, registry, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path))
+    longest = max(len(item["input_ids"]) for item in train.dataset.items)
+    held_out = f", {len(val)} held-out" if val is not None else ""
+    return f"{len(train.dataset)} training prompts (longest {longest} tokens of data.max_prompt_length={cfg.data.max_prompt_length}){held_out}"
+
+
 class RLRecipe:
     """PPO-family training of a policy with a rollout engine, from config alone."""
 
     Config = RLConfig
     check = staticmethod(check)
+    check_data = staticmethod(check_data)
     resume_safe_keys = ("validation", "data.val_path", "data.val_max_prompts")
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -140,8 +156,7 @@ class RLRecipe:
                 return run.finished_summary()
             kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-            agent = agent_spec(cfg.multi_turn, registry, tokenizer) if cfg.multi_turn.enable else None
-            train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, agent.template_kwargs if agent else None)
+            agent, train, val = load_data(cfg, registry, tokenizer)
             reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})

@@ -47,11 +47,30 @@ def check(cfg: DictConfig, registry) -> None:
         raise ConfigError(f"config key 'train.loss_agg_mode' is {cfg.train.loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
 
 
+def load_data(cfg: DictConfig, tokenizer) -> tuple[SFTLoader, SFTDataset | None]:
+    """The training loader and the held-out samples (None without ``data.val_path``)."""
+    data = cfg.data
+
+    def dataset(path: str) -> SFTDataset:
+        return SFTDataset(load_rows(path), tokenizer, max_length=data.max_length, response_key=data.response_key)
+
+    train = SFTLoader(dataset(data.train_path), data.batch_samples, seed=cfg.seed, shuffle=data.shuffle, pack=data.pack)
+    return train, dataset(data.val_path) if data.val_path else None
+
+
+def check_data(cfg: DictConfig, registry) -> str:
+    """The samples read and tokenized as training would (columns, responses, lengths)."""
+    train, val = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path))
+    held_out = f", {len(val)} held-out" if val is not None else ""
+    return f"{len(train.dataset)} training samples{held_out}"
+
+
 class SFTRecipe:
     """Minimise the SFT loss on response tokens; report the held-out loss; optionally save HF."""
 
     Config = SFTConfig
     check = staticmethod(check)
+    check_data = staticmethod(check_data)
     resume_safe_keys = ("data.val_path",)
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -59,18 +78,8 @@ class SFTRecipe:
             if run.finished:
                 return run.finished_summary()
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-            data = cfg.data
-            train = SFTLoader(
-                SFTDataset(load_rows(data.train_path), tokenizer, max_length=data.max_length, response_key=data.response_key),
-                data.batch_samples,
-                seed=cfg.seed,
-                shuffle=data.shuffle,
-                pack=data.pack,
-            )
-            val = None
-            if data.val_path:
-                val_set = SFTDataset(load_rows(data.val_path), tokenizer, max_length=data.max_length, response_key=data.response_key)
-                val = sft_batches(val_set, data.batch_samples)
+            train, val_set = load_data(cfg, tokenizer)
+            val = sft_batches(val_set, cfg.data.batch_samples) if val_set is not None else None
             model = run.spawn("actor", cfg.model.path, cfg.train, objectives={"sft_update": "sft", "sft_eval": "sft"})
             start = run.start(roles={"actor": model}, state={"data": train})
             for step in run.steps(start):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,16 +15,16 @@ from trellis.runtime.checkpoint import checkpoint_step, find_resume
 from trellis.runtime.harness import RunContext
 from trellis.runtime.trackers import Trackers
 
-log = logging.getLogger("trellis")
-
 
 class Recipe(Protocol):
     """A training program, registered with ``registry.add("recipe", name, obj, options=obj.Config)``.
 
     Config: its config dataclass. run: execute it (with a ``trellis.runtime.harness.Run``).
     Optional: ``check(cfg, registry)`` raises ``ConfigError`` for what a user can fix, before
-    anything is written or built; ``resume_safe_keys``: config keys (beyond the trainer's pacing
-    keys) that may change between a checkpoint and the run resuming it.
+    anything is written or built; ``check_data(cfg, registry) -> str`` reads the data files with
+    the tokenizer (columns, prompt lengths; no model) for ``trellis train --dry-run`` and returns a
+    one-line summary; ``resume_safe_keys``: config keys (beyond the trainer's pacing keys) that may
+    change between a checkpoint and the run resuming it.
     """
 
     Config: type
@@ -62,9 +61,11 @@ def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Pa
     return find_resume(cfg, run_dir, tuple(getattr(recipe, "resume_safe_keys", ())))
 
 
-def train(config_path: str | None, overrides: list[str], plugins: Plugins | None = None) -> dict[str, Any]:
+def train(config_path: str | None, overrides: list[str], plugins: Plugins | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Compose and check the config (and the checkpoint to resume from) before anything is written
-    or built, save it in the run folder, run the recipe."""
+    or built, run the recipe (the run harness saves the config in the run folder when the run
+    starts). ``dry_run``: only the checks that need no model, the data read with the tokenizer
+    included; returns what they found and writes nothing."""
     plugins = plugins or load_plugins()
     if not plugins.registry.names("recipe"):
         raise config_mod.ConfigError(
@@ -74,6 +75,11 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
     recipe = plugins.registry.get("recipe", cfg.recipe).obj
     run_dir = run_dir_for(cfg)
     resume_from = check(recipe, cfg, plugins.registry, run_dir)  # a refused run leaves the run folder as it was
-    config_mod.save(cfg, run_dir / "config.yaml")
-    log.info("run folder: %s", run_dir)
-    return recipe.run(cfg, RunContext(plugins, run_dir, resume_from))
+    if dry_run:
+        check_data = getattr(recipe, "check_data", None)
+        data = check_data(cfg, plugins.registry) if check_data is not None else "not checked (the recipe has no check_data)"
+        return {"recipe": cfg.recipe, "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None, "data": data}
+    ctx = RunContext(plugins, run_dir, resume_from, config=cfg)
+    summary = recipe.run(cfg, ctx)
+    ctx.write_config()  # for recipes that do not use the run harness
+    return summary

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trellis.config import ConfigError, resolve_component
+from trellis.config import ConfigError, resolve_component, save
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import Mesh
 from trellis.interfaces.rollout import RolloutSpec
@@ -40,15 +41,29 @@ from trellis.runtime.controller import Controller, LocalController, RolloutGroup
 from trellis.runtime.trackers import Trackers
 from trellis.runtime.worker import RoleWorker, WorkerSpec
 
+log = logging.getLogger("trellis")
+
 
 @dataclass
 class RunContext:
     """What ``trellis train`` hands a recipe: the loaded plugins (registry and lifecycle hooks), the
-    run folder and the checkpoint to resume from (found and checked before anything was built)."""
+    run folder, the checkpoint to resume from (found and checked before anything was built) and
+    the composed config, written to the run folder once the run starts (``write_config``)."""
 
     plugins: Plugins
     run_dir: Path
     resume_from: Path | None = None
+    config: DictConfig | None = None
+
+    _written: bool = dataclasses.field(default=False, repr=False)
+
+    def write_config(self) -> None:
+        """Save ``config.yaml`` in the run folder, once: the first thing a run writes, so a run
+        stopped earlier (by a data check, say) leaves no folder behind."""
+        if self.config is not None and not self._written:
+            save(self.config, self.run_dir / "config.yaml")
+            log.info("run folder: %s", self.run_dir)
+            self._written = True
 
     @property
     def registry(self) -> Registry:
@@ -189,6 +204,7 @@ class Run:
         """Load the checkpoint being resumed (roles' shards, stateful objects' ``state_dict``,
         RNG states) and remember what to save; open the trackers. Returns the step the run
         continues after (0 for a fresh run)."""
+        self.ctx.write_config()
         start = self.checkpointer.restore(roles, state)
         trainer = self.cfg.trainer
         self._trackers = Trackers(trainer.trackers, self.registry, self.ctx.run_dir, trainer.total_steps, start_step=start)

@@ -1,0 +1,65 @@
+"""``trellis train --dry-run`` runs every check that needs no model and writes nothing; a real
+run stopped by a check leaves no run folder behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from trellis.data import load_rows
+
+
+@pytest.fixture
+def trellis_cli(tiny_model_path, data_files, tmp_path):
+    """``trellis_cli(*args)``: ``trellis train <run.yaml> *args`` in ``tmp_path`` (the rl recipe on the tiny model)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"recipe: rl\nmodel: {{path: {tiny_model_path}}}\n"
+        f"data: {{train_path: {data_files['train']}, val_path: {data_files['test']}, train_batch_prompts: 4}}\n"
+        "sampling: {n: 2, max_new_tokens: 4}\ntrainer: {total_steps: 1, trackers: [jsonl]}\n"
+    )
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trellis.cli", "train", str(config), *args], cwd=tmp_path, capture_output=True, text=True)
+
+    return run
+
+
+def test_dry_run_reports_the_data_and_writes_nothing(trellis_cli, tmp_path, tiny_model_path, data_files):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = load_rows(data_files["train"])
+    longest = max(len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"]) for r in rows)
+    out = trellis_cli("--dry-run", "trainer.run_dir=out")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "dry run of recipe rl: every check that needs no model passed",
+        "  run folder: out (a fresh run; nothing written)",
+        f"  data: 64 training prompts (longest {longest} tokens of data.max_prompt_length=256), 8 held-out",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["data.max_prompt_length=5"], "all 64 prompts are longer than max_prompt_length=5 tokens (shortest 1"),
+        (
+            ["data.train_batch_prompts=3", "sampling.n=3", "trainer.controller=ray", "trainer.procs_per_node=2"],
+            "9 samples, which 2 data-parallel ranks",
+        ),
+        (["actor.mini_batch_samples=3"], "config key 'actor.mini_batch_samples' is 3, but a step has"),
+        (["trainer.trackers=[wandbb]"], "tracker 'wandbb' is not installed"),
+        (["algorithm.advantage.name=grpoo"], "advantage 'grpoo' is not installed"),
+        (["data.val_path=missing.jsonl"], "config key 'data.val_path': file 'missing.jsonl' does not exist"),
+        (["sampling.n=0"], "config key 'sampling.n' is 0; it must be >= 1"),
+    ],
+)
+def test_dry_run_and_train_stop_at_the_same_check_without_a_run_folder(trellis_cli, tmp_path, overrides, error):
+    for flag in (["--dry-run"], []):
+        out = trellis_cli(*flag, *overrides)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.splitlines()[-1].startswith("trellis: error: ") and error in out.stderr, out.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no runs/rl-<time>/config.yaml
