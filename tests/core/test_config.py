@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass, field
 
 import pytest
+from omegaconf import OmegaConf
 
-from trellis.config import ConfigError, compose
+from trellis.config import ConfigError, compose, validate
 from trellis.plugins import load_plugins
 
 
@@ -145,3 +147,20 @@ def test_cli_prints_one_line_for_an_unreadable_override(yaml_file, capsys):
         "trellis: error: override 'data.path': the value '...' is not valid YAML (did not find expected node content); "
         "if it is a string, quote it: data.path=\"'...'\" in the shell"
     ]
+
+
+@dataclass
+class Inner:
+    lr: float = 1.0
+    clip: float = 1.0
+
+
+@dataclass
+class Outer:
+    inner: Inner = field(default_factory=lambda: Inner(lr=0.5))
+
+
+def test_a_sections_defaults_come_from_its_parent_given_or_not(registry):
+    """SFT's ``train.optim.lr`` defaults to 1e-4 (not OptimConfig's 1e-5), also when other optim keys are set."""
+    assert dict(validate(OmegaConf.create({"inner": {"clip": 2.0}}), Outer, registry).inner) == {"lr": 0.5, "clip": 2.0}
+    assert dict(validate(OmegaConf.create({}), Outer, registry).inner) == {"lr": 0.5, "clip": 1.0}

@@ -42,6 +42,20 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_init(args: argparse.Namespace) -> int:
+    from importlib.resources import files
+
+    starter = files("trellis.examples") / "configs" / f"starter_{args.recipe}.yaml"
+    if starter.is_file():
+        print(starter.read_text(encoding="utf-8").rstrip())
+        return 0
+    plugins = load_plugins()
+    schema = config_mod.recipe_schema(OmegaConf.create({"recipe": args.recipe}), plugins.registry)
+    print(f"# The {args.recipe} recipe's options with their defaults; ??? marks what you must set.")
+    print(OmegaConf.to_yaml(config_mod.validate(OmegaConf.create({"recipe": args.recipe}), schema, plugins.registry)).rstrip())
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from trellis.recipes.train import train
 
@@ -131,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")
     p.set_defaults(func=cmd_config_show)
+    p = csub.add_parser("init", help="print a commented starter config: trellis config init rl > my_run.yaml")
+    p.add_argument("recipe", help="rl, sft, or any installed recipe (its options with their defaults)")
+    p.set_defaults(func=cmd_config_init)
     p = sub.add_parser("train", help="run the recipe the config names")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")

@@ -211,8 +211,9 @@ def recipe_schema(raw: DictConfig, registry: Registry) -> type:
     return entry.options
 
 
-def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") -> DictConfig:
-    """Check ``raw`` against dataclass ``schema``; return a typed ``DictConfig`` with defaults filled."""
+def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", default: Any = None) -> DictConfig:
+    """Check ``raw`` against dataclass ``schema``; return a typed ``DictConfig`` with defaults filled
+    (from ``default``, an instance of ``schema``, when given: a section's default in its parent)."""
     if not isinstance(raw, DictConfig):
         where = path.rstrip(".") or "<root>"
         keys = ", ".join(f.name for f in dataclasses.fields(schema))
@@ -222,7 +223,7 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
         if key not in fields:
             raise ConfigError(_unknown_key(f"{path}{key}", str(key), list(fields)))
     hints = typing.get_type_hints(schema)
-    node = OmegaConf.structured(schema)
+    node = OmegaConf.structured(schema if default is None else default)
     # plain values first: their errors need no registry lookup
     for name, f in sorted(fields.items(), key=lambda item: COMPONENT_KIND in item[1].metadata):
         sub_path = f"{path}{name}"
@@ -232,9 +233,10 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
             with _unlocked(node):
                 node[name] = _validate_component(sub, kind, registry, sub_path)
         elif dataclasses.is_dataclass(hints[name]):
-            if name in raw:
-                with _unlocked(node):
-                    node[name] = validate(raw[name], hints[name], registry, sub_path + ".")
+            # an absent section too: its components' default options are filled in like a given one's
+            sub = raw[name] if name in raw else OmegaConf.create({})
+            with _unlocked(node):
+                node[name] = validate(sub, hints[name], registry, sub_path + ".", _section_default(default, f))
         elif _dataclass_items(hints[name]) is not None:
             if name in raw:
                 node[name] = _validate_list(raw[name], _dataclass_items(hints[name]), registry, sub_path)
@@ -250,6 +252,16 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "") 
         if allowed is not None and not OmegaConf.is_missing(node, name) and not OmegaConf.is_interpolation(node, name):
             check_range(sub_path, node[name], allowed)
     return node
+
+
+def _section_default(parent: Any, f: dataclasses.Field) -> Any:
+    """The default of section ``f``: the parent default's value, else the field's own default
+    (``optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))`` keeps lr 1e-4)."""
+    if parent is not None:
+        return getattr(parent, f.name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def _dataclass_items(hint: Any) -> type | None:

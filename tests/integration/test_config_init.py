@@ -1,0 +1,48 @@
+"""``trellis config init rl|sft`` prints a commented starter that holds the recipe's defaults and
+passes the dry run once the model and data paths are filled in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from trellis.config import compose
+from trellis.plugins import load_plugins
+
+
+def trellis(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("recipe", ["rl", "sft"])
+def test_starter_shows_the_defaults_and_passes_the_dry_run(recipe, tmp_path, tiny_model_path, data_files):
+    out = trellis("config", "init", recipe, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"# A starter config for the {recipe} recipe") and "  path: ???" in out.stdout
+    starter = tmp_path / "my_run.yaml"
+    starter.write_text(out.stdout)
+    paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
+    registry = load_plugins().registry
+    from_starter = compose(starter, paths, registry)
+    defaults = compose(None, [f"recipe={recipe}", *paths], registry)
+    assert OmegaConf.to_container(from_starter) == OmegaConf.to_container(defaults)
+
+    checked = trellis("train", str(starter), "--dry-run", *paths, cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    assert "every check that needs no model passed" in checked.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_run.yaml"]
+
+
+def test_other_recipes_print_their_defaults(tmp_path):
+    out = trellis("config", "init", "spin", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.recipe == "spin" and OmegaConf.is_missing(cfg.model, "path") and cfg.ref_update_every == 1
+
+
+def test_unknown_recipe_is_named(tmp_path):
+    out = trellis("config", "init", "rll", cwd=tmp_path)
+    assert out.returncode == 2 and "recipe 'rll' is not installed" in out.stderr and "did you mean 'rl'?" in out.stderr
