@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,6 +46,14 @@ def test_jsonl_resume_drops_the_rows_after_the_checkpoint(registry, tmp_path):
     log_run(registry, ["jsonl"], tmp_path, {2: {"reward/mean": 0.9}}, start_step=1)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in rows] == [(1, 0.25), (2, 0.9)]
+
+
+def test_a_fresh_restart_drops_everything_an_earlier_attempt_logged(registry, tmp_path):
+    """Killed after step 1 was logged but before any checkpoint: the relaunch starts at step 0."""
+    log_run(registry, ["jsonl"], tmp_path, {0: {"val/reward_mean": 0.5}, 1: {"reward/mean": 0.25}})
+    log_run(registry, ["jsonl"], tmp_path, {0: {"val/reward_mean": 0.5}, 1: {"reward/mean": 0.75}, 2: {"reward/mean": 1.0}})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["reward/mean"] == 0.75
 
 
 def test_tensorboard_scalars_read_back(registry, tmp_path):
@@ -143,3 +152,18 @@ def test_console_prints_a_bar_and_a_bounded_number_of_lines(registry, tmp_path, 
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
     # every 100 // 25 = 4 steps, plus step 1 (the first), step 50 (validation) and step 100 (the last)
     assert [int(x.split(":")[0].split()[1]) for x in lines] == sorted({1, 50, 100, *range(4, 101, 4)})
+
+
+def test_console_without_a_terminal_prints_plain_lines_only(tmp_path):
+    """stderr redirected to a file: the chosen lines and no progress-bar redraws between them."""
+    code = (
+        "from pathlib import Path; from trellis.runtime.trackers import ConsoleTracker\n"
+        f"c = ConsoleTracker(Path({str(tmp_path)!r}), 8)\n"
+        "for step in range(1, 9): c.log(step, {'reward/mean': step / 8})\n"
+        "c.close()\n"
+    )
+    with open(tmp_path / "err.log", "w") as err:
+        assert subprocess.run([sys.executable, "-c", code], stderr=err).returncode == 0
+    text = (tmp_path / "err.log").read_text()
+    assert "\r" not in text and "\x1b" not in text
+    assert text.splitlines() == [f"step {s}: reward/mean={s / 8:.4g}" for s in range(1, 9)]

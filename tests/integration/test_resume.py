@@ -108,20 +108,23 @@ def killed_run(overrides: list[str], point: str, step: int, cwd: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("point", "step", "logged_before_kill", "leftover"),
+    ("point", "step", "logged_before_kill", "checkpoints", "leftover"),
     [
-        ("update", 3, [1, 2], None),  # inside step 3: steps 1-2 are checkpointed, step 3 is lost
-        ("checkpoint", 4, [1, 2, 3, 4], ".checkpoint-4.tmp"),  # steps 3-4 ran, but their checkpoint never completed
+        ("update", 2, [1], [], None),  # inside step 2, before any checkpoint: the relaunch starts fresh, step 1 not repeated
+        ("update", 3, [1, 2], ["checkpoint-2"], None),  # inside step 3: steps 1-2 are checkpointed, step 3 is lost
+        ("checkpoint", 4, [1, 2, 3, 4], ["checkpoint-2"], ".checkpoint-4.tmp"),  # steps 3-4 ran, but their checkpoint never completed
     ],
-    ids=["during-a-step", "during-a-checkpoint-write"],
+    ids=["before-the-first-checkpoint", "during-a-step", "during-a-checkpoint-write"],
 )
-def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(rl_overrides, reference, tmp_path, point, step, logged_before_kill, leftover):
+def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(
+    rl_overrides, reference, tmp_path, point, step, logged_before_kill, checkpoints, leftover
+):
     run_dir = tmp_path / "run"
     overrides = [*rl_overrides, f"trainer.run_dir={run_dir}"]
     killed_run(overrides, point, step, tmp_path)
     assert [r["step"] for r in rows(run_dir)] == logged_before_kill
-    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-2"]
-    assert read_manifest(run_dir / "checkpoint-2") is not None  # the previous checkpoint is intact
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == checkpoints
+    assert all(read_manifest(run_dir / name) is not None for name in checkpoints)  # the previous checkpoint is intact
     if leftover:
         assert read_manifest(run_dir / leftover) is None and (run_dir / leftover / "actor").is_dir()
 

@@ -27,7 +27,8 @@ class Tracker:
     requires: tuple[str, str] | None = None
 
     def resume(self, step: int) -> None:
-        """The run continues after ``step`` (from a checkpoint): forget what was logged after it."""
+        """The run continues after ``step`` (from a checkpoint; -1 for a fresh start): forget what an
+        earlier attempt in this run folder logged after it."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
@@ -40,13 +41,15 @@ KEY_FIGURES = ("reward/mean", "val/reward_mean", "actor/pg_loss", "actor/entropy
 
 
 class ConsoleTracker(Tracker):
-    """A progress bar showing the key figures every step, and a line with every metric on stderr
-    for the first step, every ``total_steps / LINES`` steps, validation steps and the last step."""
+    """A progress bar showing the key figures every step (only when stderr is a terminal: redirected
+    to a file it would mix redraws into the lines), and a line with every metric on stderr for the
+    first step, every ``total_steps / LINES`` steps, validation steps and the last step."""
 
     LINES = 25
 
     def __init__(self, run_dir: Path, total_steps: int) -> None:
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        bar = sys.stderr.isatty()
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=not bar)
         self.total = total_steps
         self.every = max(1, total_steps // self.LINES)
 
@@ -219,14 +222,15 @@ def _jsonable(v: Any) -> Any:
 
 
 class Trackers:
-    """Every tracker named in ``trainer.trackers``, fed together, closed together. A run resumed
-    after ``start_step`` tells each tracker that has ``resume(step)`` to drop what came later."""
+    """Every tracker named in ``trainer.trackers``, fed together, closed together. A run (re)started
+    after ``start_step`` tells each tracker that has ``resume(step)`` to drop what came later, so a
+    relaunch never repeats a step: a fresh start (0) drops everything, step 0's validation too."""
 
     def __init__(self, names: Iterable[str], registry: Registry, run_dir: Path, total_steps: int, start_step: int = 0) -> None:
         self.trackers = [registry.get("tracker", n).obj(run_dir, total_steps) for n in names]
         for t in self.trackers:
-            if start_step and hasattr(t, "resume"):
-                t.resume(start_step)
+            if hasattr(t, "resume"):
+                t.resume(start_step if start_step else -1)
 
     @staticmethod
     def check(names: Iterable[str], registry: Registry) -> None:
