@@ -30,7 +30,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"], [], "tests/ray"),
     "interactions": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"],
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
         [],
         "tests/interactions",
     ),
