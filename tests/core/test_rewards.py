@@ -24,6 +24,7 @@ from trellis.rewards import (
     extract_gsm8k_answer,
     gsm8k_score,
     math_score,
+    unknown_sources,
 )
 
 
@@ -125,7 +126,7 @@ def test_manager_places_the_score_on_the_last_valid_token(tok, registry):
     assert torch.equal(token_scores, expected)
     result = manager.score(batch)
     assert result.scores.tolist() == [1.0, 0.0, 1.0, 0.0]
-    assert metrics == {"reward/mean": 0.5, "reward/max": 1.0, "reward/min": 0.0, "reward/errors": 0.0}
+    assert metrics == {"reward/mean": 0.5, "reward/max": 1.0, "reward/min": 0.0, "reward/errors": 0.0, "reward/error_rate": 0.0}
 
 
 def test_manager_passes_kwargs_and_multi_turn_text(tok):
@@ -168,6 +169,26 @@ def test_an_error_scores_zero_counts_and_logs_once(tok, caplog):
     assert metrics["reward/errors"] == again["reward/errors"] == 2.0
     assert token_scores.sum(-1).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert metrics["reward/acc"] == 1.0 and "reward/note" not in metrics  # only numeric dict keys
+
+
+def test_error_rate_and_the_limit_that_stops_the_run(tok):
+    reg = Registry()
+    reg.add("reward", "flaky", _flaky)
+    batch = responses(tok, ["#### 46", "#### 4", "#### 4", "nothing"])  # 2 of 4 raise
+    _, metrics = RewardManager(RewardConfig(name="flaky", max_error_rate=0.5), reg, tok)(batch)  # 0.5 is not above 0.5
+    assert metrics["reward/error_rate"] == 0.5
+    with pytest.raises(RewardError, match=r"reward 'flaky' failed on 2 of 4 samples \(50%\), above reward.max_error_rate=0.25"):
+        RewardManager(RewardConfig(name="flaky", max_error_rate=0.25), reg, tok)(batch)
+
+
+def test_auto_picks_the_reward_by_data_source(tok, registry):
+    batch = responses(tok, ["#### 46", "46", "#### 46"])
+    batch["data_source"] = ["openai/gsm8k", "openai/gsm8k", "arithmetic"]
+    manager = RewardManager(RewardConfig(name="auto", fail_fast=True), registry, tok)
+    with pytest.raises(RewardError, match=r"reward 'auto' has no reward for data_source 'arithmetic'; known: openai/gsm8k"):
+        manager(batch)
+    assert manager.score(batch[:2]).scores.tolist() == [1.0, 0.0]  # gsm8k's strict rule: "#### 46" only
+    assert unknown_sources(["openai/gsm8k", "lighteval/MATH", "mine", None]) == ["None", "mine"]
 
 
 def test_fail_fast_names_the_sample(tok):

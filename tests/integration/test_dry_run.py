@@ -55,6 +55,7 @@ def test_dry_run_reports_the_data_and_writes_nothing(trellis_cli, tmp_path, tiny
         (["algorithm.advantage.name=grpoo"], "advantage 'grpoo' is not installed"),
         (["data.val_path=missing.jsonl"], "config key 'data.val_path': file 'missing.jsonl' does not exist"),
         (["sampling.n=0"], "config key 'sampling.n' is 0; it must be >= 1"),
+        (["reward.name=auto"], "config key 'reward.name' is auto, which has no reward for data_source 'arithmetic' (in data.train_path"),
     ],
 )
 def test_dry_run_and_train_stop_at_the_same_check_without_a_run_folder(trellis_cli, tmp_path, overrides, error):
@@ -63,3 +64,11 @@ def test_dry_run_and_train_stop_at_the_same_check_without_a_run_folder(trellis_c
         assert out.returncode == 2, out.stderr
         assert out.stderr.splitlines()[-1].startswith("trellis: error: ") and error in out.stderr, out.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no runs/rl-<time>/config.yaml
+
+
+def test_a_run_whose_rewards_fail_too_often_stops_with_the_share(trellis_cli, tmp_path):
+    reward = tmp_path / "broken.py"
+    reward.write_text("def half(data_source, solution_str, ground_truth, extra_info=None):\n    return 1 / (extra_info['index'] % 2)\n")
+    out = trellis_cli(f"reward.path={reward}", "reward.name=half", "reward.max_error_rate=0.25", "trainer.run_dir=out")
+    assert out.returncode == 2
+    assert "trellis: error: reward 'half (" in out.stderr and "above reward.max_error_rate=0.25" in out.stderr, out.stderr[-2000:]

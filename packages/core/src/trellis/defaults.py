@@ -6,7 +6,7 @@ from trellis.hookspecs import hookimpl
 from trellis.multiturn.tool_calls import HermesParser
 from trellis.recipes.rl import RLRecipe
 from trellis.recipes.sft import SFTRecipe
-from trellis.rewards import gsm8k_score, math_score
+from trellis.rewards import auto_score, gsm8k_score, math_score
 from trellis.runtime.trackers import ConsoleTracker, JsonlTracker, MlflowTracker, TensorBoardTracker, WandbTracker
 
 
@@ -19,6 +19,7 @@ def trellis_register(registry):
     registry.add("tracker", "mlflow", MlflowTracker)
     registry.add("reward", "gsm8k", gsm8k_score)
     registry.add("reward", "math", math_score)
+    registry.add("reward", "auto", auto_score)
     registry.add("tool_parser", "hermes", HermesParser)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
     registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)

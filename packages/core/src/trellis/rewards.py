@@ -113,13 +113,37 @@ def math_score(
     return 1.0 if verify(gold, pred, timeout_seconds=t) else 0.0
 
 
+# -- auto: by data source, as verl's default scoring -----------------------------------------------
+AUTO_SOURCES = {
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "math": "math",
+}
+
+
+def unknown_sources(data_sources: Any) -> list[str]:
+    """The data sources among ``data_sources`` that ``reward.name: auto`` has no reward for."""
+    return sorted({str(s) for s in data_sources if s not in AUTO_SOURCES})
+
+
+def auto_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any) -> float:
+    """The reward for the sample's ``data_source`` (``AUTO_SOURCES``: gsm8k's rule, math-verify)."""
+    rule = AUTO_SOURCES.get(data_source)
+    if rule is None:
+        raise RewardError(f"reward 'auto' has no reward for data_source {data_source!r}; known: {', '.join(AUTO_SOURCES)}")
+    return (gsm8k_score if rule == "gsm8k" else math_score)(data_source, solution_str, ground_truth, extra_info, **kwargs)
+
+
 # -- config and resolution -------------------------------------------------------------------------
 @dataclass
 class RewardConfig:
     """Which reward to use.
 
-    name: a registered reward (``gsm8k``, ``math``, or a plugin's), or with ``path`` the function's
-        name in that file.
+    name: a registered reward (``gsm8k``, ``math``, ``auto``: by each sample's ``data_source``, or a
+        plugin's), or with ``path`` the function's name in that file.
     path: a user's ``.py`` file holding the function; None = use the registry.
     fail_fast: a reward that raises stops the run (instead of scoring the sample 0).
     batched: the function scores a whole batch: ``f(data_sources, solution_strs, ground_truths,
@@ -129,6 +153,7 @@ class RewardConfig:
     max_concurrency: how many samples of a batch are scored at once, each call in a thread of a pool
         (for rewards that wait on something, such as a code sandbox); None = the function's
         ``max_concurrency`` attribute, else 1 (one after another). Ignored when batched.
+    max_error_rate: the run stops when a larger share of a batch's samples fail to score (1: never).
     """
 
     name: str = "gsm8k"
@@ -137,6 +162,7 @@ class RewardConfig:
     batched: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_concurrency: Optional[int] = ranged(None, ge=1)  # noqa: UP045
+    max_error_rate: float = ranged(1.0, ge=0, le=1)
 
 
 def load_function(path: str | Path, name: str) -> Callable[..., Any]:
@@ -196,7 +222,8 @@ def resolve_reward(cfg: RewardConfig, registry: Any) -> Callable[..., Any]:
 # -- manager ---------------------------------------------------------------------------------------
 class RewardResult(NamedTuple):
     """token_scores: ``(batch, response_len)`` float, the score on each response's last valid token.
-    metrics: ``reward/mean``, ``reward/max``, ``reward/min``, ``reward/errors``, ``reward/<key>``.
+    metrics: ``reward/mean``, ``reward/max``, ``reward/min``, ``reward/errors``, ``reward/error_rate``
+    (errors / samples), ``reward/<key>``.
     scores: ``(batch,)`` float, the per-sample scores (also for empty responses, whose token row is 0)."""
 
     token_scores: torch.Tensor
@@ -218,7 +245,8 @@ class RewardManager:
 
     A function that raises (or returns no number) scores the sample 0, counts in ``reward/errors``
     and has its first traceback logged (once per manager); with ``fail_fast`` it raises
-    :class:`RewardError` naming the sample index and data source.
+    :class:`RewardError` naming the sample index and data source, and when the batch's share of
+    failures is above ``max_error_rate`` it raises one that gives the share.
 
     With a ``max_concurrency`` above 1 (``cfg.max_concurrency``, else the function's attribute of
     that name) the per-sample calls run in a thread pool of that size; scores keep the batch order.
@@ -284,7 +312,13 @@ class RewardManager:
             "reward/max": float(scores.max()) if n else 0.0,
             "reward/min": float(scores.min()) if n else 0.0,
             "reward/errors": float(errors),
+            "reward/error_rate": errors / n if n else 0.0,
         }
+        if n and errors / n > self.cfg.max_error_rate:
+            raise RewardError(
+                f"reward {self.name!r} failed on {errors} of {n} samples ({errors / n:.0%}), above reward.max_error_rate="
+                f"{self.cfg.max_error_rate:g}; the first failure's traceback is logged above; fix the reward or raise reward.max_error_rate"
+            )
         metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items()})
         return RewardResult(token_scores, metrics, scores)
 

@@ -23,7 +23,7 @@ from trellis.multiturn.environment import AgentSpec, agent_spec, check_interacti
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, PromptData, SamplingConfig, TrainerConfig, backend_field, check_inputs
 from trellis.registry import RegistryError
-from trellis.rewards import RewardConfig, RewardError, RewardManager, RewardResult, resolve_reward
+from trellis.rewards import RewardConfig, RewardError, RewardManager, RewardResult, resolve_reward, unknown_sources
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, backend_mesh
 
@@ -107,6 +107,14 @@ def check(cfg: DictConfig, registry) -> None:
             raise ConfigError(f"config key '{role}.loss_agg_mode' is {cfg[role].loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
     if cfg.algorithm.use_kl_in_reward:
         _lookup(registry, "objective", "kl_in_reward", "algorithm.use_kl_in_reward")
+    if cfg.reward.name == "auto" and not cfg.reward.path:
+        for key, rows in zip(("train_path", "val_path"), load_prompt_rows(cfg.data)):
+            unknown = unknown_sources(row.get("data_source") for row in rows)
+            if unknown:
+                raise ConfigError(
+                    f"config key 'reward.name' is auto, which has no reward for data_source {', '.join(map(repr, unknown))} "
+                    f"(in data.{key} {cfg.data[key]!r}); name a reward, or give reward.path and reward.name of your own function"
+                )
     if cfg.multi_turn.enable:
         names = agent_spec(cfg.multi_turn, registry, tokenizer=None).interaction_names
         train_rows, val_rows = load_prompt_rows(cfg.data)
