@@ -159,6 +159,8 @@ def test_checkpointer_saves_when_due_and_fires_the_hook(tmp_path):
     assert [s for s, _ in fired] == [2, 4, 5]  # every 2 steps and at the last
     assert fired[-1][1] == tmp_path / "checkpoint-5"
     latest = checkpoint.find_resume(cfg(total_steps=5), tmp_path)
+    assert not checkpoint.Checkpointer(cfg(total_steps=5), tmp_path, latest, hook).finished  # end tasks not yet done
+    ckpt.mark_finished()
     assert checkpoint.Checkpointer(cfg(total_steps=5), tmp_path, latest, hook).finished
     assert not checkpoint.Checkpointer(cfg(total_steps=6), tmp_path, latest, hook).finished
 

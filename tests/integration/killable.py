@@ -3,6 +3,8 @@
     python killable.py update N key=value ...      # inside step N, as the actor's update starts
     python killable.py checkpoint N key=value ...  # while checkpoint N is written: after the actor's
                                                    # shard, before the manifest and the rename
+    python killable.py saved N key=value ...       # once checkpoint N is complete (for the last
+                                                   # step: before the final validation and export)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 from trellis.recipes.train import train
+from trellis.runtime.checkpoint import Checkpointer
 from trellis.runtime.worker import RoleWorker
 
 
@@ -40,8 +43,18 @@ def kill_at(point: str, step: int) -> None:
                 die()
 
         RoleWorker.save = save_then_die
+    elif point == "saved":
+        after_step = Checkpointer.after_step
+
+        def after_step_then_die(self, done):
+            path = after_step(self, done)
+            if done == step:
+                die()
+            return path
+
+        Checkpointer.after_step = after_step_then_die
     else:
-        raise SystemExit(f"unknown kill point {point!r}; valid: update, checkpoint")
+        raise SystemExit(f"unknown kill point {point!r}; valid: update, checkpoint, saved")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,20 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(
     assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == ["checkpoint-2", "checkpoint-4"]
 
 
+def test_killed_after_the_last_checkpoint_runs_the_end_tasks_on_relaunch(rl_overrides, reference, tmp_path):
+    """The final checkpoint is complete but validation and the HF export never ran: the relaunch
+    does them (no step again), and only then is the run finished."""
+    run_dir = tmp_path / "run"
+    overrides = [*rl_overrides, f"trainer.run_dir={run_dir}", "trainer.save_hf_model=true"]
+    killed_run(overrides, "saved", 4, tmp_path)
+    assert read_manifest(run_dir / "checkpoint-4") is not None and not (run_dir / "hf_model").exists()
+
+    assert "finished_at_step" not in train(None, overrides)
+    assert (run_dir / "hf_model" / "config.json").is_file()
+    assert_same_metrics(rows(run_dir), reference[1])
+    assert train(None, overrides) == {"finished_at_step": 4}
+
+
 @pytest.fixture
 def run_sft(tiny_model_path, data_files, tmp_path):
     """``run_sft(run_dir, total_steps, *overrides)``: 2 steps an epoch over the 64 training rows."""

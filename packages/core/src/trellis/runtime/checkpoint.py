@@ -269,6 +269,17 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+FINISHED = "finished.json"  # in the run folder: the step whose end tasks (final validation, export) are done
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step at which the run in ``run_dir`` last finished, end tasks included; None if never."""
+    try:
+        return int(json.loads((Path(run_dir) / FINISHED).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 # -- the recipe's view ------------------------------------------------------------------------------
 class Checkpointer:
     """A recipe's checkpoints: restoring from ``resume_from`` (found and checked by ``train`` before
@@ -290,8 +301,14 @@ class Checkpointer:
 
     @property
     def finished(self) -> bool:
-        """The checkpoint to resume from is at (or past) the last step."""
-        return self.resume_from is not None and self.start_step >= self.cfg.trainer.total_steps
+        """The checkpoint to resume from is at (or past) the last step and the run's end tasks ran
+        after it (a run killed between its last checkpoint and the end resumes to do them)."""
+        at_end = self.resume_from is not None and self.start_step >= self.cfg.trainer.total_steps
+        return at_end and finished_step(self.run_dir) == self.start_step
+
+    def mark_finished(self) -> None:
+        """Record that the run reached ``trainer.total_steps`` with its end tasks done."""
+        (self.run_dir / FINISHED).write_text(json.dumps({"step": self.cfg.trainer.total_steps}))
 
     def restore(self, roles: Mapping[str, Any], state: Mapping[str, Any]) -> int:
         """Remember what to save (``None`` entries are skipped) and, when resuming, load it all;
@@ -300,7 +317,11 @@ class Checkpointer:
         self.state = {k: v for k, v in state.items() if v is not None}
         if self.resume_from is not None:
             restore(self.resume_from, self.roles, self.state)
-            log.info("resumed from %s: next step %d of %d", self.resume_from, self.start_step + 1, self.cfg.trainer.total_steps)
+            total = self.cfg.trainer.total_steps
+            if self.start_step >= total:
+                log.info("resumed from %s, the last step: its end tasks (final validation, export) did not finish; running them", self.resume_from)
+            else:
+                log.info("resumed from %s: next step %d of %d", self.resume_from, self.start_step + 1, total)
         return self.start_step
 
     def after_step(self, step: int) -> Path | None:

@@ -247,7 +247,9 @@ class Run:
         return out
 
     # -- the end -----------------------------------------------------------------------------------
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None and self._trackers is not None:
+            self.checkpointer.mark_finished()  # the recipe's end tasks ran inside the block
         try:
             if self._trackers is not None:
                 self._trackers.close()
