@@ -3,6 +3,7 @@ HTTP helpers to talk to it, and checks that a run left no process behind."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -55,7 +56,9 @@ def start_server(home: Path, *args: str, env: dict | None = None, check: bool = 
     home.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "HOME": str(home), "TRELLIS_SANDBOX_TEST_SECRET": SECRET, **(env or {})}
     cmd = [sys.executable, "-m", "trellis_sandbox.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True, preexec_fn=_die_with_parent
+    )
     if not check:
         return proc
     line = proc.stdout.readline()
@@ -63,6 +66,11 @@ def start_server(home: Path, *args: str, env: dict | None = None, check: bool = 
         stop(proc)
         raise RuntimeError(f"the server did not start: {line!r} {proc.communicate()[1]}")
     return Server(line.split("serving ", 1)[1].split(" ", 1)[0], proc, home)
+
+
+def _die_with_parent() -> None:
+    """SIGTERM the server if the test process dies first (a killed pytest leaves no server behind)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -73,10 +73,15 @@ class SandboxClient:
 
     def _serve_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._open())
+        finally:
+            self._ready.set()
+        self._loop.run_forever()
+
+    async def _open(self) -> None:
         self._semaphore = asyncio.Semaphore(self.max_concurrency)
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_concurrency))
-        self._ready.set()
-        self._loop.run_forever()
 
     async def run(self, req: RunRequest) -> RunResponse:
         """Runs ``req`` on the server; callable from any event loop."""

@@ -59,7 +59,9 @@ class Isolation:
         # Inside a new user namespace the setup shell is root with capabilities over its own mounts:
         # it builds the new /tmp on `stage`, binds the work dir into it, moves it over /tmp, hides the
         # home, mounts /proc for the new PID namespace and makes / read-only; then `setpriv` drops every
-        # capability (so the program cannot undo a mount) and execs the program in a clean environment.
+        # capability (so the program cannot undo a mount) and runs the program in a clean environment. The
+        # shell stays as PID 1 (as bwrap does), so the program is an ordinary process: signals reach it,
+        # and its exit status (128 + n when killed by signal n) is the shell's.
         q = shlex.quote
         ip = shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin")
         steps = [
@@ -72,7 +74,7 @@ class Isolation:
             *([f"{q(ip)} link set lo up"] if ip else []),  # as bwrap does: a loopback of its own
             "mount -n -o remount,bind,ro /",
             f"cd {WORK_MOUNT}",
-            "exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs env -i "
+            "setpriv --bounding-set=-all --inh-caps=-all --no-new-privs env -i "
             + " ".join(q(f"{k}={v}") for k, v in SCRUBBED_ENV.items())
             + " "
             + " ".join(q(a) for a in argv),

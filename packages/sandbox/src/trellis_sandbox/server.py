@@ -77,7 +77,7 @@ class SandboxServer:
             self.runner.check(req)
         except RequestError as exc:
             return self._refuse(400, str(exc))
-        if self.waiting >= self.config.queue_size:
+        if self.slots.empty() and self.waiting >= self.config.queue_size:
             self.counts["rejected_busy"] += 1
             return web.json_response(
                 {"status": SANDBOX_ERROR, "message": f"the server is busy: {self.waiting} requests are waiting (--queue-size)"},
