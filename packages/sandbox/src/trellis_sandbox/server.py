@@ -37,7 +37,7 @@ class SandboxServer:
             self.slots.put_nowait(slot)
         self.waiting = 0
         self.running = 0
-        self.counts: collections.Counter[str] = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter(requests=0, runs=0, rejected_busy=0)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_request_mb << 20)
