@@ -24,6 +24,7 @@ logger = logging.getLogger("trellis.sandbox")
 
 READ_CHUNK = 1 << 16
 DRAIN_GRACE_S = 1.0  # after the run's process ended, how long its pipes may stay open
+CLEAN_GRACE_S = 0.5  # after that, how long the sandbox's last processes may take to exit
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Runner:
             self._prepare(req, run_dir, work, stage, self.uid(slot))
             return await self._compile_and_run(req, work, stage, slot)
         finally:
-            self._clean(slot)
+            await self._clean(slot)
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _prepare(self, req: RunRequest, run_dir: Path, work: Path, stage: Path, uid: int | None) -> None:
@@ -188,12 +189,16 @@ class Runner:
                 files[path] = base64.b64encode(data).decode()
         return files
 
-    def _clean(self, slot: int) -> None:
-        """Kills any process still owned by the slot's uid (the PID namespace should have left none)."""
+    async def _clean(self, slot: int) -> None:
+        """Kills any process still owned by the slot's uid once a short grace is over: the sandbox's own
+        PID 1 may still be exiting when its parent has; anything past that was left behind."""
         uid = self.uid(slot)
         if uid is None:
             return
-        for pid in _pids_of(uid):
+        deadline = time.monotonic() + CLEAN_GRACE_S
+        while (pids := _pids_of(uid)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
                 self.leftovers_killed += 1
