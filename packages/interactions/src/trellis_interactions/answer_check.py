@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trellis.config import ranged
 from trellis.interfaces.agents import Interaction, InteractionTurn
 from trellis.rewards import gsm8k_score
 
@@ -18,8 +19,8 @@ class AnswerCheckOptions:
 
     method: str = "strict"
     feedback: str = "Wrong, try again."
-    score: float = 1.0
-    wrong_score: float = 0.0
+    score: float = ranged(1.0)  # any finite number
+    wrong_score: float = ranged(0.0)
 
     def __post_init__(self) -> None:
         if self.method not in ("strict", "flexible"):

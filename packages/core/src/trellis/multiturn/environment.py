@@ -67,15 +67,11 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
 
 
 def _settings(node: DictConfig) -> MultiTurnConfig:
+    """The section as dataclasses (its ranges were checked when the config was composed)."""
     data = OmegaConf.to_container(node, resolve=True)
     interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
     tools = [ToolConfig(**x) for x in data.pop("tools")]
     settings = MultiTurnConfig(**data, interactions=interactions, tools=tools)
-    for key in ("max_assistant_turns", "max_concurrent_samples", "max_tool_response_chars"):
-        if getattr(settings, key) < 1:
-            raise ConfigError(f"config key 'multi_turn.{key}' is {getattr(settings, key)}; it must be at least 1")
-    if settings.max_user_turns < 0 or settings.max_response_tokens < 0:
-        raise ConfigError("config keys 'multi_turn.max_user_turns' and 'multi_turn.max_response_tokens' must be >= 0")
     if settings.score not in SCORES:
         raise ConfigError(f"config key 'multi_turn.score' is {settings.score!r}; valid: {', '.join(SCORES)}")
     if not settings.interactions and not settings.tools:
