@@ -34,8 +34,9 @@ def test_vllm_conversations_are_token_exact_with_matching_log_probs(tiny_model_p
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     engine = make_engine(RolloutSpec(tiny_model_path, VLLMRolloutOptions(max_model_len=256), tokenizer))
     registry = load_plugins().registry
-    registry.adding_for("test_vllm_multiturn")
-    registry.add("interaction", "always_wrong", AlwaysWrong)
+    if "always_wrong" not in registry.names("interaction"):
+        registry.adding_for("test_vllm_multiturn")
+        registry.add("interaction", "always_wrong", AlwaysWrong)
     section = {"enable": True, "max_assistant_turns": 3, "max_user_turns": 2, "max_response_tokens": 120,
                "interactions": [{"name": "w", "component": "always_wrong"}]}  # fmt: skip
     agent = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
@@ -65,3 +66,25 @@ def test_vllm_conversations_are_token_exact_with_matching_log_probs(tiny_model_p
         logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
     lp = torch.log_softmax(logits[:, -n - 1 : -1].float(), -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(out["rollout_log_probs"], lp * out["response_mask"], atol=1e-4, rtol=0)
+
+
+def test_many_seeded_conversations_at_once_are_reproducible(tiny_model_path):
+    """64 seeded conversations joining the engine between its steps: on CPU a prefill split over
+    steps used to rewind a seeded generator and crash vLLM; the same seed gives the same tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    engine = make_engine(RolloutSpec(tiny_model_path, VLLMRolloutOptions(max_model_len=512), tokenizer))
+    registry = load_plugins().registry
+    if "always_wrong" not in registry.names("interaction"):
+        registry.adding_for("test_vllm_multiturn")
+        registry.add("interaction", "always_wrong", AlwaysWrong)
+    section = {"enable": True, "max_assistant_turns": 3, "max_user_turns": 3, "max_response_tokens": 400,
+               "interactions": [{"name": "w", "component": "always_wrong"}]}  # fmt: skip
+    agent = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
+    prompts = PromptDataset(make_arithmetic_split(16, 1, max_value=30), tokenizer, 64).as_batch()
+
+    def run():
+        return asyncio.run(AgentLoop(engine, agent).run(prompts, SamplingParams(n=4, max_new_tokens=8, seed=3)))
+
+    first, second = run(), run()
+    assert first["num_turns"].tolist() == [3] * 64
+    assert torch.equal(first["responses"], second["responses"]) and torch.equal(first["rollout_log_probs"], second["rollout_log_probs"])

@@ -96,6 +96,11 @@ class VLLMRollout(RolloutEngine):
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = self.opts.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.opts.enable_sleep_mode
+        if self.on_cpu:
+            # A prefill split over engine steps rewinds its request's seeded generator, which CPU
+            # generators cannot do ("CPU Generator does not use offset"): seeded multi-turn
+            # requests joining a busy engine crashed it.
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(self.opts.engine_kwargs)
         start = time.perf_counter()
         self.llm = LLM(**kwargs)
