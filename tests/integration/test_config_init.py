@@ -46,3 +46,21 @@ def test_other_recipes_print_their_defaults(tmp_path):
 def test_unknown_recipe_is_named(tmp_path):
     out = trellis("config", "init", "rll", cwd=tmp_path)
     assert out.returncode == 2 and "recipe 'rll' is not installed" in out.stderr and "did you mean 'rl'?" in out.stderr
+
+
+def test_opo_preset_is_on_policy_and_off_policy_settings_are_named(tmp_path, tiny_model_path, data_files):
+    out = trellis("config", "init", "opo", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# A starter config for OPO")
+    starter = tmp_path / "opo.yaml"
+    starter.write_text(out.stdout)
+    paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
+    cfg = compose(starter, paths, load_plugins().registry)
+    assert (cfg.algorithm.advantage.name, cfg.actor.ppo_epochs, cfg.actor.mini_batch_samples, cfg.actor.use_kl_loss) == ("opo", 1, 0, False)
+    assert trellis("train", str(starter), "--dry-run", *paths, cwd=tmp_path).returncode == 0
+
+    bad = trellis("train", str(starter), "--dry-run", *paths, "actor.ppo_epochs=2", "actor.mini_batch_samples=16", cwd=tmp_path)
+    assert bad.returncode != 0
+    assert "actor.ppo_epochs=2 (use 1) and actor.mini_batch_samples=16 (use 0: the step's 64 samples at once)" in bad.stderr
+    # the whole step as one mini-batch, written out, is on-policy too
+    assert trellis("train", str(starter), "--dry-run", *paths, "actor.mini_batch_samples=64", cwd=tmp_path).returncode == 0

@@ -120,8 +120,25 @@ def check(cfg: DictConfig, registry) -> None:
         train_rows, val_rows = load_prompt_rows(cfg.data)
         check_interaction_names(train_rows, names, f"data.train_path {cfg.data.train_path!r}")
         check_interaction_names(val_rows, names, f"data.val_path {cfg.data.val_path!r}")
+    if cfg.algorithm.advantage.name == "opo":
+        check_on_policy(cfg, samples)
     if cfg.algorithm.advantage.name in ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline") and cfg.sampling.n < 2:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
+
+
+def check_on_policy(cfg: DictConfig, samples: int) -> None:
+    """OPO is exact on-policy: each step's fresh samples get one optimizer step. Settings that
+    would update on them again are refused, by name."""
+    off = []
+    if cfg.actor.ppo_epochs > 1:
+        off.append(f"actor.ppo_epochs={cfg.actor.ppo_epochs} (use 1)")
+    if cfg.actor.mini_batch_samples not in (0, samples):
+        off.append(f"actor.mini_batch_samples={cfg.actor.mini_batch_samples} (use 0: the step's {samples} samples at once)")
+    if off:
+        raise ConfigError(
+            f"advantage 'opo' is exact on-policy (one update per batch of fresh samples), but {' and '.join(off)} "
+            "would update on samples after the policy moved; see trellis config init opo"
+        )
 
 
 def _lookup(registry, kind: str, name: str, key: str):
