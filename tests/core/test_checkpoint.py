@@ -3,6 +3,8 @@ checkpoints ignored, recipe state and RNG restored, changed configs refused."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import random
 from pathlib import Path
 
@@ -46,6 +48,7 @@ def test_checkpoint_folder_has_a_manifest_listing_every_file(tmp_path):
     manifest = read_manifest(path)
     assert manifest["step"] == 3 and manifest["roles"] == ["actor"] and manifest["recipe"] == "sft"
     assert set(manifest["files"]) == {"actor/weights", "trainer_state.pt", "config.yaml"}
+    assert manifest["sha256"]["actor/weights"] == hashlib.sha256(b"3").hexdigest()  # what `sha256sum` prints
     assert len(manifest["config_sha256"]) == 64 and manifest["trellis_version"]
     assert OmegaConf.load(path / "config.yaml") == cfg()
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-3"]  # no temporary folder left
@@ -59,20 +62,53 @@ def test_only_the_latest_checkpoints_are_kept(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "damage",
+    ("damage", "problem"),
     [
-        lambda p: (p / "manifest.json").unlink(),
-        lambda p: (p / "actor" / "weights").unlink(),
-        lambda p: (p / "actor" / "weights").write_text("a different size"),
-        lambda p: (p / "manifest.json").write_text('{"step": 4, "fi'),
+        (lambda p: (p / "manifest.json").unlink(), "manifest.json is missing or unreadable"),
+        (lambda p: (p / "actor" / "weights").unlink(), "actor/weights is missing"),
+        (lambda p: (p / "actor" / "weights").write_text("a different size"), "actor/weights has 16 bytes, the manifest says 1"),
+        (lambda p: (p / "manifest.json").write_text('{"step": 4, "fi'), "manifest.json is missing or unreadable"),
     ],
-    ids=["no-manifest", "missing-file", "truncated-file", "torn-manifest"],
+    ids=["no-manifest", "missing-file", "resized-file", "torn-manifest"],
 )
-def test_incomplete_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage):
+def test_incomplete_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, problem, caplog):
     write(tmp_path, 2)
     damage(write(tmp_path, 4))
     assert read_manifest(tmp_path / "checkpoint-4") is None
-    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    assert f"ignoring incomplete checkpoint {tmp_path / 'checkpoint-4'}: {problem}" in caplog.text
+
+
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    """Damage ``path`` in place, keeping its size."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_a_file_changed_in_place_falls_back_to_the_previous_checkpoint_naming_it(tmp_path, caplog):
+    write(tmp_path, 2, value=22.0)
+    damaged = write(tmp_path, 4, value=44.0) / "actor" / "weights"
+    overwrite(damaged, 0, b"9")  # "44.0" -> "94.0": same size, so complete, but not intact
+    assert read_manifest(tmp_path / "checkpoint-4") is not None
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+        assert find_resume(cfg(), tmp_path) == tmp_path / "checkpoint-2"
+    assert f"checkpoint {tmp_path / 'checkpoint-4'} is damaged: {damaged} changed after it was written" in caplog.text
+    assert "falling back to the previous complete checkpoint" in caplog.text
+    role = FakeRole()
+    restore(find_resume(cfg(), tmp_path), {"actor": role}, {})
+    assert role.value == 22.0
+
+
+def test_a_damaged_checkpoint_named_explicitly_or_the_only_one_is_refused_naming_the_file(tmp_path):
+    path = write(tmp_path, 2)
+    overwrite(path / "trainer_state.pt", 40, bytes(16))
+    with pytest.raises(ConfigError, match=r"config key 'trainer.resume': checkpoint .*checkpoint-2 is damaged: .*trainer_state.pt changed"):
+        find_resume(cfg(resume=str(path)), tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=r"trainer_state.pt changed .*no intact checkpoint is left in .*; start over in another trainer.run_dir"):
+        find_resume(cfg(), tmp_path)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_and_the_next_save_cleans_up(tmp_path):

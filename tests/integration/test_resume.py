@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.hookspecs import hookimpl
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
-from trellis.runtime.checkpoint import read_manifest
+from trellis.runtime.checkpoint import damaged_files, read_manifest
 
 KILLABLE = Path(__file__).with_name("killable.py")
 
@@ -146,6 +147,51 @@ def test_killed_after_the_last_checkpoint_runs_the_end_tasks_on_relaunch(rl_over
     assert (run_dir / "hf_model" / "config.json").is_file()
     assert_same_metrics(rows(run_dir), reference[1])
     assert train(None, overrides) == {"finished_at_step": 4}
+
+
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    """Damage ``path`` in place, keeping its size."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize(
+    ("file", "where"),
+    [
+        ("actor/__0_0.distcp", lambda data: len(data) // 2),  # 16 bytes inside the weights
+        ("actor/rank0.pt", lambda data: data.index(b"PK\x01\x02")),  # the zip's central directory
+    ],
+    ids=["bytes-inside-a-shard", "broken-zip"],
+)
+def test_a_damaged_checkpoint_is_named_and_the_run_resumes_from_the_previous_one(rl_overrides, reference, tmp_path, file, where):
+    """A finished run whose last checkpoint was damaged in place (same size) and relaunched through
+    the CLI: the warning names the file, steps 3-4 run again from checkpoint-2 and give the values
+    of the undisturbed run, and the damaged checkpoint is replaced by an intact one."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    damaged = run_dir / "checkpoint-4" / file
+    size = damaged.stat().st_size
+    overwrite(damaged, where(damaged.read_bytes()), b"\xff" * 16)
+    assert damaged.stat().st_size == size
+    if file.endswith(".pt"):  # the damage a bare torch.load reports without naming the file
+        with pytest.raises(RuntimeError, match="PytorchStreamReader failed reading zip archive"):
+            torch.load(damaged, weights_only=True)
+
+    config = tmp_path / "run.yaml"
+    config.write_text("recipe: rl\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trellis.cli", "train", str(config), *rl_overrides, f"trainer.run_dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint {run_dir / 'checkpoint-4'} is damaged: {damaged} changed after it was written" in proc.stderr
+    assert "falling back to the previous complete checkpoint" in proc.stderr
+    assert f"resumed from {run_dir / 'checkpoint-2'}: next step 3 of 4" in proc.stderr
+    assert_same_metrics(rows(run_dir), reference[1])
+    assert not damaged_files(run_dir / "checkpoint-4")
+    assert read_manifest(run_dir / "checkpoint-4")["sha256"] != read_manifest(reference[0] / "checkpoint-4")["sha256"]
 
 
 @pytest.fixture

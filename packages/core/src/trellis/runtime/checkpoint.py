@@ -3,10 +3,11 @@
 A checkpoint holds one folder per trainable role (whatever the backend's ``save`` writes: each
 rank its own shard), ``trainer_state.pt`` (the step, the state of the recipe's stateful objects
 such as the data loader and the KL controller, and this process's RNG states), the resolved
-``config.yaml`` and, written last, ``manifest.json`` (step, every file with its size, a hash of
-the config, the Trellis version). It is written to ``.checkpoint-<step>.tmp`` and renamed only
-when complete, so a crash mid-save leaves the previous checkpoints as they were. A checkpoint is
-*complete* when its manifest parses and every file it lists is there with its size.
+``config.yaml`` and, written last, ``manifest.json`` (step, every file with its size and SHA-256,
+a hash of the config, the Trellis version). It is written to ``.checkpoint-<step>.tmp`` and
+renamed only when complete, so a crash mid-save leaves the previous checkpoints as they were. A
+checkpoint is *complete* when its manifest parses and every file it lists is there with its size,
+and *intact* when every file also has its recorded SHA-256; a run resumes from the latest intact one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,52 +70,106 @@ def checkpoint_step(path: Path) -> int | None:
     return int(name[len(PREFIX) :])
 
 
+def _inspect(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a complete checkpoint, else (None, what is wrong)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        files, sums = manifest["files"], manifest["sha256"]
+        if set(files) != set(sums):
+            raise KeyError("sha256")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, f"{MANIFEST} is missing or unreadable"
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            return None, f"{rel} is missing"
+        if f.stat().st_size != size:
+            return None, f"{rel} has {f.stat().st_size} bytes, the manifest says {size}"
+    return manifest, None
+
+
 def read_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of a complete checkpoint; None when the manifest is missing or unreadable, or
     a file it lists is missing or has another size."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    for rel, size in files.items():
-        f = path / rel
-        if not f.is_file() or f.stat().st_size != size:
-            return None
-    return manifest
+    return _inspect(Path(path))[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksums(path: Path, files: list[str]) -> dict[str, str]:
+    """The SHA-256 of each of ``files`` (relative to ``path``), read in parallel."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+        return dict(zip(files, pool.map(lambda rel: _sha256(Path(path) / rel), files)))
+
+
+def damaged_files(path: Path) -> list[str]:
+    """The files of the complete checkpoint ``path`` whose content is not what was written (their
+    SHA-256 differs from the manifest's): a corruption that kept the size."""
+    manifest = read_manifest(path)
+    return [rel for rel, digest in checksums(path, sorted(manifest["files"])).items() if digest != manifest["sha256"][rel]]
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The complete checkpoints in ``run_dir``, oldest step first."""
+    """The complete checkpoints in ``run_dir``, oldest step first; each incomplete one is skipped
+    with a warning saying what is wrong with it."""
     run_dir = Path(run_dir)
     found = [p for p in run_dir.glob(f"{PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None] if run_dir.is_dir() else []
     complete = []
     for p in sorted(found, key=checkpoint_step):
-        if read_manifest(p) is None:
-            log.warning("ignoring incomplete checkpoint %s (manifest missing or files missing)", p)
+        problem = _inspect(p)[1]
+        if problem:
+            log.warning("ignoring incomplete checkpoint %s: %s", p, problem)
         else:
             complete.append(p)
     return complete
 
 
+def _damage_warning(path: Path, damaged: list[str]) -> str:
+    return (
+        f"checkpoint {path} is damaged: {', '.join(str(path / rel) for rel in damaged)} changed after it was written "
+        "(its SHA-256 differs from the manifest's)"
+    )
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``run_dir``, or None."""
+    """The intact checkpoint with the highest step in ``run_dir``, or None when there is no complete
+    one. A damaged newer checkpoint is skipped with a warning naming its files; when every complete
+    one is damaged, ``ConfigError`` says so."""
     found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
+    for newer, path in enumerate(reversed(found)):
+        damaged = damaged_files(path)
+        if not damaged:
+            return path
+        if newer + 1 < len(found):
+            log.warning("%s; falling back to the previous complete checkpoint", _damage_warning(path, damaged))
+        else:
+            raise ConfigError(
+                f"{_damage_warning(path, damaged)}, and no intact checkpoint is left in {run_dir}; start over in another trainer.run_dir"
+            )
+    return None
 
 
 def resolve_checkpoint(where: str | Path) -> Path:
-    """A checkpoint folder as given, or the latest complete one when ``where`` is a run folder;
-    raises ``FileNotFoundError`` saying what is there when neither is complete."""
+    """A checkpoint folder as given, or the latest intact one when ``where`` is a run folder;
+    raises ``FileNotFoundError`` saying what is there when neither is complete, ``ConfigError``
+    when the checkpoint given is damaged."""
     where = Path(where)
-    path = where if checkpoint_step(where) is not None or (where / MANIFEST).exists() else latest_checkpoint(where)
+    given = checkpoint_step(where) is not None or (where / MANIFEST).exists()
+    path = where if given else latest_checkpoint(where)
     if path is None or read_manifest(path) is None:
         there = [p.name for p in complete_checkpoints(where.parent if checkpoint_step(where) is not None else where)]
         raise FileNotFoundError(
             f"{str(where)!r} is not a complete checkpoint nor a run folder holding one"
             + (f"; complete checkpoints beside it: {', '.join(there)}" if there else "")
         )
+    if given and (damaged := damaged_files(path)):
+        raise ConfigError(f"{_damage_warning(path, damaged)}; give an earlier checkpoint or the run folder")
     return path
 
 
@@ -147,7 +203,7 @@ def config_changes(saved: Any, current: Any, allowed: list[str] | tuple[str, ...
 
 
 def find_resume(cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = ()) -> Path | None:
-    """The checkpoint to resume from per ``trainer.resume`` (``auto``: the latest complete one in
+    """The checkpoint to resume from per ``trainer.resume`` (``auto``: the latest intact one in
     ``run_dir``, if any; ``never``; or a checkpoint or run folder), checked against ``cfg``;
     ``safe_keys``: the recipe's keys that may differ."""
     resume = str(cfg.trainer.resume)
@@ -167,6 +223,8 @@ def find_resume(cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = ())
             path = resolve_checkpoint(resume)
         except FileNotFoundError as exc:
             raise ConfigError(f"config key 'trainer.resume': {exc}; give a checkpoint-<step> folder, a run folder, auto or never") from None
+        except ConfigError as exc:
+            raise ConfigError(f"config key 'trainer.resume': {exc}") from None
     saved = OmegaConf.load(path / CONFIG_FILE)
     changes = config_changes(saved, cfg, [*safe_keys, *cfg.trainer.resume_allow_changes])
     if changes:
@@ -223,6 +281,7 @@ def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], st
         "recipe": cfg.get("recipe"),
         "roles": sorted(roles),
         "files": files,
+        "sha256": checksums(tmp, list(files)),
         "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
         "trellis_version": __version__,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
