@@ -54,30 +54,20 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-entropy")
     args = parser.parse_args()
 
-    from trellis.examples.demo import NOISY_ANSWER, RL_ROWS, SFT_ROWS, TASK, VAL_ROWS, config_path
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
+    from demo_start import demo_start
+
+    from trellis.examples.demo import config_path
     from trellis.plot import plot_metrics
     from trellis.recipes.train import train
 
     out = Path(args.out)
-    data = out / "data"
-    write_rows(make_arithmetic_split(SFT_ROWS, 0, noisy_answer=NOISY_ANSWER, **TASK), data / "sft.parquet")
-    write_rows(make_arithmetic_split(RL_ROWS, 1, **TASK), data / "rl.parquet")
-    write_rows(make_arithmetic_split(VAL_ROWS, 0, split="test", **TASK), data / "test.parquet")
-    start = out / "sft" / "hf_model"
-    if not start.is_dir():
-        model = make_tiny_model(out / "model", task_texts(ops=TASK["ops"]), hidden_size=128, num_layers=4, num_heads=4, seed=0)
-        train(config_path("demo_sft.yaml"), [
-            f"model.path={model}", f"data.train_path={data / 'sft.parquet'}", f"data.val_path={data / 'test.parquet'}",
-            f"trainer.total_steps={args.sft_steps}", f"trainer.threads={args.threads}", f"trainer.run_dir={out / 'sft'}",
-        ])  # fmt: skip
+    start, rl_data, test_data = demo_start(out, args.sft_steps, args.threads)
     runs: dict[str, list[Path]] = {m: [] for m in METHODS}
     for method in METHODS:
         for seed in args.seeds:
             run_dir = out / f"{method}-seed{seed}"
             train(config_path("demo_rl.yaml"), [
-                f"model.path={start}", f"data.train_path={data / 'rl.parquet'}", f"data.val_path={data / 'test.parquet'}",
+                f"model.path={start}", f"data.train_path={rl_data}", f"data.val_path={test_data}",
                 f"seed={seed}", f"actor.policy_loss.name={method}", f"trainer.total_steps={args.steps}",
                 f"trainer.val_every_steps={args.val_every}", f"trainer.threads={args.threads}", "trainer.trackers=[jsonl]",
                 f"trainer.run_dir={run_dir}",
