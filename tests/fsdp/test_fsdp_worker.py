@@ -141,14 +141,17 @@ def build(registry, path, role, role_options=None, objectives=None, **opts):
     return make_worker(registry, path, role, role_options, objectives, **opts)
 
 
-def test_log_prob_and_entropy_match_unsharded_forward(registry, tiny_model_path):
+def test_log_prob_entropy_and_sum_sq_probs_match_unsharded_forward(registry, tiny_model_path):
     batch = prepared_batch(tiny_model_path)
     ref = build(registry, tiny_model_path, "ref")
-    out = ref.log_prob(batch, with_entropy=True)
+    out = ref.log_prob(batch, with_entropy=True, with_sum_sq_probs=True)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():
         expected = reference_log_probs(model, batch)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
+        probs = torch.softmax(logits[:, -RESPONSE - 1 : -1].float() / batch.meta["temperature"], -1)
     torch.testing.assert_close(out["log_probs"], expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["sum_sq_probs"], probs.pow(2).sum(-1), atol=1e-6, rtol=0)
     # entropy of a distribution over V tokens lies in [0, log V]
     assert out["entropy"].shape == (SAMPLES, RESPONSE)
     assert (out["entropy"] >= 0).all() and (out["entropy"] <= torch.log(torch.tensor(float(model.config.vocab_size)))).all()

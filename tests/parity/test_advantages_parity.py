@@ -8,8 +8,10 @@ import pytest
 import torch
 from parity_inputs import EMPTY_ROW, TOL, make_case
 
+from trellis.interfaces.hf import sum_sq_probs_from_logits
 from trellis.interfaces.signatures import AdvantageInputs
 from trellis_algos import advantages as ours
+from trellis_algos import token_baseline as tb
 
 core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the parity tests need verl==0.9.1 (nox -s parity)")
 AlgoConfig = pytest.importorskip("verl.trainer.config").AlgoConfig
@@ -119,3 +121,51 @@ def test_rewards_on_masked_tokens_are_ignored():
     group = (case.group_ids == case.group_ids[EMPTY_ROW]) & case.mask.bool().any(-1)
     assert not torch.allclose(adv[group], verl_adv[group].to(adv.dtype))
 
+
+
+def with_sum_sq_probs(case):
+    """The case's inputs plus the behaviour policy's log-probs and a seeded ``sum_sq_probs``."""
+    sum_sq = 0.9 * torch.rand(case.mask.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    return AdvantageInputs(case.rewards, case.mask, case.group_ids, old_log_probs=case.old_log_prob, sum_sq_probs=sum_sq)
+
+
+TOKEN_BASELINES = {
+    "optimal_token_baseline": (tb.optimal_token_baseline, core.compute_optimal_token_baseline_advantage),
+    "tir_optimal_token_baseline": (tb.tir_optimal_token_baseline, core.compute_multi_turn_optimal_token_baseline_advantage),
+}
+
+
+@pytest.mark.parametrize("zero_tail", [True, False], ids=["zero_tail", "no_zero_tail"])
+@pytest.mark.parametrize("name", sorted(TOKEN_BASELINES))
+def test_token_baselines_match_verl_on_valid_tokens_and_zero_the_holes(name, zero_tail, case):
+    """Deliberate difference: verl's returns at a hole carry the reward-to-go; trellis zeroes them."""
+    mine, theirs = TOKEN_BASELINES[name]
+    data = with_sum_sq_probs(case)
+    adv, ret = mine(data, tb.TokenBaselineOptions(handle_zero_tail=zero_tail))
+    verl_adv, verl_ret = theirs(
+        case.rewards, case.mask, index(case), data.old_log_probs, data.sum_sq_probs, handle_zero_tail=zero_tail
+    )
+    on_valid(adv, verl_adv, case.mask)
+    on_valid(ret, verl_ret, case.mask)
+    masked = ~case.mask.bool()
+    assert torch.all(adv[masked] == 0) and torch.all(verl_adv[masked] == 0)
+    holes = masked & (case.mask.flip(-1).cumsum(-1).flip(-1) > 0)
+    assert holes.any() and torch.all(ret[holes] == 0) and verl_ret[holes].abs().max() > 0
+
+
+def test_token_baseline_variants_and_zero_tail_change_the_numbers(case):
+    """The parity cases exercise what tells the two apart: holes shift the position alignment
+    (tir aligns by valid-token count) and some group has a unique longest sample."""
+    data = with_sum_sq_probs(case)
+    otb, _ = tb.optimal_token_baseline(data)
+    tir, _ = tb.tir_optimal_token_baseline(data)
+    no_tail, _ = tb.optimal_token_baseline(data, tb.TokenBaselineOptions(handle_zero_tail=False))
+    assert not torch.allclose(otb, tir) and not torch.allclose(otb, no_tail)
+
+
+def test_sum_sq_probs_matches_verl():
+    """The forward's ``sum_sq_probs`` (``trellis.interfaces.hf``) against verl's ``calculate_sum_pi_squared_from_logits``."""
+    from verl.utils.torch_functional import calculate_sum_pi_squared_from_logits
+
+    logits = 4 * torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.testing.assert_close(sum_sq_probs_from_logits(logits), calculate_sum_pi_squared_from_logits(logits), **TOL)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
-from trellis_algos import advantages, kl, objectives, policy_losses, preference, sft_losses
+from trellis_algos import advantages, kl, objectives, policy_losses, preference, sft_losses, token_baseline
 from trellis_algos.spin import SPINRecipe
 
 
@@ -13,6 +13,7 @@ def trellis_register(registry):
     ``objective``, and the recipe ``spin``."""
     for kind, table in (
         ("advantage", advantages.ESTIMATORS),
+        ("advantage", token_baseline.ESTIMATORS),
         ("policy_loss", policy_losses.LOSSES),
         ("sft_loss", sft_losses.LOSSES),
         ("preference_loss", preference.LOSSES),

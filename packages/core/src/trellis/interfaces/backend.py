@@ -32,11 +32,12 @@ LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str
 # What a forward can return (``outputs`` names), each for the micro-batch's samples:
 #   log_probs      (batch, response_len)  log p(response token) at the sampling temperature
 #   entropy        (batch, response_len)  entropy of the next-token distribution there
+#   sum_sq_probs   (batch, response_len)  sum over the vocabulary of p^2 of that distribution
 #   values         (batch, response_len)  the value head at the positions predicting each response token
 #   label_log_probs (batch, seq_len - 1)  log p(input_ids[:, 1:]) (supervised losses)
 #   scores         (batch,)               the value head at the last attended token (reward models)
-OUTPUTS = ("log_probs", "entropy", "values", "label_log_probs", "scores")
-# Batch fields every forward reads; log_probs/entropy/values also read ``responses``.
+OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", "scores")
+# Batch fields every forward reads; log_probs/entropy/sum_sq_probs/values also read ``responses``.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 

@@ -21,6 +21,30 @@ def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
     return -(p * log_p).sum(dim=-1)
 
 
+def _sum_sq_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``sum_v p^2`` over the last dim, in float32 (or wider), from ``log_softmax`` so large
+    logits neither overflow nor lose precision; ``-inf`` logits contribute 0."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.exp(2.0 * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
+
+
+def _by_rows(rows_fn, logits: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """``rows_fn`` ``(..., vocab) -> (...)`` over ``chunk_size`` positions at a time (all at once
+    for None); each chunk is checkpointed when a gradient is needed."""
+    if chunk_size is None:
+        return rows_fn(logits)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    rows = logits.reshape(-1, logits.shape[-1])
+    keep_graph = torch.is_grad_enabled() and rows.requires_grad
+    parts = [
+        checkpoint(rows_fn, chunk, use_reentrant=False) if keep_graph else rows_fn(chunk)
+        for chunk in rows.split(chunk_size, dim=0)
+    ]
+    out = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.promote_types(rows.dtype, torch.float32))
+    return out.reshape(logits.shape[:-1])
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of the categorical distribution of every position: ``(..., vocab) -> (...)``.
 
@@ -29,18 +53,13 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> 
     temporaries exist at once; when a gradient is needed, each chunk is checkpointed (its softmax is
     recomputed in the backward pass instead of kept), which is what bounds memory in training.
     """
-    if chunk_size is None:
-        return _entropy_rows(logits)
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    rows = logits.reshape(-1, logits.shape[-1])
-    keep_graph = torch.is_grad_enabled() and rows.requires_grad
-    parts = [
-        checkpoint(_entropy_rows, chunk, use_reentrant=False) if keep_graph else _entropy_rows(chunk)
-        for chunk in rows.split(chunk_size, dim=0)
-    ]
-    out = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.promote_types(rows.dtype, torch.float32))
-    return out.reshape(logits.shape[:-1])
+    return _by_rows(_entropy_rows, logits, chunk_size)
+
+
+def sum_sq_probs_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """``sum_v p_v^2`` of the categorical distribution of every position: ``(..., vocab) -> (...)``
+    (the optimal token baseline's path-variance term), chunked as :func:`entropy_from_logits`."""
+    return _by_rows(_sum_sq_rows, logits, chunk_size)
 
 
 def _gather(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -48,12 +67,12 @@ def _gather(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], entropy_chunk_size: int | None = None) -> dict[str, torch.Tensor]:
-    """``log_probs`` / ``entropy`` ``(batch, response_len)`` at the response positions (logits
+    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` ``(batch, response_len)`` at the response positions (logits
     divided by ``micro.meta["temperature"]``) and ``label_log_probs`` ``(batch, seq_len - 1)``,
     from a causal LM's ``logits`` ``(batch, positions, vocab)``: every position, or (without
     ``label_log_probs``) at least the last ``response_len + 1``."""
     out: dict[str, torch.Tensor] = {}
-    if "log_probs" in outputs or "entropy" in outputs:
+    if {"log_probs", "entropy", "sum_sq_probs"} & set(outputs):
         responses = micro["responses"].to(logits.device)
         n = responses.shape[1]
         scaled = logits[:, -n - 1 : -1].float() / float(micro.meta.get("temperature", 1.0))
@@ -61,6 +80,8 @@ def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], ent
             out["log_probs"] = _gather(torch.log_softmax(scaled, dim=-1), responses)
         if "entropy" in outputs:
             out["entropy"] = entropy_from_logits(scaled, entropy_chunk_size)
+        if "sum_sq_probs" in outputs:
+            out["sum_sq_probs"] = sum_sq_probs_from_logits(scaled, entropy_chunk_size)
     if "label_log_probs" in outputs:
         labels = micro["input_ids"][:, 1:].to(logits.device)
         out["label_log_probs"] = _gather(torch.log_softmax(logits[:, :-1].float(), dim=-1), labels)

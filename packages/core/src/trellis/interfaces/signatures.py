@@ -30,6 +30,9 @@ class AdvantageInputs:
     group_ids: ``(batch,)`` int, samples of the same prompt share an id.
     values: ``(batch, response_len)`` critic values, for estimators that need them (gae).
     baseline_rewards: ``(batch,)`` reward of the greedy rollout of the sample's prompt (remax).
+    old_log_probs: ``(batch, response_len)`` the behaviour policy's log-prob of each token.
+    sum_sq_probs: ``(batch, response_len)`` ``sum_v p_v^2`` of the behaviour policy's next-token
+        distribution at each token (optimal token baselines).
     """
 
     token_rewards: torch.Tensor
@@ -37,12 +40,15 @@ class AdvantageInputs:
     group_ids: torch.Tensor
     values: torch.Tensor | None = None
     baseline_rewards: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    sum_sq_probs: torch.Tensor | None = None
 
 
 class AdvantageEstimator(Protocol):
     """An estimator may carry a ``needs`` attribute: what it asks for beyond rewards, among
-    ``"values"`` (the ``rl`` recipe builds a critic and fills ``values``) and
-    ``"greedy_baseline"`` (a greedy rollout per prompt fills ``baseline_rewards``)."""
+    ``"values"`` (the ``rl`` recipe builds a critic and fills ``values``),
+    ``"greedy_baseline"`` (a greedy rollout per prompt fills ``baseline_rewards``) and
+    ``"sum_sq_probs"`` (the old-log-prob forward also returns ``sum_sq_probs``)."""
 
     def __call__(self, data: AdvantageInputs, options: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(advantages, returns)``, each ``(batch, response_len)``, zero where masked."""

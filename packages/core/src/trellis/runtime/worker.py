@@ -113,11 +113,12 @@ class RoleWorker(Worker):
         parts = self.backend.forward(self.plan.micro_batches(batch), outputs)
         return Batch({k: torch.cat([p[k] for p in parts]) for k in outputs})
 
-    def log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
-        """``log_probs`` (and ``entropy``) ``(batch, response_len)`` of the response tokens at
-        ``batch.meta["temperature"]``; reads ``input_ids``, ``attention_mask``, ``position_ids``
-        ``(batch, seq_len)`` and ``responses`` ``(batch, response_len)``."""
-        return self._forward(batch, ("log_probs", "entropy") if with_entropy else ("log_probs",))
+    def log_prob(self, batch: Batch, with_entropy: bool = False, with_sum_sq_probs: bool = False) -> Batch:
+        """``log_probs`` (and ``entropy``, ``sum_sq_probs``) ``(batch, response_len)`` of the
+        response tokens at ``batch.meta["temperature"]``; reads ``input_ids``, ``attention_mask``,
+        ``position_ids`` ``(batch, seq_len)`` and ``responses`` ``(batch, response_len)``."""
+        extra = ("entropy",) * with_entropy + ("sum_sq_probs",) * with_sum_sq_probs
+        return self._forward(batch, ("log_probs", *extra))
 
     def values(self, batch: Batch) -> Batch:
         """Critic: ``values`` ``(batch, response_len)`` for the same inputs as ``log_prob``."""
