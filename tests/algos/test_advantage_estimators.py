@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from trellis.interfaces.signatures import AdvantageInputs
 from trellis_algos.advantages import (
     GAEOptions,
+    GDPOOptions,
     GPGOptions,
     GRPOOptions,
     ReinforcePlusPlusOptions,
     gae,
+    gdpo,
     gpg,
     grpo,
     grpo_passk,
@@ -232,3 +234,41 @@ def test_opo_with_equal_lengths_is_the_mean_baseline(batch, length):
     for v, s, g in zip(values, scores, ids):
         group = [x for x, i in zip(scores, ids) if i == g]
         assert v == pytest.approx(s - sum(group) / len(group), abs=1e-9)
+
+
+def components_case():
+    """Four one-token samples in two groups with components fmt = 1, 0 | 1, 1 and acc = 0, 1 | 1, 0."""
+    data = outcome([1, 1, 2, 1], [1, 1, 1, 1], [0, 0, 1, 1], width=1)
+    data.reward_components = {"fmt": torch.tensor([1.0, 0, 1, 1]), "acc": torch.tensor([0.0, 1, 1, 0])}
+    return data
+
+
+def test_gdpo_by_hand():
+    # per component, a pair (x, y) normalises to +-|x - y| / 2 / (|x - y| / sqrt 2) = +-1/sqrt 2:
+    # fmt -> +s, -s | 0, 0 and acc -> -s, +s | +s, -s (s = 1/sqrt 2); sum 0, 0, s, -s; whitened over 4
+    # tokens (mean 0, unbiased var 1/3): 0, 0, +-sqrt(3/2)
+    data = components_case()
+    adv, ret = gdpo(data, GDPOOptions(reward_keys="fmt, acc"))
+    close(adv, [[0.0], [0.0], [math.sqrt(1.5)], [-math.sqrt(1.5)]], rtol=1e-5)
+    assert torch.equal(adv, ret)
+    # weights 2, 1: sum s, -s, s, -s; var 4 (1/2) / 3 = 2/3 -> +-sqrt(3)/2
+    adv, _ = gdpo(data, GDPOOptions(reward_keys="fmt,acc", reward_weights="2,1"))
+    close(adv, [[R3 / 2], [-R3 / 2], [R3 / 2], [-R3 / 2]], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options, components, message",
+    [
+        (GDPOOptions(), None, "needs algorithm.advantage.reward_keys"),
+        (GDPOOptions(reward_keys="fmt,acc", reward_weights="1"), None, r"reward_weights='1' must be 2 comma-separated numbers"),
+        (GDPOOptions(reward_keys="fmt,acc", reward_weights="1,x"), None, "must be 2 comma-separated numbers"),
+        (GDPOOptions(reward_keys="fmt,style"), None, r"\['style'\] of algorithm.advantage.reward_keys are not among .* \['acc', 'fmt'\]"),
+        (GDPOOptions(reward_keys="fmt"), {}, r"\['fmt'\].*not among the reward's components \[\]"),
+    ],
+)
+def test_gdpo_names_bad_keys_and_weights(options, components, message):
+    data = components_case()
+    if components is not None:
+        data.reward_components = components
+    with pytest.raises(ValueError, match=message):
+        gdpo(data, options)

@@ -169,6 +169,9 @@ def test_an_error_scores_zero_counts_and_logs_once(tok, caplog):
     assert metrics["reward/errors"] == again["reward/errors"] == 2.0
     assert token_scores.sum(-1).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert metrics["reward/acc"] == 1.0 and "reward/note" not in metrics  # only numeric dict keys
+    # per sample: 1 where the dict came back, 0 for the failures and the plain-number score
+    components = manager.score(batch).components
+    assert list(components) == ["acc"] and components["acc"].tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_error_rate_and_the_limit_that_stops_the_run(tok):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from parity_inputs import EMPTY_ROW, TOL, make_case
+from parity_inputs import EMPTY_ROW, TOL, B, T, make_case
 
 from trellis.interfaces.hf import sum_sq_probs_from_logits
 from trellis.interfaces.signatures import AdvantageInputs
@@ -169,3 +169,56 @@ def test_sum_sq_probs_matches_verl():
 
     logits = 4 * torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     torch.testing.assert_close(sum_sq_probs_from_logits(logits), calculate_sum_pi_squared_from_logits(logits), **TOL)
+
+
+def gdpo_inputs(case, empty_component=0.0):
+    """Two seeded reward components per sample (the empty row's set to ``empty_component``), as
+    trellis gets them and as verl reads them (``non_tensor_batch`` plus prompt/attention fields
+    from which it finds each response's last token)."""
+    g = torch.Generator().manual_seed(11)
+    components = {k: torch.randint(0, 3, (B,), generator=g).double() for k in ("fmt", "acc")}
+    for c in components.values():
+        c[EMPTY_ROW] = empty_component
+    prompt = torch.ones(B, 2, dtype=torch.long)
+    # verl puts a component on token attention_mask[:, prompt:].sum() - 1 and sums every position,
+    # so any position works (the empty row's -1 lands on a masked token and still counts)
+    attention = torch.cat([prompt, (torch.arange(T) < case.mask.sum(-1, keepdim=True)).long()], dim=-1)
+    batch = {"prompts": prompt, "attention_mask": attention}
+    non_tensor = {k: v.numpy() for k, v in components.items()}
+    return components, batch, non_tensor
+
+
+@pytest.mark.parametrize("weights", [None, [2.0, 0.5]], ids=["equal", "weighted"])
+def test_gdpo_matches_verl(weights, case):
+    """The empty row's components are 0 here (see the next test)."""
+    components, batch, non_tensor = gdpo_inputs(case)
+    data = AdvantageInputs(case.rewards, case.mask, case.group_ids, reward_components=components)
+    options = ours.GDPOOptions(reward_keys="fmt,acc", reward_weights=",".join(map(str, weights)) if weights else "")
+    adv, ret = ours.gdpo(data, options)
+    config = AlgoConfig(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=weights)
+    verl_adv, _ = core.compute_gdpo_outcome_advantage(
+        case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch
+    )
+    on_valid(adv, verl_adv, case.mask)
+    assert torch.equal(adv, ret) and torch.all(adv[~case.mask.bool()] == 0)
+
+
+def test_gdpo_counts_an_empty_response_with_components_0():
+    """Deliberate difference: verl keeps an empty response's components (it puts them on a masked
+    token and sums every position); trellis takes 0, as for the score of every outcome estimator."""
+    case = make_case(3)
+    components, batch, non_tensor = gdpo_inputs(case, empty_component=2.0)
+    data = AdvantageInputs(case.rewards, case.mask, case.group_ids, reward_components=components)
+    adv, _ = ours.gdpo(data, ours.GDPOOptions(reward_keys="fmt,acc"))
+    config = AlgoConfig(gdpo_reward_keys=["fmt", "acc"])
+    verl_adv, _ = core.compute_gdpo_outcome_advantage(
+        case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch
+    )
+    assert not torch.allclose(adv[case.mask.bool()], verl_adv.to(adv.dtype)[case.mask.bool()])
+    for c in components.values():
+        c[EMPTY_ROW] = 0.0
+    non_tensor = {k: v.numpy() for k, v in components.items()}
+    verl_adv, _ = core.compute_gdpo_outcome_advantage(
+        case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch
+    )
+    on_valid(adv, verl_adv, case.mask)

@@ -1,4 +1,4 @@
-"""Advantage estimators (kind ``advantage``): gae, grpo, grpo_passk, rloo, reinforce_plus_plus(_baseline),
+"""Advantage estimators (kind ``advantage``): gae, grpo, grpo_passk, gdpo, rloo, reinforce_plus_plus(_baseline),
 remax, opo, gpg; ``grpo_vectorized`` and ``rloo_vectorized`` are verl's names for grpo and rloo.
 
 Each is ``fn(data: AdvantageInputs, options) -> (advantages, returns)``, both ``(batch, response_len)``
@@ -32,6 +32,19 @@ class GAEOptions:
 class GRPOOptions:
     """norm_by_std: divide by the group std (False: Dr. GRPO); epsilon: added to the std."""
 
+    norm_by_std: bool = True
+    epsilon: float = ranged(1e-6, ge=0)
+
+
+@dataclass
+class GDPOOptions:
+    """reward_keys: comma-separated reward components normalised separately (keys of the dict the
+    reward function returns besides ``score``), e.g. ``format,accuracy``; reward_weights:
+    comma-separated weights, one per key (empty: all 1); norm_by_std, epsilon: as grpo, per
+    component."""
+
+    reward_keys: str = ""
+    reward_weights: str = ""
     norm_by_std: bool = True
     epsilon: float = ranged(1e-6, ge=0)
 
@@ -91,15 +104,63 @@ def gae(data: AdvantageInputs, options: GAEOptions | None = None) -> tuple[torch
     return masked_whiten(advantages, valid), returns
 
 
+def _group_normalised(scores: torch.Tensor, group_ids: torch.Tensor, opts: GRPOOptions | GDPOOptions) -> torch.Tensor:
+    """``(R - mean_g) / (std_g + epsilon)`` (or ``R - mean_g``) per sample, ``(batch,)``."""
+    mean, std, _ = group_mean_std(scores, group_ids)
+    return (scores - mean) / (std + opts.epsilon) if opts.norm_by_std else scores - mean
+
+
 @torch.no_grad()
 def grpo(data: AdvantageInputs, options: GRPOOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: ``A = (R - mean_g) / (std_g + epsilon)`` with the unbiased group std; a group of one
     has mean 0 and std 1. ``norm_by_std=False``: ``A = R - mean_g`` (Dr. GRPO). Returns = A."""
     opts = options if options is not None else GRPOOptions()
-    scores = _scores(data)
-    mean, std, _ = group_mean_std(scores, data.group_ids)
-    adv = (scores - mean) / (std + opts.epsilon) if opts.norm_by_std else scores - mean
-    adv = _per_token(adv, data.response_mask)
+    adv = _per_token(_group_normalised(_scores(data), data.group_ids, opts), data.response_mask)
+    return adv, adv
+
+
+def _weighted_components(data: AdvantageInputs, opts: GDPOOptions) -> list[tuple[float, torch.Tensor]]:
+    """``(weight, per-sample component (batch,))`` for each of ``reward_keys``, checked."""
+    keys = [k.strip() for k in opts.reward_keys.split(",") if k.strip()]
+    if not keys:
+        raise ValueError(
+            "advantage 'gdpo' needs algorithm.advantage.reward_keys, the comma-separated reward components to "
+            "normalise separately (keys your reward function's dict returns besides 'score'), e.g. reward_keys=format,accuracy"
+        )
+    weights = [1.0] * len(keys)
+    if opts.reward_weights.strip():
+        try:
+            weights = [float(w) for w in opts.reward_weights.split(",")]
+        except ValueError:
+            weights = []
+        if len(weights) != len(keys):
+            raise ValueError(
+                f"algorithm.advantage.reward_weights={opts.reward_weights!r} must be {len(keys)} comma-separated numbers, "
+                f"one per reward key ({', '.join(keys)}), or empty for equal weights"
+            )
+    found = data.reward_components or {}
+    missing = [k for k in keys if k not in found]
+    if missing:
+        raise ValueError(
+            f"advantage 'gdpo': reward component(s) {missing} of algorithm.advantage.reward_keys are not among the "
+            f"reward's components {sorted(found)}; the reward function must return a dict holding them"
+        )
+    return [(w, found[k]) for w, k in zip(weights, keys)]
+
+
+@torch.no_grad()
+def gdpo(data: AdvantageInputs, options: GDPOOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: each reward component ``c_k`` ``(batch,)`` normalised within its group as grpo,
+    ``A_k = (c_k - mean_g) / (std_g + epsilon)``; ``A = whiten(sum_k w_k A_k)`` over the batch's
+    valid tokens. A sample without a valid token counts with components 0 (its reward sits on no
+    valid token, as for every outcome estimator here). Returns = A."""
+    opts = options if options is not None else GDPOOptions()
+    valid = data.response_mask.bool()
+    total = torch.zeros(valid.shape[0], dtype=data.token_rewards.dtype, device=valid.device)
+    for weight, component in _weighted_components(data, opts):
+        scores = torch.where(valid.any(-1), component.to(total), torch.zeros_like(total))
+        total = total + weight * _group_normalised(scores, data.group_ids, opts)
+    adv = masked_whiten(_per_token(total, valid), valid)
     return adv, adv
 
 
@@ -228,6 +289,7 @@ ESTIMATORS = {
     "grpo": (grpo, GRPOOptions),
     "grpo_vectorized": (grpo, GRPOOptions),
     "grpo_passk": (grpo_passk, GRPOOptions),
+    "gdpo": (gdpo, GDPOOptions),
     "rloo": (rloo, None),
     "rloo_vectorized": (rloo, None),
     "reinforce_plus_plus": (reinforce_plus_plus, ReinforcePlusPlusOptions),
@@ -242,3 +304,4 @@ ESTIMATORS = {
 # greedy rollout, so a plugin's estimator can ask for the same.
 gae.needs = ("values",)
 remax.needs = ("greedy_baseline",)
+gdpo.needs = ("reward_components",)

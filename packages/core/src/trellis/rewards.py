@@ -224,11 +224,14 @@ class RewardResult(NamedTuple):
     """token_scores: ``(batch, response_len)`` float, the score on each response's last valid token.
     metrics: ``reward/mean``, ``reward/max``, ``reward/min``, ``reward/errors``, ``reward/error_rate``
     (errors / samples), ``reward/<key>``.
-    scores: ``(batch,)`` float, the per-sample scores (also for empty responses, whose token row is 0)."""
+    scores: ``(batch,)`` float, the per-sample scores (also for empty responses, whose token row is 0).
+    components: ``{key: (batch,) float}``, every other number a reward's dict returned, per sample
+    (0 for a sample that did not return the key); None when not computed."""
 
     token_scores: torch.Tensor
     metrics: dict[str, float]
     scores: torch.Tensor
+    components: dict[str, torch.Tensor] | None = None
 
 
 class RewardManager:
@@ -289,6 +292,7 @@ class RewardManager:
 
         scores = torch.zeros(n, dtype=torch.float32)
         extras: dict[str, list[float]] = {}
+        components: dict[str, torch.Tensor] = {}
         errors = 0
         for i, r in enumerate(raw):
             if isinstance(r, _Failed):
@@ -303,6 +307,7 @@ class RewardManager:
             scores[i] = value
             for k, v in extra.items():
                 extras.setdefault(k, []).append(v)
+                components.setdefault(k, torch.zeros(n, dtype=torch.float32))[i] = v
 
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         rows = torch.nonzero(last >= 0).flatten()
@@ -320,7 +325,7 @@ class RewardManager:
                 f"{self.cfg.max_error_rate:g}; the first failure's traceback is logged above; fix the reward or raise reward.max_error_rate"
             )
         metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items()})
-        return RewardResult(token_scores, metrics, scores)
+        return RewardResult(token_scores, metrics, scores, components)
 
     def _call_one(self, i: int, data_source: Any, solution: str, ground_truth: Any, extra_info: Any) -> Any:
         try:

@@ -33,6 +33,8 @@ class AdvantageInputs:
     old_log_probs: ``(batch, response_len)`` the behaviour policy's log-prob of each token.
     sum_sq_probs: ``(batch, response_len)`` ``sum_v p_v^2`` of the behaviour policy's next-token
         distribution at each token (optimal token baselines).
+    reward_components: ``{key: (batch,)}`` the per-sample numbers a dict-returning reward gave
+        besides ``score`` (gdpo).
     """
 
     token_rewards: torch.Tensor
@@ -42,13 +44,15 @@ class AdvantageInputs:
     baseline_rewards: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     sum_sq_probs: torch.Tensor | None = None
+    reward_components: dict[str, torch.Tensor] | None = None
 
 
 class AdvantageEstimator(Protocol):
     """An estimator may carry a ``needs`` attribute: what it asks for beyond rewards, among
     ``"values"`` (the ``rl`` recipe builds a critic and fills ``values``),
-    ``"greedy_baseline"`` (a greedy rollout per prompt fills ``baseline_rewards``) and
-    ``"sum_sq_probs"`` (the old-log-prob forward also returns ``sum_sq_probs``)."""
+    ``"greedy_baseline"`` (a greedy rollout per prompt fills ``baseline_rewards``),
+    ``"sum_sq_probs"`` (the old-log-prob forward also returns ``sum_sq_probs``) and
+    ``"reward_components"`` (the reward's per-sample components fill ``reward_components``)."""
 
     def __call__(self, data: AdvantageInputs, options: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(advantages, returns)``, each ``(batch, response_len)``, zero where masked."""
