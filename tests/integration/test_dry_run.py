@@ -42,6 +42,12 @@ def test_dry_run_reports_the_data_and_writes_nothing(trellis_cli, tmp_path, tiny
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
 
 
+def test_data_paths_take_a_list_of_files_read_one_after_another(trellis_cli, data_files):
+    out = trellis_cli("--dry-run", f"data.train_path=[{data_files['train']},{data_files['test']}]", f"data.val_path=[{data_files['test']}]")
+    assert out.returncode == 0, out.stderr
+    assert "data: 72 training prompts (" in out.stdout and "), 8 held-out" in out.stdout
+
+
 @pytest.mark.parametrize(
     ("overrides", "error"),
     [
@@ -54,6 +60,9 @@ def test_dry_run_reports_the_data_and_writes_nothing(trellis_cli, tmp_path, tiny
         (["trainer.trackers=[wandbb]"], "tracker 'wandbb' is not installed"),
         (["algorithm.advantage.name=grpoo"], "advantage 'grpoo' is not installed"),
         (["data.val_path=missing.jsonl"], "config key 'data.val_path': file 'missing.jsonl' does not exist"),
+        (["data.val_path=[missing.jsonl]"], "config key 'data.val_path': file 'missing.jsonl' does not exist"),
+        (["data.train_path=[]"], "config key 'data.train_path' is an empty list; give a parquet or jsonl file, or a list of them"),
+        (["data.train_path={a: 1}"], "config key 'data.train_path' has value {'a': 1} but expects type str | list[str]"),
         (["sampling.n=0"], "config key 'sampling.n' is 0; it must be >= 1"),
         (["reward.name=auto"], "config key 'reward.name' is auto, which has no reward for data_source 'arithmetic' (in data.train_path"),
     ],

@@ -1,8 +1,9 @@
-"""The ``trellis`` command: plugins, config show, train, make-tiny-model, demo, plot, export."""
+"""The ``trellis`` command: plugins, config show/init, train, eval, make-tiny-model, demo, plot, export."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -65,6 +66,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"dry run of recipe {result['recipe']}: every check that needs no model passed")
         print(f"  run folder: {result['run_dir']} ({start}; nothing written)")
         print(f"  data: {result['data']}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from trellis.recipes.train import evaluate
+
+    print(json.dumps(evaluate(args.config, args.overrides)))
     return 0
 
 
@@ -158,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         "batch divisibility, the checkpoint to resume); writes nothing",
     )
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("eval", help="validation alone, once, on model.path (the rl recipe's held-out data.val_path); prints its figures")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value")
+    p.set_defaults(func=cmd_eval)
     p = sub.add_parser("make-tiny-model", help="build (or reuse) a tiny local Qwen2 model + tokenizer trained on your text")
     p.add_argument("out_dir")
     p.add_argument("--text-file", help="tokenizer training text, one text per line (default: the arithmetic task's text)")

@@ -45,10 +45,11 @@ class TrainerConfig:
 @dataclass
 class PromptData:
     """Prompts in verl's schema for recipes that generate: ``train_batch_prompts`` per step,
-    held-out prompts (the first ``val_max_prompts``; 0: all) for validation."""
+    held-out prompts (the first ``val_max_prompts``; 0: all) for validation. A path may be a list
+    of files (verl's ``train_files``), read one after another."""
 
-    train_path: str = MISSING
-    val_path: str | None = None
+    train_path: str | list[str] = MISSING
+    val_path: str | list[str] | None = None
     max_prompt_length: int = ranged(256, ge=1)
     train_batch_prompts: int = ranged(8, ge=1)
     val_max_prompts: int = ranged(0, ge=0)  # 0: every held-out prompt
@@ -66,12 +67,22 @@ class SamplingConfig:
     max_new_tokens: int = ranged(64, ge=1)
 
 
+def data_files(value: Any) -> list[str]:
+    """The files a ``train_path``/``val_path`` value names: one path, a list of them, or none."""
+    if value is None:
+        return []
+    return [str(value)] if isinstance(value, str) else [str(p) for p in value]
+
+
 def check_inputs(cfg: DictConfig) -> None:
     """The model folder and the data files a recipe names must exist (checked before building)."""
     for key in ("train_path", "val_path"):
-        path = cfg.data.get(key)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
+        paths = data_files(cfg.data.get(key))
+        if paths == [] and cfg.data.get(key) is not None:
+            raise ConfigError(f"config key 'data.{key}' is an empty list; give a parquet or jsonl file, or a list of them")
+        for path in paths:
+            if not Path(path).is_file():
+                raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
     if not Path(cfg.model.path).exists():
         raise ConfigError(f"config key 'model.path': {cfg.model.path!r} does not exist; give a Hugging Face model folder")
 

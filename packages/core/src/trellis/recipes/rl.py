@@ -194,7 +194,7 @@ class RLRecipe:
                 rollout.sync_weights(version=start)
             timer = run.timer
             summary: dict[str, Any] = {}
-            if val is not None and cfg.validation.before_train and not start:
+            if val is not None and cfg.validation.before_train and not start and cfg.trainer.total_steps:  # else val_after alone
                 summary["val_before"] = self.validate(rollout, val, reward_fn, cfg, agent)
                 run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
             for step in run.steps(start):
@@ -253,6 +253,18 @@ class RLRecipe:
             if cfg.trainer.save_hf_model:
                 save_hf_folder(cfg.model.path, chain.from_iterable(actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")
         return summary
+
+    def evaluate(self, cfg: DictConfig, ctx: RunContext) -> dict[str, float]:
+        """Validation alone, once (``trellis eval``): the actor from ``model.path`` and its rollout,
+        no optimizer, critic or reference, nothing written."""
+        if not cfg.data.val_path:
+            raise ConfigError("config key 'data.val_path' is not set; trellis eval scores the held-out prompts it names: set data.val_path=<file>")
+        with Run(cfg, ctx) as run:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            agent, _, val = load_data(cfg, ctx.registry, tokenizer)
+            reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), ctx.registry, tokenizer)
+            rollout = run.spawn_rollout(run.spawn("actor", cfg.model.path, cfg.actor), tokenizer)
+            return self.validate(rollout, val, reward_fn, cfg, agent)
 
     @staticmethod
     def compute_advantages(batch: Batch, estimator, options, kl_in_reward) -> dict[str, float]:

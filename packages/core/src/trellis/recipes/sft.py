@@ -21,8 +21,8 @@ from trellis.runtime.harness import Run, RunContext
 class SFTData:
     """Rows with chat ``messages``, or a ``prompt`` plus a target column (``response_key``)."""
 
-    train_path: str = MISSING
-    val_path: str | None = None
+    train_path: str | list[str] = MISSING  # a file, or a list of files read one after another
+    val_path: str | list[str] | None = None
     response_key: str | None = None  # None: extra_info.answer when present, else response
     max_length: int = ranged(256, ge=2)
     batch_samples: int = ranged(32, ge=1)
@@ -51,7 +51,7 @@ def load_data(cfg: DictConfig, tokenizer) -> tuple[SFTLoader, SFTDataset | None]
     """The training loader and the held-out samples (None without ``data.val_path``)."""
     data = cfg.data
 
-    def dataset(path: str) -> SFTDataset:
+    def dataset(path: str | list[str]) -> SFTDataset:
         return SFTDataset(load_rows(path), tokenizer, max_length=data.max_length, response_key=data.response_key)
 
     train = SFTLoader(dataset(data.train_path), data.batch_samples, seed=cfg.seed, shuffle=data.shuffle, pack=data.pack)

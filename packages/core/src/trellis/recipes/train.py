@@ -20,7 +20,8 @@ class Recipe(Protocol):
     """A training program, registered with ``registry.add("recipe", name, obj, options=obj.Config)``.
 
     Config: its config dataclass. run: execute it (with a ``trellis.runtime.harness.Run``).
-    Optional: ``check(cfg, registry)`` raises ``ConfigError`` for what a user can fix, before
+    Optional: ``evaluate(cfg, ctx) -> dict`` runs the recipe's validation alone, once, on
+    ``model.path`` (``trellis eval``); ``check(cfg, registry)`` raises ``ConfigError`` for what a user can fix, before
     anything is written or built; ``check_data(cfg, registry) -> str`` reads the data files with
     the tokenizer (columns, prompt lengths; no model) for ``trellis train --dry-run`` and returns a
     one-line summary; ``resume_safe_keys``: config keys (beyond the trainer's pacing keys) that may
@@ -83,3 +84,17 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
     summary = recipe.run(cfg, ctx)
     ctx.write_config()  # for recipes that do not use the run harness
     return summary
+
+
+def evaluate(config_path: str | None, overrides: list[str], plugins: Plugins | None = None) -> dict[str, Any]:
+    """``trellis eval``: the config checked as for training, then the recipe's validation alone,
+    once, on ``model.path``'s weights; nothing is trained or written. Returns its figures."""
+    plugins = plugins or load_plugins()
+    cfg = config_mod.compose(config_path, overrides, plugins.registry)
+    recipe = plugins.registry.get("recipe", cfg.recipe).obj
+    if getattr(recipe, "evaluate", None) is None:
+        raise config_mod.ConfigError(f"config key 'recipe': recipe {cfg.recipe!r} has no validation to run; trellis eval runs the rl recipe's")
+    recipe_check = getattr(recipe, "check", None)
+    if recipe_check is not None:
+        recipe_check(cfg, plugins.registry)
+    return recipe.evaluate(cfg, RunContext(plugins, run_dir_for(cfg), config=cfg))
