@@ -38,6 +38,8 @@ def train_steps(rows):
         ["algorithm.advantage.name=remax"],
         ["algorithm.advantage.name=opo"],
         ["algorithm.advantage.name=gpg"],
+        ["algorithm.advantage.name=optimal_token_baseline"],  # needs sum_sq_probs from the forward
+        ["algorithm.advantage.name=tir_optimal_token_baseline", "algorithm.advantage.handle_zero_tail=false"],
         ["actor.policy_loss.name=clip_cov"],
         ["actor.policy_loss.name=kl_cov"],
         ["actor.policy_loss.name=gspo"],

@@ -30,9 +30,15 @@ from trellis.runtime.harness import Run, RunContext, backend_mesh
 log = logging.getLogger("trellis")
 
 
+# batch fields holding the reward's per-sample components, for estimators that need them (gdpo)
+COMPONENT = "reward_component_"
+
+
 def needs(estimator) -> tuple[str, ...]:
-    """What a registered advantage estimator asks for beyond rewards: ``values`` (a critic) and/or
-    ``greedy_baseline`` (a greedy rollout per prompt), from its ``needs`` attribute."""
+    """What a registered advantage estimator asks for beyond rewards: ``values`` (a critic),
+    ``greedy_baseline`` (a greedy rollout per prompt), ``sum_sq_probs`` (from the old-log-prob
+    forward) and/or ``reward_components`` (the reward's per-sample components), from its ``needs``
+    attribute."""
     return tuple(getattr(estimator, "needs", ()))
 
 
@@ -205,16 +211,21 @@ class RLRecipe:
                     batch = sample(rollout, prompts, params, agent)
                     batch.meta["step"] = step
                 with timer("reward"):
-                    token_scores, reward_metrics, _ = score(batch, reward_fn, agent)
-                    batch["token_scores"] = token_scores
+                    scored = score(batch, reward_fn, agent)
+                    batch["token_scores"], reward_metrics = scored.token_scores, scored.metrics
+                    if "reward_components" in needs(estimator):
+                        for key, values in (scored.components or {}).items():
+                            batch[COMPONENT + key] = values
                 if "greedy_baseline" in needs(estimator):
                     with timer("gen_greedy"):
                         greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
                         by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
                         batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
                 with timer("old_log_prob"):
-                    old = actor.log_prob(batch, with_entropy=True)
+                    old = actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in needs(estimator))
                     batch["old_log_probs"] = old["log_probs"]
+                    if "sum_sq_probs" in old:
+                        batch["sum_sq_probs"] = old["sum_sq_probs"]
                 if ref is not None:
                     with timer("ref"):
                         batch["ref_log_probs"] = ref.log_prob(batch)["log_probs"]
@@ -277,6 +288,9 @@ class RLRecipe:
             group_ids=batch.group_index("uid"),
             values=batch.get("values"),
             baseline_rewards=batch.get("baseline_rewards"),
+            old_log_probs=batch.get("old_log_probs"),
+            sum_sq_probs=batch.get("sum_sq_probs"),
+            reward_components={k.removeprefix(COMPONENT): batch[k] for k in batch.keys() if k.startswith(COMPONENT)} or None,
         )
         advantages, returns = estimator(data, options)
         batch["advantages"] = advantages
