@@ -335,3 +335,25 @@ def test_many_samples_are_in_flight_at_once(registry, tokenizer):
 
     in_flight, out = asyncio.run(go())
     assert in_flight == 8 and torch.equal(out["num_turns"], torch.ones(8, dtype=torch.long))
+
+
+def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, tokenizer):
+    """score=reward: the reward function sees the whole decoded conversation, and the numbers it
+    returns beside ``score`` come back per sample (for estimators such as gdpo)."""
+    from trellis.multiturn.scoring import score_multiturn
+    from trellis.rewards import RewardConfig, RewardManager
+
+    def turns_seen(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(solution_str.count("####")), "feedback": float("wrong, try again" in solution_str)}
+
+    agent = spec(registry, tokenizer, interactions=[{"name": "c", "component": "checker"}], score="reward", max_response_tokens=200)
+    batch = prompts(tokenizer, [row(), row("1+2=")])
+    out = run(ScriptedEngine(tokenizer, ["#### 45", "#### 46"]), agent, batch, n=2)
+    out.update(batch.select("data_source", "ground_truth").repeat_interleave(2))
+    if "turns_seen" not in registry.names("reward"):
+        registry.add("reward", "turns_seen", turns_seen)
+    result = score_multiturn(out, agent.settings, RewardManager(RewardConfig(name="turns_seen"), registry, tokenizer))
+    # every conversation: "#### 45" (wrong), the feedback, "#### 46" (what the checker wants)
+    assert result.scores.tolist() == [2.0, 2.0, 2.0, 2.0]
+    assert result.components["feedback"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert "multiturn/num_turns_mean" in result.metrics

@@ -13,7 +13,8 @@ from trellis.rewards import RewardManager, RewardResult
 
 def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: RewardManager) -> RewardResult:
     """``settings.score`` ``reward``: ``reward_fn`` decodes and scores the trajectory (model and
-    environment text); ``last`` / ``sum``: the environment's scores. Metrics add ``multiturn/...``
+    environment text), its per-sample components kept; ``last`` / ``sum``: the environment's scores
+    (no components). Metrics add ``multiturn/...``
     and, where the interaction scored it, ``reward/first_turn_mean`` (the first answer alone,
     i.e. the reward without feedback)."""
     if settings.score == "reward":
@@ -26,7 +27,7 @@ def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: RewardMa
     first = [s[0] for s in batch["turn_scores"] if len(s)]
     if first:
         metrics["reward/first_turn_mean"] = sum(first) / len(first)
-    return RewardResult(result.token_scores, {**metrics, **multiturn_metrics(batch)}, result.scores)
+    return RewardResult(result.token_scores, {**metrics, **multiturn_metrics(batch)}, result.scores, result.components)
 
 
 def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
