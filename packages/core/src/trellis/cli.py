@@ -1,4 +1,4 @@
-"""The ``trellis`` command: plugins, config show/init, train, eval, make-tiny-model, demo, plot, export."""
+"""The ``trellis`` command: plugins, config show/init/from-verl, train, eval, make-tiny-model, demo, plot, export."""
 
 from __future__ import annotations
 
@@ -54,6 +54,17 @@ def cmd_config_init(args: argparse.Namespace) -> int:
     schema = config_mod.recipe_schema(OmegaConf.create({"recipe": args.recipe}), plugins.registry)
     print(f"# The {args.recipe} recipe's options with their defaults; ??? marks what you must set.")
     print(OmegaConf.to_yaml(config_mod.validate(OmegaConf.create({"recipe": args.recipe}), schema, plugins.registry)).rstrip())
+    return 0
+
+
+def cmd_config_from_verl(args: argparse.Namespace) -> int:
+    from trellis.verl_config import convert, read_verl, report
+
+    conversion = convert(read_verl(args.verl), load_plugins().registry)
+    print("# trellis rl config converted from verl by trellis config from-verl; check it with trellis config show")
+    print(OmegaConf.to_yaml(OmegaConf.create(conversion.config)).rstrip())
+    if report(conversion):
+        print(report(conversion), file=sys.stderr)
     return 0
 
 
@@ -156,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = csub.add_parser("init", help="print a commented starter config: trellis config init rl > my_run.yaml")
     p.add_argument("recipe", help="rl, sft, or any installed recipe (its options with their defaults)")
     p.set_defaults(func=cmd_config_init)
+    p = csub.add_parser("from-verl", help="print the trellis rl config for a verl PPO/GRPO config; unconverted keys go to stderr")
+    p.add_argument("verl", nargs="+", help="verl YAML files and/or key=value overrides as given to verl.trainer.main_ppo")
+    p.set_defaults(func=cmd_config_from_verl)
     p = sub.add_parser("train", help="run the recipe the config names")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")

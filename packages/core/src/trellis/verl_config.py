@@ -1,0 +1,381 @@
+"""A verl PPO/GRPO config (YAML files and/or ``key=value`` overrides) as a trellis ``rl`` config."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trellis.data import DataError, load_rows
+from trellis.registry import Registry, RegistryError
+
+AR = "actor_rollout_ref."
+SKIP = object()  # a converter's answer when the value needs nothing in trellis (verl's "unset")
+
+
+class Unmapped(Exception):
+    """A verl value trellis cannot express; the message says why."""
+
+
+Source = dict[str, Any]  # dotted verl key -> value (verl's defaults under what the user gave)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One verl key, the trellis key it sets and how its value converts (``note``: for the docs)."""
+
+    verl: str
+    trellis: str
+    convert: Callable[[Any, Source], Any] = lambda value, src: value
+    note: str = ""
+
+
+def _times_n(value: Any, src: Source) -> int:
+    return int(value) * int(src.get(AR + "rollout.n", 1))
+
+
+def _freq(value: Any, src: Source) -> int:
+    return max(int(value), 0)
+
+
+def _positive(value: Any, src: Source) -> Any:
+    return value if value > 0 else SKIP
+
+
+def _files(value: Any, src: Source) -> Any:
+    if isinstance(value, str) and value.strip().startswith("["):  # data.train_files="['a', 'b']" quoted on a shell line
+        value = yaml.safe_load(value)
+    return value
+
+
+def _schedule(value: Any, src: Source) -> str:
+    if value not in ("constant", "cosine"):
+        raise Unmapped(f"trellis schedules are constant and cosine, not {value!r}")
+    return value
+
+
+def _dynamic(prefix: str) -> Callable[[Any, Source], Any]:
+    return lambda value, src: value if src.get(prefix + "use_dynamic_bsz") else SKIP
+
+
+def _controller(value: Any, src: Source) -> Any:
+    return "ray" if int(value) * int(src.get("trainer.nnodes", 1)) > 1 else SKIP
+
+
+def _trackers(value: Any, src: Source) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value)
+    unknown = [n for n in names if n not in ("console", "wandb", "tensorboard", "mlflow")]
+    if unknown:
+        raise Unmapped(f"trellis trackers are console, jsonl, tensorboard, wandb and mlflow; {', '.join(unknown)} is not one")
+    return [*names, "jsonl"] if "jsonl" not in names else names
+
+
+def _resume(value: Any, src: Source) -> str:
+    if value == "resume_path":
+        if not src.get("trainer.resume_from_path"):
+            raise Unmapped("resume_mode resume_path without trainer.resume_from_path")
+        return str(src["trainer.resume_from_path"])
+    if value not in ("auto", "disable"):
+        raise Unmapped(f"resume modes are auto, disable and resume_path, not {value!r}")
+    return "never" if value == "disable" else "auto"
+
+
+def _custom_reward(value: Any, src: Source) -> str:
+    return str(src.get("custom_reward_function.name") or "compute_score")
+
+
+def total_steps(src: Source) -> int:
+    """verl's step count: ``total_training_steps``, else ``total_epochs`` x (training rows //
+    ``train_batch_size``), verl dropping an epoch's last partial batch."""
+    if src.get("trainer.total_training_steps"):
+        return int(src["trainer.total_training_steps"])
+    files = _files(src.get("data.train_files"), src)
+    try:
+        rows = len(load_rows(files, required=())) if files else 0
+    except DataError as exc:
+        raise Unmapped(f"steps per epoch need the training rows ({exc}); set trainer.total_steps = epochs x (rows // train_batch_size)") from None
+    if not rows:
+        raise Unmapped("steps per epoch need data.train_files; set trainer.total_steps = epochs x (rows // train_batch_size)")
+    return int(src["trainer.total_epochs"]) * (rows // int(src["data.train_batch_size"]))
+
+
+def _steps(value: Any, src: Source) -> Any:
+    return total_steps(src) if value else SKIP
+
+
+def _epochs(value: Any, src: Source) -> Any:
+    return SKIP if src.get("trainer.total_training_steps") else total_steps(src)
+
+
+def _warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
+    def convert(value: Any, src: Source) -> Any:
+        if not value or (src.get(prefix + "optim.lr_warmup_steps") or -1) > 0:  # verl: explicit warm-up steps win
+            return SKIP
+        return int(float(value) * total_steps(src))
+
+    return convert
+
+
+def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
+    return [
+        Rule(verl_prefix + "optim.lr", trellis_prefix + "optim.lr"),
+        Rule(verl_prefix + "optim.weight_decay", trellis_prefix + "optim.weight_decay"),
+        Rule(verl_prefix + "optim.betas", trellis_prefix + "optim.betas"),
+        Rule(verl_prefix + "optim.lr_warmup_steps", trellis_prefix + "optim.warmup_steps", _positive, "-1: use the ratio"),
+        Rule(verl_prefix + "optim.lr_warmup_steps_ratio", trellis_prefix + "optim.warmup_steps", _warmup_ratio(verl_prefix), "x total steps"),
+        Rule(verl_prefix + "optim.warmup_style", trellis_prefix + "optim.lr_schedule", _schedule),
+        Rule(verl_prefix + "optim.lr_scheduler_type", trellis_prefix + "optim.lr_schedule", _schedule),
+        Rule(verl_prefix + "optim.min_lr_ratio", trellis_prefix + "optim.min_lr_ratio"),
+        Rule(verl_prefix + "grad_clip", trellis_prefix + "optim.grad_clip"),
+    ]
+
+
+def _batching(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
+    return [
+        Rule(verl_prefix + "ppo_mini_batch_size", trellis_prefix + "mini_batch_samples", _times_n, "prompts x rollout.n = samples"),
+        Rule(verl_prefix + "ppo_micro_batch_size_per_gpu", trellis_prefix + "micro_batch_samples", note="per rank"),
+        Rule(verl_prefix + "ppo_max_token_len_per_gpu", trellis_prefix + "max_tokens_per_micro_batch", _dynamic(verl_prefix), "with use_dynamic_bsz"),
+        Rule(verl_prefix + "ppo_epochs", trellis_prefix + "ppo_epochs"),
+        Rule(verl_prefix + "shuffle", trellis_prefix + "shuffle"),
+        Rule(verl_prefix + "loss_agg_mode", trellis_prefix + "loss_agg_mode"),
+    ]
+
+
+ACTOR = AR + "actor."
+ROLLOUT = AR + "rollout."
+RULES: tuple[Rule, ...] = (
+    Rule(AR + "model.path", "model.path"),
+    Rule("data.tokenizer", "model.tokenizer_path"),
+    Rule("data.train_files", "data.train_path", _files, "one file or a list"),
+    Rule("data.val_files", "data.val_path", _files, "one file or a list"),
+    Rule("data.train_batch_size", "data.train_batch_prompts", note="prompts"),
+    Rule("data.max_prompt_length", "data.max_prompt_length", note="longer prompts are dropped"),
+    Rule("data.max_response_length", "sampling.max_new_tokens"),
+    Rule(ROLLOUT + "response_length", "sampling.max_new_tokens"),
+    Rule("data.shuffle", "data.shuffle"),
+    *_batching(ACTOR, "actor."),
+    *_optim(ACTOR, "actor."),
+    Rule(ACTOR + "policy_loss.loss_mode", "actor.policy_loss.name", lambda v, s: str(v).replace("-", "_"), "clip-cov -> clip_cov"),
+    *(Rule(ACTOR + key, "actor.policy_loss." + key) for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")),
+    *(Rule(ACTOR + "policy_loss." + key, "actor.policy_loss." + key) for key in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio")),
+    *(Rule(ACTOR + key, "actor." + key) for key in ("entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")),
+    Rule(ROLLOUT + "name", "rollout.name"),
+    *(Rule(ROLLOUT + key, "sampling." + key) for key in ("n", "temperature", "top_p", "top_k")),
+    Rule(ROLLOUT + "tensor_model_parallel_size", "rollout.tensor_parallel_size", note="engines that have it (vllm)"),
+    *(Rule(ROLLOUT + key, "rollout." + key, note="engines that have it") for key in ("gpu_memory_utilization", "max_num_seqs", "enforce_eager")),
+    Rule(ROLLOUT + "val_kwargs.n", "validation.n"),
+    Rule(ROLLOUT + "val_kwargs.temperature", "validation.temperature", note="greedy is always reported too"),
+    *(Rule(ROLLOUT + "multi_turn." + key, "multi_turn." + key) for key in ("enable", "max_assistant_turns", "max_user_turns")),
+    Rule("algorithm.adv_estimator", "algorithm.advantage.name"),
+    Rule("algorithm.gamma", "algorithm.advantage.gamma", note="estimators that have it (gae, reinforce_plus_plus)"),
+    Rule("algorithm.lam", "algorithm.advantage.lam", note="gae"),
+    Rule("algorithm.norm_adv_by_std_in_grpo", "algorithm.advantage.norm_by_std", note="grpo"),
+    Rule("algorithm.use_kl_in_reward", "algorithm.use_kl_in_reward"),
+    Rule("algorithm.kl_penalty", "algorithm.kl_penalty", note="verl's names are trellis aliases (kl = k1)"),
+    Rule("algorithm.kl_ctrl.type", "algorithm.kl_ctrl_type"),
+    Rule("algorithm.kl_ctrl.kl_coef", "algorithm.kl_coef"),
+    Rule("algorithm.kl_ctrl.target_kl", "algorithm.target_kl"),
+    Rule("algorithm.kl_ctrl.horizon", "algorithm.kl_horizon"),
+    Rule("critic.model.path", "critic.model_path"),
+    *_batching("critic.", "critic."),
+    *_optim("critic.", "critic."),
+    Rule("critic.cliprange_value", "critic.cliprange_value"),
+    Rule("custom_reward_function.path", "reward.path"),
+    Rule("custom_reward_function.path", "reward.name", _custom_reward, "custom_reward_function.name (default compute_score)"),
+    Rule("custom_reward_function.reward_kwargs", "reward.kwargs"),
+    Rule("reward_model.reward_kwargs", "reward.kwargs"),
+    Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
+    Rule("trainer.total_epochs", "trainer.total_steps", _epochs, "epochs x (training rows // train_batch_size)"),
+    Rule("trainer.nnodes", "trainer.nnodes"),
+    Rule("trainer.n_gpus_per_node", "trainer.procs_per_node"),
+    Rule("trainer.n_gpus_per_node", "trainer.controller", _controller, "ray when nnodes x n_gpus_per_node > 1"),
+    Rule("trainer.save_freq", "trainer.save_every_steps", _freq, "-1 -> 0 (the last step only)"),
+    Rule("trainer.test_freq", "trainer.val_every_steps", _freq, "-1 -> 0 (before and after training)"),
+    Rule("trainer.val_before_train", "validation.before_train"),
+    Rule("trainer.logger", "trainer.trackers", _trackers, "jsonl added (metrics.jsonl)"),
+    Rule("trainer.default_local_dir", "trainer.run_dir"),
+    Rule("trainer.resume_mode", "trainer.resume", _resume, "disable -> never; resume_path -> trainer.resume_from_path"),
+    Rule("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints"),
+)
+
+# verl's defaults (ppo_trainer.yaml) where they differ from trellis's, applied under what the user gives
+VERL_DEFAULTS: Source = {
+    "data.train_batch_size": 1024,
+    "data.max_prompt_length": 512,
+    "data.max_response_length": 512,
+    ACTOR + "ppo_mini_batch_size": 256,
+    ACTOR + "optim.lr": 1e-6,
+    ACTOR + "optim.weight_decay": 0.01,
+    "critic.optim.weight_decay": 0.01,
+    ROLLOUT + "n": 1,
+    "algorithm.adv_estimator": "gae",
+    "trainer.total_epochs": 30,
+    "trainer.n_gpus_per_node": 8,
+}
+
+# read by another key's rule: not reported as unmapped
+READ_BY_OTHERS = {
+    ACTOR + "use_dynamic_bsz", "critic.use_dynamic_bsz", "trainer.resume_from_path", "custom_reward_function.name",
+}
+
+# a value that is what trellis always does: accepted silently
+TRELLIS_BEHAVIOUR: Source = {
+    "data.prompt_key": "prompt",
+    "data.reward_fn_key": "data_source",
+    "data.filter_overlong_prompts": True,
+    "data.return_raw_chat": False,
+    ROLLOUT + "val_kwargs.do_sample": False,
+    ROLLOUT + "val_kwargs.top_p": 1.0,
+    ROLLOUT + "val_kwargs.top_k": -1,
+    "reward_model.enable": False,
+    "reward_model.reward_manager": "naive",
+    "trainer.balance_batch": True,
+}
+
+# why a key has no trellis counterpart (first matching pattern)
+REASONS: tuple[tuple[str, str], ...] = (
+    ("*_target_", ""),
+    ("*fsdp_config.*", "FSDP sharding and offload are the backend section's options (trellis config show)"),
+    ("*profiler*", "no profiler settings"),
+    ("*log_prob_*", "log-prob passes use the role's micro_batch_samples / max_tokens_per_micro_batch"),
+    ("*ulysses_sequence_parallel_size", "no sequence parallelism"),
+    (AR + "model.lora*", "no LoRA"),
+    (AR + "model.*", "model loading knob; trellis loads model.path with the backend's options"),
+    ("critic.model.*", "model loading knob; trellis loads critic.model_path with the backend's options"),
+    ("*ppo_micro_batch_size", "global micro-batch (deprecated in verl); give ppo_micro_batch_size_per_gpu"),
+    ("data.filter_overlong_prompts", "trellis always drops prompts longer than max_prompt_length (with a warning)"),
+    ("data.truncation", "trellis drops prompts longer than max_prompt_length (with a warning) instead of truncating"),
+    ("data.prompt_key", "the prompt column is always 'prompt'"),
+    ("data.reward_fn_key", "rewards are picked by 'data_source' (reward.name: auto)"),
+    ("data.val_batch_size", "validation generates every held-out prompt at once; cap them with data.val_max_prompts"),
+    ("data.*", "no trellis data option"),
+    ("reward_model.enable", "the rl recipe scores with a function (reward section), not a reward model"),
+    ("reward_model.*", "the rl recipe scores with a function (reward section), not a reward model"),
+    ("trainer.project_name", "a run is named by trainer.run_dir (default_local_dir)"),
+    ("trainer.experiment_name", "a run is named by trainer.run_dir (default_local_dir)"),
+    ("trainer.critic_warmup", "the critic and actor update from the first step"),
+    ("trainer.log_val_generations", "no logged generations"),
+    ("trainer.max_critic_ckpt_to_keep", "a checkpoint holds every role: trainer.keep_checkpoints"),
+    ("defaults", "hydra's defaults list is not read; give verl's flattened config (_generated_ppo_trainer.yaml) or the keys"),
+)
+
+# trellis sections that hold a registered component's options: (section, kind, trellis default name)
+COMPONENT_SECTIONS = (("actor.policy_loss", "policy_loss", "vanilla"), ("algorithm.advantage", "advantage", "grpo"), ("rollout", "rollout", "hf"))
+
+
+@dataclass
+class Conversion:
+    """The trellis config, the verl keys left out (key, value, why) and the verl defaults used."""
+
+    config: dict[str, Any]
+    unmapped: list[tuple[str, Any, str]] = field(default_factory=list)
+    defaults_used: list[str] = field(default_factory=list)
+
+
+def read_verl(args: list[str]) -> dict[str, Any]:
+    """The dotted keys and resolved values of verl YAML files and ``key=value`` overrides (hydra's
+    ``+key``/``++key`` accepted), merged in order; an unresolvable interpolation's value is None."""
+    parts = []
+    for arg in args:
+        if "=" in arg:
+            parts.append(OmegaConf.from_dotlist([arg.lstrip("+")]))
+        else:
+            try:
+                parts.append(OmegaConf.load(arg))
+            except FileNotFoundError:
+                raise DataError(f"verl config {arg!r} does not exist; give a verl YAML file or key=value overrides") from None
+    cfg = OmegaConf.merge(*parts) if parts else OmegaConf.create()
+    flat: dict[str, Any] = {}
+    for key in _leaves(OmegaConf.to_container(cfg, resolve=False)):
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException:
+            value = None
+        flat[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return flat
+
+
+def _leaves(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [leaf for k, v in node.items() for leaf in _leaves(v, f"{prefix}{k}.")]
+    return [prefix[:-1]]
+
+
+def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversion:
+    """The trellis ``rl`` config for verl keys ``given`` (dotted); with ``registry``, options a
+    component does not take (e.g. ``clip_ratio_c`` for gspo) are left out and reported."""
+    src = {**VERL_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    defaults_used = [f"{k}={v}" for k, v in VERL_DEFAULTS.items() if given.get(k) is None]
+    out = Conversion({"recipe": "rl", "reward": {"name": "auto"}}, defaults_used=defaults_used)
+    origin: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for rule in RULES:
+        if rule.verl not in src:
+            continue
+        try:
+            value = rule.convert(src[rule.verl], src)
+        except Unmapped as exc:
+            failed[rule.verl] = str(exc)
+            continue
+        if value is not SKIP:
+            _set(out.config, rule.trellis, value)
+            origin[rule.trellis] = rule.verl
+    if registry is not None:
+        for key, why in _foreign_options(out.config, registry):
+            failed[origin[key]] = why
+    mapped = {rule.verl for rule in RULES}
+    for key, value in {**given, **{k: src[k] for k in failed if k not in given}}.items():
+        if key in failed:
+            out.unmapped.append((key, value, failed[key] + ("" if key in given else " (verl's default)")))
+        elif value is None or key in mapped or key in READ_BY_OTHERS or TRELLIS_BEHAVIOUR.get(key, SKIP) == value:
+            continue
+        else:
+            why = next((why for pattern, why in REASONS if fnmatch(key, pattern)), "no trellis counterpart")
+            if why:
+                out.unmapped.append((key, value, why))
+    return out
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def _foreign_options(config: dict[str, Any], registry: Registry) -> list[tuple[str, str]]:
+    """Options under a component section that the named component does not take (removed)."""
+    dropped = []
+    for section, kind, default in COMPONENT_SECTIONS:
+        *parents, last = section.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part, {})
+        options = node.get(last)
+        if not options:
+            continue
+        name = options.get("name", default)
+        try:
+            entry = registry.get(kind, name)
+        except RegistryError:
+            continue  # compose names the missing plugin
+        takes = {f.name for f in dataclasses.fields(entry.options)} if entry.options else set()
+        for option in [k for k in options if k != "name" and k not in takes]:
+            del options[option]
+            dropped.append((f"{section}.{option}", f"{kind} {name!r} has no option {option}"))
+    return dropped
+
+
+def report(conversion: Conversion) -> str:
+    """The stderr text: the verl defaults used and each verl key not converted, with why."""
+    lines = [f"# verl defaults used (not given): {', '.join(conversion.defaults_used)}"] if conversion.defaults_used else []
+    if conversion.unmapped:
+        lines.append(f"# verl keys not converted ({len(conversion.unmapped)}):")
+        lines += [f"{key}={value!r}: {why}" for key, value, why in conversion.unmapped]
+    return "\n".join(lines)
