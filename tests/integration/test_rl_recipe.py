@@ -231,3 +231,29 @@ def test_async_generation_reaches_the_engine_through_the_local_controller(tiny_m
         batch = rollout.generate(Batch({"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}), params)
         assert sample.token_ids == batch["responses"][0][batch["response_mask"][0].bool()].tolist()
         assert len(sample.log_probs) == len(sample.token_ids) > 0 and batch["weight_version"].tolist() == [0]
+
+
+GRADED_REWARD = '''
+from trellis.rewards import gsm8k_score
+
+
+def graded(data_source, solution_str, ground_truth, extra_info=None):
+    """Two components: a right answer, and a short response (for gdpo)."""
+    right = gsm8k_score(data_source, solution_str, ground_truth)
+    short = 1.0 if len(solution_str) <= 8 else 0.0
+    return {"score": right + short, "right": right, "short": short}
+'''
+
+
+def test_gdpo_gets_the_rewards_components_through_the_recipe(run_rl, tmp_path):
+    reward = tmp_path / "graded.py"
+    reward.write_text(GRADED_REWARD)
+    summary, rows = run_rl(
+        "algorithm.advantage.name=gdpo", "algorithm.advantage.reward_keys=right,short", "algorithm.advantage.reward_weights=1.0,0.5",
+        f"reward.path={reward}", "reward.name=graded",
+    )  # fmt: skip
+    steps = train_steps(rows)
+    assert [r["step"] for r in steps] == [1, 2]
+    # the reward's components reach the metrics and gdpo (an unknown key would stop the run)
+    assert all(0.0 <= r["reward/short"] <= 1.0 and "reward/right" in r for r in steps)
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in steps)
