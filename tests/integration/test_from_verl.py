@@ -12,7 +12,7 @@ import pytest
 
 from trellis.config import compose
 from trellis.plugins import load_plugins
-from trellis.verl_config import convert, read_verl
+from trellis.verl_config import RULES, convert, read_verl
 
 GRPO_COMMAND = [
     "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
@@ -122,7 +122,12 @@ trainer: {total_training_steps: 100, total_epochs: 3, nnodes: 1, n_gpus_per_node
     assert (adv.name, adv.gamma, adv.lam) == ("gae", 0.99, 0.95)
     algo = cfg.algorithm
     assert (algo.use_kl_in_reward, algo.kl_penalty, algo.kl_ctrl_type, algo.kl_coef, algo.target_kl, algo.kl_horizon) == (
-        True, "kl", "adaptive", 0.002, 0.05, 500,
+        True,
+        "kl",
+        "adaptive",
+        0.002,
+        0.05,
+        500,
     )
     assert (cfg.trainer.total_steps, cfg.trainer.controller, cfg.trainer.resume, cfg.validation.before_train) == (100, "local", "never", False)
     assert conversion.unmapped == []
@@ -130,18 +135,20 @@ trainer: {total_training_steps: 100, total_epochs: 3, nnodes: 1, n_gpus_per_node
 
 def test_unmapped_keys_are_named_with_why():
     conversion = convert(
-        read_verl([
-            "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-            "actor_rollout_ref.actor.clip_ratio_c=3.0",
-            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-            "trainer.logger=[console,swanlab]",
-            "trainer.critic_warmup=2",
-            "data.train_files=/nowhere/train.parquet",
-            "data.prompt_key=question",
-            "data.reward_fn_key=data_source",
-            "actor_rollout_ref.rollout.name=hf",
-            "something.verl.added=1",
-        ]),
+        read_verl(
+            [
+                "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                "actor_rollout_ref.actor.clip_ratio_c=3.0",
+                "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                "trainer.logger=[console,swanlab]",
+                "trainer.critic_warmup=2",
+                "data.train_files=/nowhere/train.parquet",
+                "data.prompt_key=question",
+                "data.reward_fn_key=data_source",
+                "actor_rollout_ref.rollout.name=hf",
+                "something.verl.added=1",
+            ]
+        ),
         load_plugins().registry,
     )
     why = {key: reason for key, _, reason in conversion.unmapped}
@@ -175,3 +182,7 @@ def test_cli_prints_the_config_and_reports_on_stderr(train_file, tmp_path):
     missing = trellis("config", "from-verl", "nowhere.yaml", cwd=tmp_path)
     assert missing.returncode == 2 and "verl config 'nowhere.yaml' does not exist" in missing.stderr
 
+
+def test_every_rule_is_in_the_docs_table():
+    doc = (Path(__file__).parents[2] / "docs" / "coming-from-verl.md").read_text()
+    assert [rule.verl for rule in RULES if f"`{rule.verl}`" not in doc] == []

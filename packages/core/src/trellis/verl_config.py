@@ -221,7 +221,10 @@ VERL_DEFAULTS: Source = {
 
 # read by another key's rule: not reported as unmapped
 READ_BY_OTHERS = {
-    ACTOR + "use_dynamic_bsz", "critic.use_dynamic_bsz", "trainer.resume_from_path", "custom_reward_function.name",
+    ACTOR + "use_dynamic_bsz",
+    "critic.use_dynamic_bsz",
+    "trainer.resume_from_path",
+    "custom_reward_function.name",
 }
 
 # a value that is what trellis always does: accepted silently
