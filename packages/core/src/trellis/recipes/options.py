@@ -28,6 +28,7 @@ class TrainerConfig:
     run_dir: str | None = None
     trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     val_every_steps: int = ranged(0, ge=0)  # 0: validate only before and after training
+    log_samples: int = ranged(0, ge=0)  # decoded prompt/response/reward rows per step in <run_dir>/samples.jsonl
     threads: int = ranged(0, ge=0)
     controller: str = "local"  # local | ray
     nnodes: int = ranged(1, ge=1)  # ray: nodes

@@ -175,7 +175,7 @@ class RLRecipe:
     Config = RLConfig
     check = staticmethod(check)
     check_data = staticmethod(check_data)
-    resume_safe_keys = ("validation", "data.val_path", "data.val_max_prompts")
+    resume_safe_keys = ("validation", "data.val_path", "data.val_max_prompts", "trainer.log_samples")
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         registry = ctx.registry
@@ -216,6 +216,7 @@ class RLRecipe:
                     if "reward_components" in needs(estimator):
                         for key, values in (scored.components or {}).items():
                             batch[COMPONENT + key] = values
+                run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
                 if "greedy_baseline" in needs(estimator):
                     with timer("gen_greedy"):
                         greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))

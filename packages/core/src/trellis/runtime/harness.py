@@ -38,7 +38,7 @@ from trellis.plugins import Plugins
 from trellis.registry import Registry
 from trellis.runtime.checkpoint import Checkpointer
 from trellis.runtime.controller import Controller, LocalController, RolloutGroup, WorkerGroup
-from trellis.runtime.trackers import Trackers
+from trellis.runtime.trackers import StepRows, Trackers
 from trellis.runtime.worker import RoleWorker, WorkerSpec
 
 log = logging.getLogger("trellis")
@@ -164,6 +164,7 @@ class Run:
         self._controller: Controller | None = None
         self._groups: list[WorkerGroup] = []
         self._trackers: Trackers | None = None
+        self._samples: StepRows | None = None
         self._step_start = 0.0
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -208,6 +209,9 @@ class Run:
         start = self.checkpointer.restore(roles, state)
         trainer = self.cfg.trainer
         self._trackers = Trackers(trainer.trackers, self.registry, self.ctx.run_dir, trainer.total_steps, start_step=start)
+        if trainer.get("log_samples"):
+            self._samples = StepRows(self.ctx.run_dir / "samples.jsonl")
+            self._samples.rewind(start)
         self.ctx.hook.trellis_train_start(config=self.cfg, run_dir=self.ctx.run_dir)
         return start
 
@@ -237,6 +241,26 @@ class Run:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._trackers.log(step, metrics)
 
+    def log_samples(self, step: int, batch: Any, scores: Any, tokenizer: Any) -> None:
+        """The first ``trainer.log_samples`` samples of a generated batch, decoded, with their
+        reward, as rows of ``<run_dir>/samples.jsonl`` (rewound with the metrics on resume)."""
+        if self._samples is None:
+            return
+        width = batch["prompts"].shape[1]
+        rows = []
+        for i in range(min(self.cfg.trainer.log_samples, len(batch))):
+            prompt = batch["prompts"][i][batch["attention_mask"][i, :width].bool()]
+            response = batch["responses"][i][batch["response_mask"][i].bool()]
+            rows.append({
+                "step": step,
+                "prompt": tokenizer.decode(prompt.tolist()),
+                "response": tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                "reward": float(scores[i]),
+                "data_source": batch["data_source"][i],
+                "ground_truth": _plain(batch["ground_truth"][i]),
+            })
+        self._samples.write(rows)
+
     def _dispatch_metrics(self) -> dict[str, float]:
         if self._controller is None:
             return {}
@@ -253,8 +277,15 @@ class Run:
         try:
             if self._trackers is not None:
                 self._trackers.close()
+            if self._samples is not None:
+                self._samples.close()
         finally:
             if self._controller is not None:
                 self._controller.shutdown()
             if self._trackers is not None:
                 self.ctx.hook.trellis_train_end(run_dir=self.ctx.run_dir, metrics=self.metrics)
+
+
+def _plain(value: Any) -> Any:
+    """A ground truth as JSON can hold it (numpy arrays from parquet become lists)."""
+    return value.tolist() if hasattr(value, "tolist") else value

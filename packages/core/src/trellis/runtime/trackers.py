@@ -68,14 +68,31 @@ class JsonlTracker(Tracker):
     """One JSON object per step in ``<run_dir>/metrics.jsonl``, flushed at once so nothing is lost."""
 
     def __init__(self, run_dir: Path, total_steps: int) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.rows = StepRows(run_dir / "metrics.jsonl")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
-        self.file.flush()
+        self.rows.write([{"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}])
 
     def resume(self, step: int) -> None:
+        self.rows.rewind(step)
+
+    def close(self) -> None:
+        self.rows.close()
+
+
+class StepRows:
+    """A JSONL file of rows that each carry ``step``, appended and flushed at once; ``rewind``
+    drops the rows of steps a resumed run repeats."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        self.file.write("".join(json.dumps(row) + "\n" for row in rows))
+        self.file.flush()
+
+    def rewind(self, step: int) -> None:
         """Rewrite the file without the rows after ``step`` (and any line a kill cut short)."""
         path = Path(self.file.name)
         self.file.close()
