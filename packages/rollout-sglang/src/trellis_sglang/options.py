@@ -1,0 +1,57 @@
+"""Options of the ``sglang`` rollout (the ``rollout`` section of a run config). No SGLang import here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trellis.config import ranged
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class SGLangRolloutOptions:
+    """How the SGLang engine is set up. Sampling itself (n, temperature, ...) comes from the recipe.
+
+    dtype: weights and compute (``auto``: the model config's).
+    context_length: longest prompt + response in tokens (0: the model's ``max_position_embeddings``).
+    mem_fraction_static: GPU only: share of GPU memory for weights and KV cache. The default leaves
+        room for the actor colocated on the same GPU.
+    max_total_tokens: KV-cache size in tokens (0: SGLang's default from ``mem_fraction_static``;
+        on CPU 65536, a fixed size instead of a share of the machine's memory).
+    tensor_parallel_size: devices per engine (SGLang's ``tp_size``).
+    seed: engine seed (None: the run's seed).
+    attention_backend: SGLang's attention backend (empty: ``torch_native`` on CPU, SGLang's choice on GPU).
+    disable_cuda_graph: no CUDA graphs (None: True on CPU, False on GPU).
+    sync_bucket_mb: a weight sync hands the engine its tensors in buckets of about this many MiB,
+        so at most one bucket is serialised to the engine at a time.
+    enable_memory_saver: GPU only: let ``sleep``/``wake`` release and resume the weights and KV cache.
+    log_level: SGLang's log level.
+    engine_kwargs: any other ``sglang.Engine`` keyword arguments (``ServerArgs`` fields), passed through.
+    """
+
+    dtype: str = "float32"
+    context_length: int = ranged(0, ge=0)
+    mem_fraction_static: float = ranged(0.5, gt=0, le=1)
+    max_total_tokens: int = ranged(0, ge=0)
+    tensor_parallel_size: int = ranged(1, ge=1)
+    seed: int | None = ranged(None, ge=0)
+    attention_backend: str = ""
+    disable_cuda_graph: bool | None = None
+    sync_bucket_mb: float = ranged(512.0, gt=0)
+    enable_memory_saver: bool = True
+    log_level: str = "error"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the option for a value that cannot work."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={self.tensor_parallel_size}: the sglang rollout runs one engine per "
+                "trainer rank (tensor parallel 1) for now; set rollout.tensor_parallel_size=1"
+            )
+        if self.sync_bucket_mb <= 0:
+            raise ValueError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be positive (MiB per weight-sync bucket)")
