@@ -27,7 +27,7 @@ def build(path, **options):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_path, tiny_untied_model_path):
-    """Both engines, closed together: SGLang's shutdown ends every child process of this one."""
+    """Both engines, closed at the end of the module."""
     built = {"tied": build(tiny_model_path), "untied": build(tiny_untied_model_path, sync_bucket_mb=0.01)}
     yield built
     for eng in built.values():
@@ -266,3 +266,10 @@ def test_plugin_registers_the_sglang_rollout_with_its_options():
 
     entry = load_plugins().registry.get("rollout", "sglang")
     assert entry.obj is make_engine and entry.options is SGLangRolloutOptions
+
+
+def test_closing_one_engine_leaves_the_other_generating(engines, make_prompts):
+    """SGLang's own shutdown ends every child process of this process (and a watchdog then kills
+    the process): ``close`` ends only the engine's own."""
+    engines["untied"].close()
+    assert len(greedy(engines["tied"], make_prompts)) == 3

@@ -10,6 +10,7 @@ e.g. one ``asyncio.run`` per multi-turn batch) all submit coroutines to it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
@@ -54,6 +55,7 @@ class SGLangRollout(RolloutEngine):
         if self.on_cpu:
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         try:
+            import psutil
             import sglang
         except ImportError as exc:
             raise ImportError(f"rollout 'sglang' needs SGLang ({exc}); install `sglang` (see the trellis-rollout-sglang README)") from exc
@@ -94,11 +96,13 @@ class SGLangRollout(RolloutEngine):
         # SGLang's Engine takes the current thread's event loop; give it a private one, run in a thread.
         self._loop = asyncio.new_event_loop()
         start = time.perf_counter()
+        before = {p.pid for p in psutil.Process().children()}
         asyncio.set_event_loop(self._loop)
         try:
             self.engine = sglang.Engine(**kwargs)
         finally:
             asyncio.set_event_loop(None)
+        self._children = [p.pid for p in psutil.Process().children() if p.pid not in before]  # this engine's processes
         self.startup_s = time.perf_counter() - start
         self._thread = threading.Thread(target=self._loop.run_forever, name="trellis-sglang-loop", daemon=True)
         self._thread.start()
@@ -113,6 +117,7 @@ class SGLangRollout(RolloutEngine):
             self.eos_ids.add(self.tokenizer.eos_token_id)
 
         self.asleep = False
+        self._closed = False
         self.last_sync_s = 0.0
         self._ids = itertools.count()
 
@@ -121,8 +126,20 @@ class SGLangRollout(RolloutEngine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
-        """Stop SGLang's subprocesses and the engine's loop."""
-        self.engine.shutdown()
+        """Stop this engine's subprocesses and loop. Not ``Engine.shutdown``: in SGLang 0.5.23 that
+        ends every child process of this process, and another engine's watchdog, seeing its own
+        processes gone, then kills this whole process."""
+        from sglang.srt.utils import kill_process_tree
+
+        if self._closed:
+            return
+        self._closed = True
+        watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        for pid in self._children:
+            kill_process_tree(pid)
+        atexit.unregister(self.engine.shutdown)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
