@@ -107,7 +107,12 @@ def bench_model(label: str, path: str, rows, args) -> list[dict]:
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
     runs = {"hf": lambda L, s: trellis_run(hf_engine, L, s), "trellis_vllm": lambda L, s: trellis_run(vllm_engine, L, s), "raw_vllm": raw_run}
-    for fn in runs.values():  # warm-up (vLLM's first step allocates and plans)
+    return time_runs(runs, {"model": label, "params_m": params_count / 1e6, "samples": len(ids) * args.n}, args)
+
+
+def time_runs(runs, info: dict, args) -> list[dict]:
+    """Median tokens/s of each ``run(max_new_tokens, seed) -> generated tokens``, one row per length."""
+    for fn in runs.values():  # warm-up (an engine's first step allocates and plans)
         fn(8, 0)
     results = []
     for length in args.lengths:
@@ -118,19 +123,19 @@ def bench_model(label: str, path: str, rows, args) -> list[dict]:
                 start = time.perf_counter()
                 tokens[name] = fn(length, 1000 + rep)
                 tps[name].append(tokens[name] / (time.perf_counter() - start))
-        row = {"model": label, "params_m": params_count / 1e6, "new_tokens": length, "samples": len(ids) * args.n}
+        row = info | {"new_tokens": length}
         row |= {f"{k}_tps": statistics.median(v) for k, v in tps.items()}
         row |= {f"{k}_tokens": v for k, v in tokens.items()}
         results.append(row)
     return results
 
 
-def rl_sync(model_path: Path, data: Path, work: Path, args) -> dict[str, dict[str, float]]:
+def rl_sync(model_path: Path, data: Path, work: Path, args, rollouts=("hf", "vllm")) -> dict[str, dict[str, float]]:
     """Mean weight-sync and step time of the rl recipe, first step dropped, per rollout."""
     from trellis.recipes.train import train
 
     out = {}
-    for rollout in ("hf", "vllm"):
+    for rollout in rollouts:
         run_dir = work / f"rl-{rollout}"
         train(
             None,
