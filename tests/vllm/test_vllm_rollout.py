@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+from trellis.interfaces.weights import WeightSyncError
 from trellis_vllm import VLLMRolloutOptions, make_engine
-from trellis_vllm.weights import WeightSyncError
 
 TEXTS = ["12+35=", "7+8=", "40+41="]
 LONG = ["".join(f"{a}+{a}={2 * a} #### {2 * a}\n" for a in range(10, 30)) + "12+13="]  # > 2 KV blocks of 128: prefix-cached

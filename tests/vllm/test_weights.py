@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trellis_vllm.weights import DEFAULT_PACKED, WeightSyncError, check_update, checkpoint_shapes, complete_tied, group_of, tied_pairs
+from trellis.interfaces.weights import DEFAULT_PACKED, WeightSyncError, check_update, checkpoint_shapes, complete_tied, group_of, tied_pairs
 
 EXPECTED = {
     "model.embed_tokens.weight": (10, 4),

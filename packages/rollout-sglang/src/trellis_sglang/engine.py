@@ -23,8 +23,8 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis.interfaces.weights import WeightSyncError, check_update, checkpoint_shapes, complete_tied, tied_pairs
 from trellis_sglang.options import SGLangRolloutOptions
-from trellis_vllm.weights import WeightSyncError, check_update, checkpoint_shapes, complete_tied, tied_pairs
 
 log = logging.getLogger("trellis")
 
@@ -213,7 +213,7 @@ class SGLangRollout(RolloutEngine):
         """Update the weights in place: ``update_weights_from_tensor`` per bucket of about
         ``sync_bucket_mb`` MiB, inside SGLang's begin/end weight-update calls, then the prefix
         cache (KV of the old weights) is flushed. The whole update is checked first; a refused one
-        raises :class:`~trellis_vllm.weights.WeightSyncError` and leaves the engine as it was."""
+        raises :class:`~trellis.interfaces.weights.WeightSyncError` and leaves the engine as it was."""
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput, UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 

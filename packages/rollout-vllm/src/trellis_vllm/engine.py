@@ -21,8 +21,8 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis.interfaces.weights import DEFAULT_PACKED, check_update, checkpoint_shapes, complete_tied, tied_pairs
 from trellis_vllm.options import VLLMRolloutOptions
-from trellis_vllm.weights import DEFAULT_PACKED, check_update, checkpoint_shapes, complete_tied, tied_pairs
 
 log = logging.getLogger("trellis")
 
@@ -252,7 +252,7 @@ class VLLMRollout(RolloutEngine):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload weights in place through vLLM's ``reload_weights`` (checkpoint format, Hugging
         Face names). The whole update is checked before vLLM sees any of it; a refused update raises
-        :class:`~trellis_vllm.weights.WeightSyncError` and leaves the engine as it was."""
+        :class:`~trellis.interfaces.weights.WeightSyncError` and leaves the engine as it was."""
         self._ready("load_weights")
         self._check_thread("load_weights")
         if self._futures or self._waiting:

@@ -1,9 +1,9 @@
-"""Weight-update checks done before anything reaches vLLM.
+"""Checks of an in-memory weight update, done before anything reaches a rollout engine.
 
-A reload that fails inside vLLM leaves the model half-loaded, and the next generation kills the
-engine. So every name, shape and fused-module group is checked here first, against the names and
-shapes vLLM itself loaded at start-up (the checkpoint's), and tied embeddings are completed.
-No vLLM import: these functions are plain torch and safetensors.
+A reload that fails inside an engine (vLLM, SGLang) can leave its model half-loaded, and the next
+generation kills it. So every name, shape, dtype and fused-module group is checked here first,
+against the names and shapes the engine loaded at start-up (the checkpoint's), and tied embeddings
+are completed. Plain torch and safetensors: no engine is imported.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-# vLLM fuses these Hugging Face projections into one module; a fused module must be reloaded
+# Engines fuse these Hugging Face projections into one module (vLLM, SGLang); a fused module must be reloaded
 # whole or not at all. Used when the engine cannot ask the model class for its own mapping.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -67,7 +67,7 @@ def tied_pairs(hf_config) -> dict[str, str]:
 
 
 def complete_tied(weights: list[tuple[str, torch.Tensor]], tied: Mapping[str, str]) -> list[tuple[str, torch.Tensor]]:
-    """Add the missing half of each tied pair. vLLM keeps its own copy of a tied output head on
+    """Add the missing half of each tied pair. An engine (vLLM) keeps its own copy of a tied output head on
     some backends (the CPU one repacks it), so the head must be sent along with the embedding."""
     if not tied:
         return weights
@@ -82,7 +82,7 @@ def complete_tied(weights: list[tuple[str, torch.Tensor]], tied: Mapping[str, st
 
 
 def group_of(name: str, packed: Mapping[str, list[str]]) -> str:
-    """The vLLM module a checkpoint tensor loads into: its parent module, with the shard names of
+    """The engine module a checkpoint tensor loads into: its parent module, with the shard names of
     fused modules (``q_proj`` -> ``qkv_proj``) replaced."""
     module = name.rsplit(".", 1)[0]
     parent, _, leaf = module.rpartition(".")
@@ -99,7 +99,7 @@ def check_update(
 ) -> list[tuple[str, torch.Tensor]]:
     """Validate an update; return it as a list. Raises :class:`WeightSyncError` (a ``ValueError``)
     for a non-tensor, a repeated name, an unknown name (with the closest known names), a wrong
-    shape, or a fused module given only in part (vLLM would load the missing shards as garbage)."""
+    shape, or a fused module given only in part (the engine would load the missing shards as garbage)."""
     items = list(weights)
     seen: set[str] = set()
     for name, tensor in items:
@@ -121,6 +121,6 @@ def check_update(
         if missing:
             raise WeightSyncError(
                 f"rollout weight update: module {group!r} is updated only in part; missing {missing}. "
-                "vLLM loads fused modules whole: send all of their tensors together"
+                "the engine loads fused modules whole: send all of their tensors together"
             )
     return items
