@@ -8,10 +8,13 @@ policy loss (``vanilla``, ``clip_cov``, ``kl_cov``) for each seed, validating ev
 over seeds), the fit (a, b, R^2 over every validation point of every GRPO seed), writes
 ``entropy.png`` and ends with a ``RESULT`` line.
 
-    .venv/bin/python bench/entropy.py [--seeds 0 1 2] [--steps 60] [--val-every 10] [--cov-ratio R] [--threads 1] [--out runs/bench-entropy]
+    .venv/bin/python bench/entropy.py [--seeds 0 1 2] [--steps 60] [--val-every 10] [--cov-ratio R] [--mini-batch-samples M] [--threads 1] [--out runs/bench-entropy]
 
 ``--cov-ratio`` sets ``clip_cov_ratio`` / ``kl_cov_ratio`` (default: the losses' own, 2e-4, chosen
 for batches of millions of tokens: on this bench's ~800 tokens per step it selects none).
+``--mini-batch-samples`` splits each step's 128 samples into several optimizer steps: with one
+step per batch the policy equals the old one at the update, so KL-Cov's penalty and its gradient
+are zero and it equals GRPO exactly.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=10)
     parser.add_argument("--sft-steps", type=int, default=2000)
     parser.add_argument("--cov-ratio", type=float, default=None, help="clip_cov_ratio / kl_cov_ratio (default: the losses' own)")
+    parser.add_argument("--mini-batch-samples", type=int, default=0, help="samples per optimizer step (0: the whole step)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="runs/bench-entropy")
     args = parser.parse_args()
@@ -71,7 +75,7 @@ def main() -> None:
         for seed in args.seeds:
             run_dir = out / f"{method}-seed{seed}"
             ratio = [f"actor.policy_loss.{method}_ratio={args.cov_ratio}"] if args.cov_ratio and method != "vanilla" else []
-            train(config_path("demo_rl.yaml"), [*ratio,
+            train(config_path("demo_rl.yaml"), [*ratio, f"actor.mini_batch_samples={args.mini_batch_samples}",
                 f"model.path={start}", f"data.train_path={rl_data}", f"data.val_path={test_data}",
                 f"seed={seed}", f"actor.policy_loss.name={method}", f"trainer.total_steps={args.steps}",
                 f"trainer.val_every_steps={args.val_every}", f"trainer.threads={args.threads}", "trainer.trackers=[jsonl]",
@@ -95,7 +99,8 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps({"fit": {"a": a, "b": b, "r2": r2}, "runs": summary}, indent=2))
     fields = " ".join(f"{m}_entropy={statistics.mean(p[1] for p in finals[m]):.3f} {m}_reward={statistics.mean(p[2] for p in finals[m]):.3f}"
                       for m in METHODS)  # fmt: skip
-    print(f"RESULT {fields} fit_a={a:.4f} fit_b={b:.4f} fit_r2={r2:.3f} seeds={len(args.seeds)} steps={args.steps} cov_ratio={args.cov_ratio}")
+    print(f"RESULT {fields} fit_a={a:.4f} fit_b={b:.4f} fit_r2={r2:.3f} seeds={len(args.seeds)} steps={args.steps} cov_ratio={args.cov_ratio} "
+          f"mini_batch_samples={args.mini_batch_samples}")
 
 
 if __name__ == "__main__":
