@@ -8,7 +8,8 @@ policy loss (``vanilla``, ``clip_cov``, ``kl_cov``) for each seed, validating ev
 over seeds), the fit (a, b, R^2 over every validation point of every GRPO seed), writes
 ``entropy.png`` and ends with a ``RESULT`` line.
 
-    .venv/bin/python bench/entropy.py [--seeds 0 1 2] [--steps 60] [--val-every 10] [--cov-ratio R] [--mini-batch-samples M] [--threads 1] [--out runs/bench-entropy]
+    .venv/bin/python bench/entropy.py [--seeds 0 1 2] [--steps 60] [--val-every 10] [--cov-ratio R]
+        [--mini-batch-samples M] [--threads 1] [--out runs/bench-entropy]
 
 ``--cov-ratio`` sets ``clip_cov_ratio`` / ``kl_cov_ratio`` (default: the losses' own, 2e-4, chosen
 for batches of millions of tokens: on this bench's ~800 tokens per step it selects none).
