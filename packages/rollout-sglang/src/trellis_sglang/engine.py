@@ -106,6 +106,10 @@ class SGLangRollout(RolloutEngine):
         self.startup_s = time.perf_counter() - start
         self._thread = threading.Thread(target=self._loop.run_forever, name="trellis-sglang-loop", daemon=True)
         self._thread.start()
+        # An engine nobody closed (e.g. one a recipe run built) is closed at exit by close(), not by
+        # SGLang's own shutdown hook, which could hang the exiting process on a busy scheduler.
+        atexit.unregister(self.engine.shutdown)
+        atexit.register(self.close)
 
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         try:
@@ -139,7 +143,7 @@ class SGLangRollout(RolloutEngine):
             watchdog.stop()
         for pid in self._children:
             kill_process_tree(pid)
-        atexit.unregister(self.engine.shutdown)
+        atexit.unregister(self.close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
