@@ -21,15 +21,16 @@ class ModelConfig:
 
 @dataclass
 class TrainerConfig:
-    """total_steps: optimizer-driving steps of the recipe. threads: torch threads in this process
-    (0: the cores this process may use). controller: where roles run (``local``: this process)."""
+    """total_steps: optimizer-driving steps of the recipe. threads: torch threads in this process:
+    ``auto`` (the cores other processes leave free, re-checked every step), 0 (every core this
+    process may use) or a count. controller: where roles run (``local``: this process)."""
 
     total_steps: int = ranged(10, ge=0)
     run_dir: str | None = None
     trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     val_every_steps: int = ranged(0, ge=0)  # 0: validate only before and after training
     log_samples: int = ranged(0, ge=0)  # decoded prompt/response/reward rows per step in <run_dir>/samples.jsonl
-    threads: int = ranged(0, ge=0)
+    threads: str = "auto"
     controller: str = "local"  # local | ray
     nnodes: int = ranged(1, ge=1)  # ray: nodes
     procs_per_node: int = ranged(1, ge=1)  # ray: ranks per node (GPUs, or CPU processes)
@@ -59,13 +60,17 @@ class PromptData:
 
 @dataclass
 class SamplingConfig:
-    """Rollout sampling for training: ``n`` samples per prompt (``SamplingParams(**cfg.sampling)``)."""
+    """Rollout sampling for training: ``n`` samples per prompt (``SamplingParams(**cfg.sampling)``).
+    seed: opt-in per-request seeds (None: each engine samples from its own generator, seeded with
+    the run's seed); a number seeds every sample with it plus the sample's index in the run, the
+    same however the samples are dealt over engines, but vLLM's GPU sampler then takes a slow path."""
 
     n: int = ranged(4, ge=1)
     temperature: float = ranged(1.0, ge=0)
     top_p: float = ranged(1.0, gt=0, le=1)
     top_k: int = ranged(-1, ge=-1)  # -1: no top-k
     max_new_tokens: int = ranged(64, ge=1)
+    seed: int | None = ranged(None, ge=0)
 
 
 def data_files(value: Any) -> list[str]:

@@ -12,7 +12,7 @@ from trellis import config as config_mod
 from trellis.plugins import Plugins, load_plugins
 from trellis.registry import Registry
 from trellis.runtime.checkpoint import checkpoint_step, find_resume
-from trellis.runtime.harness import RunContext
+from trellis.runtime.harness import RunContext, make_threads
 from trellis.runtime.trackers import Trackers
 
 
@@ -49,9 +49,11 @@ def run_dir_for(cfg: DictConfig) -> Path:
 
 
 def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Path | None:
-    """Everything that needs no model: the trackers ``trainer.trackers`` names (installed, their
-    library imports), the recipe's own checks, then the checkpoint to resume from (checked against
+    """Everything that needs no model: ``trainer.threads``, the trackers ``trainer.trackers`` names
+    (installed, their library imports), the recipe's own checks, then the checkpoint to resume from (checked against
     the config). Returns that checkpoint, or None for a fresh run."""
+    if "threads" in (cfg.get("trainer") or {}):
+        make_threads(cfg.trainer)
     if "trackers" in (cfg.get("trainer") or {}):
         Trackers.check(cfg.trainer.trackers, registry)
     recipe_check = getattr(recipe, "check", None)

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from trellis.plugins import Plugins
 from trellis.registry import Registry
 from trellis.runtime.checkpoint import Checkpointer
 from trellis.runtime.controller import Controller, LocalController, RolloutGroup, WorkerGroup
+from trellis.runtime.threads import Threads
 from trellis.runtime.trackers import StepRows, Trackers
 from trellis.runtime.worker import RoleWorker, WorkerSpec
 
@@ -74,12 +74,12 @@ class RunContext:
         return self.plugins.hook
 
 
-def set_threads(trainer: DictConfig) -> int:
-    """Pin torch to ``trainer.threads`` threads (0: the usable cores, shared by the ranks this
-    machine runs); oversubscribing a few cores makes steps 10-30x slower."""
-    n = trainer.threads or max(1, len(os.sched_getaffinity(0)) // (trainer.procs_per_node if trainer.controller == "ray" else 1))
-    torch.set_num_threads(n)
-    return n
+def make_threads(trainer: DictConfig) -> Threads:
+    """``trainer.threads`` for this process, the usable cores shared by the ranks this machine runs."""
+    try:
+        return Threads(trainer.threads, trainer.procs_per_node if trainer.controller == "ray" else 1)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def make_controller(trainer: DictConfig) -> Controller:
@@ -166,6 +166,7 @@ class Run:
         self._trackers: Trackers | None = None
         self._samples: StepRows | None = None
         self._step_start = 0.0
+        self.threads = make_threads(cfg.trainer)
 
     # -- set-up ------------------------------------------------------------------------------------
     @property
@@ -178,7 +179,7 @@ class Run:
 
     def __enter__(self) -> Run:
         if not self.finished:
-            set_threads(self.cfg.trainer)
+            self.threads.start()
             torch.manual_seed(self.cfg.seed)
         return self
 
@@ -194,10 +195,11 @@ class Run:
         self._groups.append(group)
         return group
 
-    def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any) -> RolloutGroup:
-        """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh."""
+    def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any, max_len: int = 0) -> RolloutGroup:
+        """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh;
+        ``max_len``: the longest prompt + response the recipe asks for (the engine's context)."""
         make_engine, options = resolve_component(self.registry, "rollout", self.cfg.rollout)
-        spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed)
+        spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len)
         mesh = Mesh.for_options(options, self.controller.world_size())
         return self.controller.spawn_rollout(functools.partial(make_engine, spec), actor, mesh)
 
@@ -232,6 +234,7 @@ class Run:
         ``trellis_step_end``; checkpoint when due. Returns the logged metrics."""
         metrics = {**metrics, **self.timer.metrics(), **self._dispatch_metrics()}
         metrics["timing/step_s"] = time.perf_counter() - self._step_start
+        metrics["timing/threads"] = float(self.threads.check())
         self.metrics = metrics
         self.log(step, metrics)
         self.ctx.hook.trellis_step_end(step=step, metrics=metrics)

@@ -1,0 +1,112 @@
+"""``trainer.threads``: parsing, the CPU accounting ``auto`` rests on (real processes, real /proc),
+and how ``auto`` follows what other processes use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from trellis.config import ConfigError
+from trellis.runtime import threads as threads_mod
+from trellis.runtime.harness import make_threads
+from trellis.runtime.threads import CpuSample, Threads, others_busy, parse_threads
+
+pytestmark = pytest.mark.skipif(not os.path.isfile("/proc/stat"), reason="auto threads read /proc (Linux)")
+
+SPIN = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
+
+
+def test_parse_threads_and_the_error_that_names_the_key() -> None:
+    assert parse_threads("auto") is None and parse_threads("AUTO") is None
+    assert parse_threads(0) == 0 and parse_threads("3") == 3
+    with pytest.raises(ValueError, match=r"'trainer.threads' is 'many'; set trainer.threads to auto"):
+        parse_threads("many")
+
+
+def test_a_bad_setting_is_a_config_error_before_the_run() -> None:
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ConfigError, match="trainer.threads"):
+        make_threads(OmegaConf.create({"threads": "-1", "controller": "local", "procs_per_node": 1}))
+
+
+def test_a_child_process_counts_as_ours_not_as_a_neighbour() -> None:
+    """An engine's scheduler subprocess is this run's work: its CPU time is in our tree's ticks."""
+    before = threads_mod._tree_ticks(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", SPIN.format(s=1.0)])
+    time.sleep(0.5)
+    with open(f"/proc/{child.pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    child_ticks = int(rest[11]) + int(rest[12])
+    during = threads_mod._tree_ticks(os.getpid())
+    child.wait()
+    assert child_ticks > 0
+    assert during - before >= child_ticks
+
+
+def test_a_detached_spinning_process_is_seen_as_a_busy_neighbour() -> None:
+    """A process outside our tree (reparented away from us) spinning for a second shows up as
+    (at least) half a busy core, whatever else the machine runs."""
+    launcher = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c '{SPIN.format(s=1.5)}' >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
+    )
+    pid = int(launcher.stdout)
+    assert pid not in _descendants(os.getpid())
+    time.sleep(0.2)
+    before = CpuSample.now()
+    time.sleep(1.0)
+    after = CpuSample.now()
+    time.sleep(0.5)  # let it finish
+    assert others_busy(before, after) >= 0.5
+
+
+def test_auto_follows_the_cores_others_leave_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With /proc readings made up (4 cores, a neighbour using 0, then 2.6, then 0 cores), ``auto``
+    starts on all 4 cores, drops to 1 (4 - 2.6 rounds to 1) and comes back to 4."""
+    ticks = threads_mod.TICKS
+    readings = iter([
+        CpuSample(0.0, 0, 0), CpuSample(1.0, 3 * ticks, 3 * ticks),  # start: we use 3 cores, nobody else
+        CpuSample(2.0, 6 * ticks + int(2.6 * ticks), 6 * ticks),  # a neighbour takes 2.6 cores
+    ])  # fmt: skip
+    monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: next(readings)))
+    monkeypatch.setattr(threads_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(threads_mod, "usable_cores", lambda ranks_here=1: 4)
+    old = torch.get_num_threads()
+    try:
+        governor = Threads("auto")
+        assert governor.start() == 4 and torch.get_num_threads() == 4
+        assert governor.check() == 1 and torch.get_num_threads() == 1
+        assert governor.others == pytest.approx(2.6, abs=0.02)
+        monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: CpuSample(2.5, 0, 0)))
+        assert governor.check() == 1  # within CHECK_EVERY_S of the last reading: unchanged
+        monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: CpuSample(3.0, 9 * ticks + int(2.6 * ticks), 9 * ticks)))
+        assert governor.check() == 4
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a_fixed_count_is_pinned_and_never_changed() -> None:
+    old = torch.get_num_threads()
+    try:
+        governor = Threads("1")
+        assert governor.start() == 1 and governor.check() == 1 and not governor.auto
+    finally:
+        torch.set_num_threads(old)
+
+
+def _descendants(root: int) -> set[int]:
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == root:
+                        out |= {int(pid)} | _descendants(int(pid))
+            except OSError:
+                pass
+    return out
