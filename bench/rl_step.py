@@ -1,99 +1,219 @@
-"""Per-stage time of an RL step (GRPO, tiny model) under the local and the Ray controller.
+"""A Trellis GRPO step beside a bare-PyTorch step doing the same work, per model size and response length.
 
-Runs the ``rl`` recipe for one fixed config three times: local controller, Ray with one rank
-(the same compute, so any difference is Ray's dispatch and gather), Ray with two ranks. Drops
-warm-up steps and prints, per stage, the mean milliseconds side by side; then the framework
-overhead (step time minus the sum of the stages: batch plumbing, metrics, tracker writes),
-Ray's per-step dispatch/gather overhead (Ray 1-rank step minus local step), and the megabytes
-of batches shipped to the ranks per step: what each verb reads (sent) beside what shipping the
-whole batch to every verb would be (before each verb declared its inputs).
+The bare step (written here, the floor): one model in one process; HF ``generate`` of n samples per
+prompt at temperature 1; verl's GSM8K rule; group-normalised advantages; one forward and backward
+of the clipped policy loss over the response tokens (on-policy: the old log-probs are that
+forward's, detached); grad-norm clip 1.0; AdamW. Trellis runs the ``rl`` recipe on the same model,
+prompts, sampling and optimizer with one update per batch (HF rollout, FSDP backend on one rank).
+Each (framework, size, length) runs in its own process, interleaved over ``--rounds`` rounds;
+a cell is the median step time after ``--warmup`` steps of every round. Peak RSS is that
+process's. ``--growth-steps`` runs Trellis that many steps on the tiny model and compares RSS
+early and late. On a CUDA machine both run on the GPU.
 
-    python bench/rl_step.py [--steps 12] [--warmup 2] [key=value ...]
+    python bench/rl_step.py [--sizes tiny,10M,50M] [--lengths 8,64,256] [--rounds 3] [--steps 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import make_tiny_model
-from trellis.recipes.train import train
+SIZES = {  # name -> make_tiny_model kwargs
+    "tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4},  # the demo's
+    "10M": {"hidden_size": 256, "num_layers": 10, "num_heads": 8, "num_kv_heads": 4},
+    "50M": {"hidden_size": 512, "num_layers": 12, "num_heads": 8, "num_kv_heads": 4},
+}
+# (prompts, samples per prompt) by size: the larger models get less work per step so a cell stays short
+WORK = {"tiny": (16, 8), "10M": (8, 8), "50M": (4, 4)}
+LR, CLIP, EPS_CLIP = 1e-5, 1.0, 0.2
 
-STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "weight_sync")
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def run(work: Path, model: Path, data: Path, name: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, float]:
-    run_dir = work / name
+def trellis_steps(model: Path, data: Path, prompts: int, n: int, length: int, steps: int, run_dir: Path, threads: int) -> dict:
+    """The rl recipe for ``steps``; its per-step timings and RSS after each step (a plugin's hook)."""
+    from trellis import hookimpl
+    from trellis.plugins import load_plugins
+    from trellis.recipes.train import train
+
+    rss: list[float] = []
+
+    class RSS:
+        @hookimpl
+        def trellis_step_end(self) -> None:
+            rss.append(rss_mb())
+
     config = [
-        "recipe=rl",
-        f"model.path={model}",
-        f"data.train_path={data}",
-        "data.train_batch_prompts=8",
-        "sampling.n=8",
-        "sampling.max_new_tokens=64",
-        "actor.micro_batch_samples=64",
-        "actor.optim.lr=1e-4",
-        f"trainer.total_steps={steps}",
-        "trainer.trackers=[jsonl]",
-        f"trainer.run_dir={run_dir}",
-        *overrides,
-    ]
-    train(None, config)
+        "recipe=rl", f"model.path={model}", f"data.train_path={data}", f"data.train_batch_prompts={prompts}",
+        "data.max_prompt_length=64", f"sampling.n={n}", f"sampling.max_new_tokens={length}",
+        f"actor.micro_batch_samples={prompts * n}", f"actor.optim.lr={LR}", f"actor.optim.grad_clip={CLIP}",
+        "validation.before_train=false", "trainer.val_every_steps=0", "trainer.keep_checkpoints=0",
+        f"trainer.total_steps={steps}", f"trainer.threads={threads}", "trainer.trackers=[jsonl]", f"trainer.run_dir={run_dir}",
+    ]  # fmt: skip
+    train(None, config, plugins=load_plugins(extra=[("rss", RSS())]))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "timing/step_s" in r][warmup:]
-    out = {s: statistics.mean(r.get(f"timing/{s}_s", 0.0) for r in rows) * 1e3 for s in STAGES}
-    out = {s: v for s, v in out.items() if v > 0}
-    out["step"] = statistics.mean(r["timing/step_s"] for r in rows) * 1e3
-    out["overhead"] = out["step"] - sum(v for k, v in out.items() if k in STAGES)
-    out["dispatch"] = statistics.mean(r.get("timing/dispatch_s", 0.0) for r in rows) * 1e3
-    out["sent_mb"] = statistics.mean(r.get("dispatch/sent_mb", 0.0) for r in rows)
-    out["batch_mb"] = statistics.mean(r.get("dispatch/batch_mb", 0.0) for r in rows)
-    out["tokens"] = statistics.mean(r["response/length_mean"] for r in rows) * 64
+    rows = [r for r in rows if "timing/step_s" in r]
+    stages = sorted({k for r in rows for k in r if k.startswith("timing/") and k.endswith("_s") and k != "timing/step_s"})
+    return {
+        "steps": [r["timing/step_s"] for r in rows],
+        "stages": {k[7:-2]: [r.get(k, 0.0) for r in rows] for k in stages},
+        "tokens": [r["response/length_mean"] for r in rows],
+        "rss": rss,
+    }
+
+
+def floor_steps(model_path: Path, data: Path, prompts: int, n: int, length: int, steps: int, threads: int) -> dict:
+    """The bare GRPO step, ``steps`` times, on consecutive batches of ``prompts`` prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trellis.data import PromptDataset, load_rows
+    from trellis.rewards import gsm8k_score
+
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    dataset = PromptDataset(load_rows(data), tokenizer, 64)
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    out: dict = {"steps": [], "stages": {"gen": [], "reward": [], "update_actor": []}, "tokens": [], "rss": []}
+    for step in range(steps):
+        batch = dataset.collate(range(step * prompts, (step + 1) * prompts)).repeat_interleave(n)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.eval()
+            seqs = model.generate(
+                batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device), do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=length, eos_token_id=eos, pad_token_id=pad,
+            )  # fmt: skip
+        width = batch["input_ids"].shape[1]
+        responses = seqs[:, width:]
+        done = (responses == eos).int().cumsum(-1)
+        mask = ((done == 0) | ((done == 1) & (responses == eos))).float()  # through the first EOS
+        t_gen = time.perf_counter()
+        texts = tokenizer.batch_decode(responses * mask.long() + pad * (1 - mask.long()), skip_special_tokens=True)
+        rewards = torch.tensor([gsm8k_score("openai/gsm8k", t, g) for t, g in zip(texts, batch["ground_truth"])])
+        groups = rewards.view(prompts, n)
+        adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).view(-1, 1).to(device)
+        t_reward = time.perf_counter()
+        model.train()
+        attention = torch.cat([batch["attention_mask"].to(device), mask.long()], dim=1)
+        logits = model(
+            input_ids=seqs, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0), logits_to_keep=length + 1
+        ).logits[:, :-1]  # fmt: skip
+        logits = logits[:, -responses.shape[1] :]
+        log_probs = torch.log_softmax(logits.float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(log_probs - log_probs.detach())
+        loss = -(torch.minimum(ratio * adv, ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP) * adv) * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end = time.perf_counter()
+        for k, v in (("gen", t_gen - start), ("reward", t_reward - t_gen), ("update_actor", end - t_reward)):
+            out["stages"][k].append(v)
+        out["steps"].append(end - start)
+        out["tokens"].append(float(mask.sum(1).mean()))
+        out["rss"].append(rss_mb())
     return out
+
+
+def child(framework: str, size: str, length: int, steps: int, work: Path, threads: int, tag: str) -> None:
+    prompts, n = WORK[size]
+    model, data = work / size, work / "train.parquet"
+    if framework == "trellis":
+        result = trellis_steps(model, data, prompts, n, length, steps, work / "runs" / f"{size}-{length}-{tag}", threads)
+    else:
+        result = floor_steps(model, data, prompts, n, length, steps, threads)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT-JSON " + json.dumps(result))
+
+
+def run_child(framework: str, size: str, length: int, steps: int, work: Path, threads: int, tag: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", framework, size, str(length), str(steps), str(work), str(threads), tag]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{framework} {size} {length} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT-JSON "))[12:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--sizes", default="tiny,10M,50M")
+    parser.add_argument("--lengths", default="8,64,256")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="steps per round (per process)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of each round")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every usable core)")
+    parser.add_argument("--growth-steps", type=int, default=500, help="Trellis steps on the tiny model for the RSS-growth check (0: skip)")
+    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="trellis-bench-"))
-    model = make_tiny_model(work / "model", task_texts(), hidden_size=64, num_layers=2, seed=0)
-    data = write_rows(make_arithmetic_split(512, 0), work / "train.parquet")
-    columns = {
-        "local": [],
-        "ray x1": ["trainer.controller=ray", "trainer.procs_per_node=1"],
-        "ray x2": ["trainer.controller=ray", "trainer.procs_per_node=2"],
-    }
-    results = {
-        name: run(work, model, data, name.replace(" ", ""), args.steps, args.warmup, [*extra, *args.overrides])
-        for name, extra in columns.items()
-    }
-    print(f"\nRL step, GRPO, 8 prompts x 8 samples, <=64 new tokens, {args.steps - args.warmup} steps after {args.warmup} warm-up (ms)")
-    print(f"{'stage':<16}" + "".join(f"{name:>12}" for name in results))
-    for stage in [*STAGES, "overhead", "step", "dispatch", "tokens"]:
-        if any(stage in r for r in results.values()):
-            label = {"dispatch": "  of which Ray", "tokens": "gen. tokens"}.get(stage, stage)
-            print(f"{label:<16}" + "".join(f"{r.get(stage, 0.0):>12.1f}" for r in results.values()))
-    local, ray1, ray2 = results["local"], results["ray x1"], results["ray x2"]
-    print("'of which Ray': time inside the stages spent moving calls and results to and from the ranks (not computing).")
-    print("Generation lengths differ between columns (each rank samples its own tokens): compare per-stage rows with care.")
-    print(f"framework overhead (local): {local['overhead']:.1f} ms = {local['overhead'] / local['step']:.1%} of the step")
-    for name, r in (("ray x1", ray1), ("ray x2", ray2)):
-        print(f"Ray dispatch + gather per step ({name}): {r['dispatch']:.1f} ms = {r['dispatch'] / r['step']:.1%} of its step")
-        share = r["sent_mb"] / r["batch_mb"]
-        print(f"batches shipped per step ({name}): {r['sent_mb']:.3f} MB sent, {r['batch_mb']:.3f} MB as whole batches ({share:.0%})")
-    print(
-        f"RESULT local_step_ms={local['step']:.1f} local_overhead_ms={local['overhead']:.1f} "
-        f"local_overhead_pct={100 * local['overhead'] / local['step']:.2f} ray1_step_ms={ray1['step']:.1f} "
-        f"ray1_dispatch_ms={ray1['dispatch']:.1f} ray2_step_ms={ray2['step']:.1f} ray2_dispatch_ms={ray2['dispatch']:.1f} "
-        f"ray2_sent_mb={ray2['sent_mb']:.3f} ray2_whole_batch_mb={ray2['batch_mb']:.3f}"
-    )
+    if args.child:
+        framework, size, length, steps, work, threads, tag = args.child
+        child(framework, size, int(length), int(steps), Path(work), int(threads), tag)
+        return
+
+    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis.examples.tiny import make_tiny_model
+
+    sizes, lengths = args.sizes.split(","), [int(x) for x in args.lengths.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="trellis-rlstep-"))
+    for size in sizes:
+        make_tiny_model(work / size, task_texts(), seed=0, **SIZES[size])
+    rounds_needed = max(WORK[s][0] for s in sizes) * (args.steps + 1)
+    write_rows(make_arithmetic_split(max(512, rounds_needed), 0), work / "train.parquet")
+
+    cells: dict[tuple[str, int, str], list[dict]] = {}
+    for r in range(args.rounds):
+        for size in sizes:
+            for length in lengths:
+                for framework in ("floor", "trellis") if r % 2 == 0 else ("trellis", "floor"):
+                    result = run_child(framework, size, length, args.steps, work, args.threads, f"r{r}")
+                    cells.setdefault((size, length, framework), []).append(result)
+                    print(f"round {r + 1}/{args.rounds} {size} {length} {framework} done", file=sys.stderr, flush=True)
+
+    def median(results: list[dict], key: str, stage: str | None = None) -> float:
+        values = [v for res in results for v in (res["stages"].get(stage, []) if stage else res[key])[args.warmup :]]
+        return statistics.median(values) if values else 0.0
+
+    print(f"\nGRPO step, one update per batch, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up dropped), median (ms)")
+    head = ("size", "tokens", "prompts x n", "floor", "trellis", "ratio", "floor gen", "trellis gen", "tr. old_lp",
+            "tr. update", "floor upd", "tr. sync", "tr. resp len", "RSS fl MB", "RSS tr MB")  # fmt: skip
+    print("".join(f"{h:>13}" for h in head))
+    result = []
+    for size in sizes:
+        for length in lengths:
+            fl, tr = cells[size, length, "floor"], cells[size, length, "trellis"]
+            f_step, t_step = median(fl, "steps") * 1e3, median(tr, "steps") * 1e3
+            row = [size, length, "x".join(map(str, WORK[size])), f"{f_step:.1f}", f"{t_step:.1f}", f"{t_step / f_step:.2f}x",
+                   f"{median(fl, '', 'gen') * 1e3:.1f}", f"{median(tr, '', 'gen') * 1e3:.1f}", f"{median(tr, '', 'old_log_prob') * 1e3:.1f}",
+                   f"{median(tr, '', 'update_actor') * 1e3:.1f}", f"{median(fl, '', 'update_actor') * 1e3:.1f}",
+                   f"{median(tr, '', 'weight_sync') * 1e3:.1f}", f"{median(tr, 'tokens'):.1f}",
+                   f"{max(x['peak_rss_mb'] for x in fl):.0f}", f"{max(x['peak_rss_mb'] for x in tr):.0f}"]  # fmt: skip
+            print("".join(f"{c:>13}" for c in row))
+            result.append(f"ratio_{size}_{length}={t_step / f_step:.3f}")
+    print("ratio = trellis / floor; 'tr. resp len' is Trellis's mean response length (the floor samples the same model).")
+    if args.growth_steps:
+        growth = run_child("trellis", "tiny", 8, args.growth_steps, work, args.threads, "growth")
+        rss = growth["rss"]
+        early, late = statistics.mean(rss[40:60]), statistics.mean(rss[-20:])
+        print(f"RSS over {args.growth_steps} Trellis steps (tiny, 8 tokens): steps 41-60 {early:.1f} MB, "
+              f"last 20 {late:.1f} MB ({late - early:+.1f} MB)")  # fmt: skip
+        result.append(f"rss_growth_mb={late - early:.1f}")
+    print("RESULT " + " ".join(result))
 
 
 if __name__ == "__main__":
