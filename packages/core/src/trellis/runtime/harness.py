@@ -130,18 +130,29 @@ def _role_worker(spec: WorkerSpec, dist: DistInfo) -> RoleWorker:
 
 
 class StageTimer:
-    """``with timer("gen"):`` adds ``timing/gen_s``; ``timer.metrics()`` returns and resets them."""
+    """``with timer("gen"):`` adds ``timing/gen_s``; ``timer.metrics()`` returns and resets them.
+    With CUDA in use it also records, per stage, the peak memory torch allocated in this process
+    (``memory/gen_peak_gib``) and the device memory in use at the stage's end by every allocator and
+    process (``memory/gen_used_gib``: what an engine's own pools hold shows there)."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
             yield
         finally:
             self.times[f"timing/{stage}_s"] = self.times.get(f"timing/{stage}_s", 0.0) + time.perf_counter() - start
+            if cuda:
+                free, total = torch.cuda.mem_get_info()
+                peak = f"memory/{stage}_peak_gib"
+                self.times[peak] = max(self.times.get(peak, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+                self.times[f"memory/{stage}_used_gib"] = (total - free) / 2**30
 
     def metrics(self) -> dict[str, float]:
         out, self.times = self.times, {}
