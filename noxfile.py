@@ -41,6 +41,12 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/sglang",
     ),
     "parity": (["packages/core", "packages/algos"], ["verl==0.9.1"], "tests/parity"),
+    # the FSDP backend is the reference the Megatron one is checked against; ray + rollout-hf run the demo's RL stage
+    "megatron": (
+        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/backend-megatron"],
+        [],
+        "tests/megatron",
+    ),
     # the RL test runs the rl recipe rewarded through the server; the official client is tested against it
     "sandbox": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/sandbox"],

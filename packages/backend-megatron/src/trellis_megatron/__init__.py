@@ -1,0 +1,1 @@
+"""Trellis Megatron-Core backend."""

@@ -1,0 +1,169 @@
+"""Hugging Face <-> Megatron-Core: a ``GPTModel`` (local layer spec) from an HF config, and weights
+both ways through mbridge's name mapping and fused-tensor layout (QKV, gate/up), split over and
+gathered from the tensor-parallel ranks here.
+
+mbridge's own bridges build Transformer-Engine layers and read ``rope_theta`` where transformers 5
+no longer keeps it; the subclasses below swap in Megatron's local (pure PyTorch) layer spec and
+read the RoPE base from ``rope_parameters``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from mbridge.models.llama import LLaMABridge
+from mbridge.models.qwen2 import Qwen2Bridge
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+
+class _LocalSpec:
+    """Mixin for an mbridge bridge: Megatron's local layers (their norms are modules of their own,
+    not fused into the next linear layer), RoPE base from ``rope_parameters``."""
+
+    _OTHER_MAPPING = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._MLP_MAPPING = {"pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"], **cls._MLP_MAPPING}
+
+    def _get_transformer_layer_spec(self, vp_stage=None):
+        return get_gpt_layer_local_spec(qk_layernorm=self.config.qk_layernorm, normalization="RMSNorm")
+
+    def _adjust_mapping_for_shared_weights(self):
+        # mbridge edits the class's mapping in place for tied models; keep the edit per instance
+        self._DIRECT_MAPPING = dict(type(self)._DIRECT_MAPPING)
+        super()._adjust_mapping_for_shared_weights()
+
+    def _get_gptmodel_args(self) -> dict:
+        hf = self.hf_config
+        rope = getattr(hf, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"model rope_parameters.rope_type={rope['rope_type']!r} is not supported by the megatron backend; only 'default' RoPE")
+        base = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        return {
+            "vocab_size": hf.vocab_size,
+            "max_sequence_length": hf.max_position_embeddings,
+            "position_embedding_type": "rope",
+            "rotary_base": base,
+        }
+
+
+class Qwen2Local(_LocalSpec, Qwen2Bridge):
+    """Qwen2 (QKV bias) on local layers."""
+
+
+class LlamaLocal(_LocalSpec, LLaMABridge):
+    """Llama (optional attention bias) on local layers."""
+
+
+BRIDGES = {"qwen2": Qwen2Local, "llama": LlamaLocal}
+
+
+def make_bridge(hf_config, dtype: torch.dtype, vocab_multiple: int, **overrides):
+    """The bridge of ``hf_config``'s family, its vocabulary padded to a multiple of
+    ``vocab_multiple``; ``overrides`` go into Megatron's ``TransformerConfig``."""
+    cls = BRIDGES.get(hf_config.model_type)
+    if cls is None:
+        raise ValueError(
+            f"model.path has model_type={hf_config.model_type!r}, which the megatron backend cannot build; "
+            f"supported: {', '.join(sorted(BRIDGES))} (or use backend.name=fsdp)"
+        )
+    bridge = cls(hf_config, dtype=dtype, make_vocab_size_divisible_by=vocab_multiple)
+    bridge.set_extra_args(**overrides)
+    return bridge
+
+
+def build_gpt(bridge, head: str) -> GPTModel:
+    """This pipeline stage's ``GPTModel``. ``head="value"``: the LM head is replaced by a
+    one-output linear layer (:class:`ValueHead`), HF name ``score.weight``."""
+    pre, post = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+    model = bridge._model_provider([])(pre_process=pre, post_process=post)
+    if head == "value" and post:
+        model.share_embeddings_and_output_weights = False
+        model.output_layer = ValueHead(bridge.config.hidden_size, bridge.dtype)
+    return model
+
+
+class ValueHead(torch.nn.Module):
+    """One value per position, replicated on every tensor-parallel rank (its input is the full
+    hidden state there), called like Megatron's output layer: ``(hidden, **_) -> (values, None)``
+    with values ``(seq, batch, 1)``."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden, self.weight), None
+
+
+def _hf_names(bridge, model) -> dict[str, list[str]]:
+    """Local parameter name -> the HF names it is made of (global layer numbers)."""
+    local_to_global = bridge._weight_name_mapping_mcore_local_to_global(model)
+    out = {}
+    for local, global_name in local_to_global.items():
+        if "_extra_state" in local:
+            continue
+        out[local] = ["score.weight"] if _is_value_head(model, local) else bridge._weight_name_mapping_mcore_to_hf(global_name)
+    return out
+
+
+def _is_value_head(model, name: str) -> bool:
+    return name == "output_layer.weight" and isinstance(getattr(model, "output_layer", None), ValueHead)
+
+
+def load_hf(bridge, model, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy full HF tensors into this rank's shards. Every rank holds (or reads) every tensor it
+    needs and keeps its own tensor-parallel slice, so no collective is needed. Raises on a
+    missing tensor."""
+    tensors = tensors if isinstance(tensors, dict) else dict(tensors)
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    state = model.state_dict()
+    with torch.no_grad():
+        for local, names in _hf_names(bridge, model).items():
+            if local == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False) and "lm_head.weight" not in tensors:
+                names = ["model.embed_tokens.weight"]  # tied: the head is the embedding
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise KeyError(f"weights lack {missing} for the megatron parameter {local}")
+            param = state[local]
+            full = bridge._weight_to_mcore_format(local, [tensors[n] for n in names])
+            shard = bridge._weight_split_across_tp(local, full, param, tp)[tp_rank] if tp > 1 and not _is_value_head(model, local) else full
+            param.copy_(shard.to(param.dtype))
+
+
+def export_hf(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors under HF names, gathered over the tensor-parallel group and broadcast from
+    the pipeline stage that holds each (every rank of the model-parallel group must iterate it
+    to the end; every rank gets every tensor). Tied embeddings yield no ``lm_head.weight``."""
+    from mbridge.core.util import broadcast_from_megatron_pp, broadcast_str_from_megatron_pp
+
+    tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
+    local_to_global = bridge._weight_name_mapping_mcore_local_to_global(model)
+    # the last stage's copy of a tied embedding is not exported: the first stage's is
+    params = [(n, p) for n, p in model.named_parameters() if not (tied and n == "output_layer.weight")]
+    # every stage learns how many parameters each stage holds
+    counts: list = [None] * mpu.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(counts, len(params), group=mpu.get_pipeline_model_parallel_group())
+    mine = iter(params)
+    tp, tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        for stage, count in enumerate(counts):
+            for _ in range(count):
+                local, param = next(mine) if stage == mpu.get_pipeline_model_parallel_rank() else (None, None)
+                key = (local_to_global[local], _is_value_head(model, local)) if local is not None else None
+                name, value_head = broadcast_str_from_megatron_pp(key)
+                tensor = broadcast_from_megatron_pp(param)
+                if value_head:
+                    yield "score.weight", tensor.detach().cpu()
+                    continue
+                if getattr(tensor, "tensor_model_parallel", False) and tp > 1:
+                    parts = [torch.empty_like(tensor) for _ in range(tp)]
+                    dist.all_gather(parts, tensor.contiguous(), group=tp_group)
+                    tensor = bridge._weight_merge_across_tp(name, parts, tensor)
+                for hf_name, value in zip(*bridge._weight_to_hf_format(name, tensor)):
+                    yield hf_name, value.detach().cpu().clone()

@@ -1,0 +1,94 @@
+"""Forward outputs (``trellis.interfaces.backend.OUTPUTS``) from vocabulary-parallel logits: each
+tensor-parallel rank holds ``vocab / tp`` columns and only per-position sums cross ranks (no rank
+ever holds a full-vocabulary row)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from trellis.batch import Batch
+from trellis.interfaces.hf import value_outputs
+
+
+def _tp_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the tensor-parallel group, differentiable (gradient: the same sum)."""
+    group = mpu.get_tensor_model_parallel_group()
+    return dist_fn.all_reduce(t, group=group) if dist.get_world_size(group) > 1 else t
+
+
+def _tp_max(t: torch.Tensor) -> torch.Tensor:
+    """Max over the tensor-parallel group, as a constant (log-softmax does not depend on the shift)."""
+    t = t.detach().clone()
+    group = mpu.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def mask_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``logits`` ``(..., vocab / tp)`` with the columns past the model's true ``vocab_size``
+    (Megatron pads the vocabulary to split it evenly) set to ``-inf``."""
+    local = logits.shape[-1]
+    start = mpu.get_tensor_model_parallel_rank() * local
+    if start + local <= vocab_size:
+        return logits
+    column = torch.arange(start, start + local, device=logits.device)
+    return logits.masked_fill(column >= vocab_size, float("-inf"))
+
+
+def log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log p(token)`` ``(...)`` from vocabulary-parallel ``logits`` ``(..., vocab / tp)``."""
+    # Megatron's cross entropy shifts its input in place: hand it a copy
+    return -vocab_parallel_cross_entropy(logits.clone(), tokens)
+
+
+def _shifted(logits: torch.Tensor):
+    """``(z - max, exp(z - max), log sum exp(z - max))`` with the max and the sum over every rank."""
+    z = logits - _tp_max(logits.max(dim=-1, keepdim=True).values)
+    e = z.exp()
+    return z, e, torch.log(_tp_sum(e.sum(-1)))
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``-sum_v p log p`` ``(...)``: ``log Z - E_p[z]``, from two per-position sums; ``-inf``
+    logits contribute 0."""
+    z, e, log_z = _shifted(logits)
+    mean_z = _tp_sum((e * z.masked_fill(torch.isneginf(z), 0.0)).sum(-1)) / log_z.exp()
+    return log_z - mean_z
+
+
+def sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``sum_v p^2`` ``(...)``: ``sum exp(2 (z - max)) / Z^2``."""
+    _, e, log_z = _shifted(logits)
+    return _tp_sum((e * e).sum(-1)) / (2 * log_z).exp()
+
+
+def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], vocab_size: int) -> dict[str, torch.Tensor]:
+    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` ``(batch, response_len)`` at the response
+    positions (logits divided by ``micro.meta["temperature"]``) and ``label_log_probs``
+    ``(batch, seq_len - 1)``, from vocabulary-parallel ``logits`` ``(batch, seq_len, vocab / tp)``."""
+    logits = mask_padding(logits.float(), vocab_size)
+    out: dict[str, torch.Tensor] = {}
+    if {"log_probs", "entropy", "sum_sq_probs"} & set(outputs):
+        responses = micro["responses"].to(logits.device)
+        scaled = logits[:, -responses.shape[1] - 1 : -1] / float(micro.meta.get("temperature", 1.0))
+        if "log_probs" in outputs:
+            out["log_probs"] = log_probs(scaled, responses)
+        if "entropy" in outputs:
+            out["entropy"] = entropy(scaled)
+        if "sum_sq_probs" in outputs:
+            out["sum_sq_probs"] = sum_sq_probs(scaled)
+    if "label_log_probs" in outputs:
+        out["label_log_probs"] = log_probs(logits[:, :-1], micro["input_ids"][:, 1:].to(logits.device))
+    return out
+
+
+def role_outputs(model_out: torch.Tensor, micro: Batch, outputs: tuple[str, ...], head: str, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The named outputs of the last pipeline stage's output: LM logits or the value head ``(batch, seq_len, 1)``."""
+    if head == "value":
+        return value_outputs(model_out[..., 0], micro, outputs)
+    return lm_outputs(model_out, micro, outputs, vocab_size)
