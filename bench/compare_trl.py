@@ -9,6 +9,8 @@ round, alternating which goes first; a cell is the median step time after the wa
 
 TRL lives in its own venv (``--venv``, made on first use: torch==2.13.0, trl==1.16.0 and the Trellis
 packages this bench needs, editable from this checkout); the bench re-runs itself inside it.
+``--rollout vllm --trellis-python .nox/vllm/bin/python`` runs Trellis with the vLLM rollout from
+the venv that ``nox -s vllm`` made (TRL keeps HF generate).
 
     python bench/compare_trl.py [--length 8] [--size tiny] [--rounds 3] [--steps 8]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -83,7 +86,7 @@ def trl_steps(model: Path, data: Path, prompts: int, n: int, length: int, steps:
     return {"steps": times}
 
 
-def child(framework: str, length: int, steps: int, work: Path, threads: int, tag: str, size: str) -> None:
+def child(framework: str, length: int, steps: int, work: Path, threads: int, tag: str, size: str, rollout: str) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from rl_step import WORK, trellis_steps
 
@@ -91,7 +94,7 @@ def child(framework: str, length: int, steps: int, work: Path, threads: int, tag
     if framework == "trl":
         result = trl_steps(work / size, work / "train.parquet", prompts, n, length, steps, threads)
     else:
-        result = trellis_steps(work / size, work / "train.parquet", prompts, n, length, steps, work / "runs" / f"{tag}", threads)
+        result = trellis_steps(work / size, work / "train.parquet", prompts, n, length, steps, work / "runs" / tag, threads, rollout)
     print("RESULT-JSON " + json.dumps({"steps": result["steps"]}))
 
 
@@ -104,12 +107,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-bench-trl")
+    parser.add_argument("--rollout", default="hf", help="Trellis's rollout engine")
+    parser.add_argument("--trellis-python", default=None, help="the python that runs Trellis (default: the bench venv's)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         framework, steps, work, threads, tag = args.child
-        child(framework, args.length, int(steps), Path(work), int(threads), tag, args.size)
+        child(framework, args.length, int(steps), Path(work), int(threads), tag, args.size, args.rollout)
         return
     if not args.inner:
         python = ensure_venv(args.venv)
@@ -125,11 +130,13 @@ def main() -> None:
     make_tiny_model(work / args.size, task_texts(), seed=0, **SIZES[args.size])
     write_rows(make_arithmetic_split(max(512, WORK[args.size][0] * (args.steps + 1)), 0), work / "train.parquet")
     steps: dict[str, list[float]] = {"trl": [], "trellis": []}
-    common = ["--size", args.size, "--length", str(args.length)]
+    common = ["--size", args.size, "--length", str(args.length), "--rollout", args.rollout]
+    python = {"trl": sys.executable, "trellis": args.trellis_python or sys.executable}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}  # vLLM in-process on CPU
     for r in range(args.rounds):
         for framework in ("trl", "trellis") if r % 2 == 0 else ("trellis", "trl"):
-            cmd = [sys.executable, __file__, *common, "--child", framework, str(args.steps), str(work), str(args.threads), f"r{r}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            cmd = [python[framework], __file__, *common, "--child", framework, str(args.steps), str(work), str(args.threads), f"r{r}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode:
                 raise RuntimeError(f"{framework} failed:\n{proc.stderr[-3000:]}")
             result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT-JSON "))[12:])
@@ -139,8 +146,10 @@ def main() -> None:
     prompts, n = WORK[args.size]
     print(f"\nGRPO step, {args.size} model, {prompts} prompts x {n} samples x <= {args.length} new tokens, {args.threads} threads, "
           f"{args.rounds} interleaved rounds, median of {len(steps['trl'])} steps each (ms)")  # fmt: skip
-    print(f"{'TRL 1.16 GRPOTrainer':<24}{trl:>10.1f}\n{'Trellis':<24}{trellis:>10.1f}\n{'Trellis / TRL':<24}{trellis / trl:>10.2f}x")
-    print(f"RESULT size={args.size} length={args.length} trl_ms={trl:.1f} trellis_ms={trellis:.1f} ratio={trellis / trl:.3f}")
+    for label, ms in (("TRL 1.16 GRPOTrainer", trl), (f"Trellis ({args.rollout})", trellis)):
+        print(f"{label:<24}{ms:>10.1f}")
+    print(f"{'Trellis / TRL':<24}{trellis / trl:>10.2f}x")
+    print(f"RESULT size={args.size} length={args.length} rollout={args.rollout} trl_ms={trl:.1f} trellis_ms={trellis:.1f} ratio={trellis / trl:.3f}")
 
 
 if __name__ == "__main__":

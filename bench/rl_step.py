@@ -41,8 +41,11 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def trellis_steps(model: Path, data: Path, prompts: int, n: int, length: int, steps: int, run_dir: Path, threads: int) -> dict:
-    """The rl recipe for ``steps``; its per-step timings and RSS after each step (a plugin's hook)."""
+def trellis_steps(
+    model: Path, data: Path, prompts: int, n: int, length: int, steps: int, run_dir: Path, threads: int, rollout: str = "hf"
+) -> dict:
+    """The rl recipe for ``steps`` with the ``rollout`` engine; its per-step timings and RSS after
+    each step (a plugin's hook)."""
     from trellis import hookimpl
     from trellis.plugins import load_plugins
     from trellis.recipes.train import train
@@ -60,6 +63,7 @@ def trellis_steps(model: Path, data: Path, prompts: int, n: int, length: int, st
         f"actor.micro_batch_samples={prompts * n}", f"actor.optim.lr={LR}", f"actor.optim.grad_clip={CLIP}",
         "validation.before_train=false", "trainer.val_every_steps=0", "trainer.keep_checkpoints=0",
         f"trainer.total_steps={steps}", f"trainer.threads={threads}", "trainer.trackers=[jsonl]", f"trainer.run_dir={run_dir}",
+        f"rollout.name={rollout}",
     ]  # fmt: skip
     train(None, config, plugins=load_plugins(extra=[("rss", RSS())]))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
