@@ -53,10 +53,18 @@ def test_mask_stops_after_first_eos(engine, make_prompts):
             assert valid == 12
 
 
-def test_log_probs_equal_forward_at_temperature(engine, make_prompts, tiny_model_path):
-    out = engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(n=2, temperature=0.7, max_new_tokens=10, seed=1))
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(n=2, temperature=0.7, max_new_tokens=10, seed=1), SamplingParams(n=2, temperature=1.3, top_k=5, max_new_tokens=10, seed=2),
+     SamplingParams(greedy=True, max_new_tokens=10)],
+    ids=["t0.7", "t1.3-topk", "greedy"],
+)  # fmt: skip
+def test_log_probs_equal_forward_at_temperature(engine, make_prompts, tiny_model_path, params):
+    """Recorded during generation (one step's log-softmax at a time): equal to a forward pass over
+    the sampled tokens, at the sampling temperature (top-k does not renormalise them)."""
+    out = engine.generate(make_prompts(engine.tokenizer, TEXTS), params)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    expected = forward_log_probs(model, out, 0.7) * out["response_mask"]
+    expected = forward_log_probs(model, out, out.meta["temperature"]) * out["response_mask"]
     torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=0)
 
 

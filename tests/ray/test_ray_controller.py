@@ -328,3 +328,128 @@ def test_multiturn_rollout_runs_the_loop_next_to_each_engine(ray_cluster, tiny_m
         assert torch.equal(dealt[key][:, : local[key].shape[1]], local[key]), key
     assert list(dealt["turn_scores"]) == list(local["turn_scores"]) and list(dealt["uid"]) == list(local["uid"])
     assert width == dealt["responses"].shape[1]
+
+
+# -- rollout memory, seeds, context length and rank environment, seen from inside the ranks ---------
+@dataclasses.dataclass
+class RecordingOptions:
+    """The HF rollout's options plus where to record, and a tensor-parallel size to refuse."""
+
+    log_dir: str = ""
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    micro_batch_prompts: int = 0
+    device: str = "auto"
+
+
+def make_recording_engine(spec):
+    """The real HF rollout, recording every interface call in order to a file per rank process
+    (the calls happen inside the Ray ranks, where the test cannot look)."""
+    from trellis.interfaces.rollout import ALL_MEMORY
+    from trellis_hf.engine import HFRollout
+
+    class RecordingHF(HFRollout):
+        def __init__(self, spec) -> None:
+            super().__init__(spec)
+            self.log = os.path.join(spec.options.log_dir, f"{os.getpid()}.jsonl")
+            env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "NCCL_DEBUG", "HF_HOME")}
+            self._record("build", max_len=spec.max_len, env=env)
+
+        def _record(self, call, **info) -> None:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"call": call, **info}) + "\n")
+
+        def generate(self, prompts, params):
+            self._record("generate", seed=params.seed, greedy=params.greedy, prompts=len(prompts))
+            return super().generate(prompts, params)
+
+        def load_weights(self, weights):
+            self._record("load_weights")
+            super().load_weights(weights)
+
+        def sleep(self):
+            self._record("sleep")
+
+        def wake(self, tags=ALL_MEMORY):
+            self._record("wake", tags=list(tags))
+
+        def close(self):
+            self._record("close")
+
+    return RecordingHF(spec)
+
+
+def recording_plugins():
+    plugins = load_plugins()
+    if "recording_hf" not in plugins.registry.names("rollout"):
+        plugins.registry.adding_for("test_ray_controller")
+        plugins.registry.add("rollout", "recording_hf", make_recording_engine, options=RecordingOptions)
+    return plugins
+
+
+def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_cache_for_the_sync(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
+    """Every rank's engine, through the rl recipe: built with the recipe's prompt + response length,
+    sleep after each step's generation, then wake(weights) -> load -> wake(kv_cache) at the sync;
+    per-request seeds (opted in) are the step's base plus each rank's first global sample index;
+    the ranks get LOCAL_RANK from their place on the node and the driver's NCCL_* / HF_HOME; the
+    engines are closed at shutdown."""
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
+
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("LOCAL_RANK", "5")  # as a torchrun-launched driver would have: not the ranks' own
+    logs = tmp_path / "calls"
+    logs.mkdir()
+    data = write_rows(make_arithmetic_split(32, 0, max_value=50), tmp_path / "train.parquet")
+    val = write_rows(make_arithmetic_split(4, 0, split="test", max_value=50), tmp_path / "val.parquet")
+    train(
+        None,
+        [
+            "recipe=rl",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={data}",
+            f"data.val_path={val}",
+            "data.train_batch_prompts=4",
+            "data.max_prompt_length=40",
+            "sampling.n=2",
+            "sampling.max_new_tokens=5",
+            "sampling.seed=11",
+            "rollout.name=recording_hf",
+            f"rollout.log_dir={logs}",
+            "trainer.total_steps=2",
+            "trainer.trackers=[jsonl]",
+            "trainer.controller=ray",
+            "trainer.procs_per_node=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+        plugins=recording_plugins(),
+    )
+    ranks = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(logs.iterdir())]
+    assert len(ranks) == 2
+    builds = [calls[0] for calls in ranks]
+    assert {b["max_len"] for b in builds} == {40 + 5}
+    assert sorted(b["env"]["LOCAL_RANK"] for b in builds) == ["0", "1"]
+    assert all(b["env"]["NCCL_DEBUG"] == "WARN" and b["env"]["HF_HOME"] == str(tmp_path / "hf-home") for b in builds)
+    step = ["generate", "sleep", "wake", "load_weights", "wake"]
+    for calls in ranks:
+        names = [c["call"] for c in calls]
+        # build, validation (greedy, sampled), 2 steps, validation, close
+        assert names == ["build", "generate", "generate", *step, *step, "generate", "generate", "close"]
+        wakes = [c["tags"] for c in calls if c["call"] == "wake"]
+        assert wakes == [["weights"], ["kv_cache"]] * 2
+    # 4 prompts x 2 samples a step, 2 prompts per rank: rank 1's first sample is the step's 4th
+    train_seeds = sorted(c["seed"] for calls in ranks for c in calls[3 : 3 + 2 * len(step)] if c["call"] == "generate")
+    assert train_seeds[:4] == [11, 11 + 4, 11 + 8, 11 + 8 + 4]
+
+
+def test_tensor_parallel_engines_under_ray_are_refused_at_config_time(tiny_model_path, tmp_path):
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
+
+    data = write_rows(make_arithmetic_split(8, 0, max_value=50), tmp_path / "train.parquet")
+    overrides = [f"model.path={tiny_model_path}", f"data.train_path={data}", "rollout.name=recording_hf", "rollout.tensor_parallel_size=2",
+                 "trainer.controller=ray", "trainer.procs_per_node=2", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'rollout.tensor_parallel_size' is 2 with trainer.controller=ray: .* set rollout.tensor_parallel_size=1"):
+        train(None, ["recipe=rl", *overrides], plugins=recording_plugins())
+    assert not (tmp_path / "run").exists()

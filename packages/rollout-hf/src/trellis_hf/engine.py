@@ -1,5 +1,5 @@
-"""Rollout on ``transformers`` generate: n samples per prompt, sampled-token log-probs, in-memory
-weight updates from the actor."""
+"""Rollout on ``transformers`` generate: n samples per prompt, sampled-token log-probs (recorded
+during generation, one step's log-softmax at a time), in-memory weight updates from the actor."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from trellis.batch import Batch
 from trellis.config import ranged
 from trellis.data import left_pad
-from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, pad_id, rollout_batch, stop_ids
 
 _Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]"]  # prompt ids, sampling, result
 
@@ -44,8 +44,8 @@ class HFRollout(RolloutEngine):
         use_cuda = self.opts.device == "cuda" or (self.opts.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[self.opts.dtype]).to(self.device).eval()
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.pad_id = pad_id(self.tokenizer)
+        self.eos_ids = stop_ids(spec.model_path, self.tokenizer, self.model.config)
         self._queue: list[_Request] = []  # async requests waiting for the next batch
         self._server: asyncio.Task | None = None
         self.batch_sizes: deque[int] = deque(maxlen=256)  # sizes of the latest async batches
@@ -67,6 +67,7 @@ class HFRollout(RolloutEngine):
         ids = prompts["input_ids"].repeat_interleave(params.n, dim=0).to(self.device)
         mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0).to(self.device)
         greedy = params.greedy or params.temperature == 0
+        recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids,
@@ -78,14 +79,9 @@ class HFRollout(RolloutEngine):
                 max_new_tokens=params.max_new_tokens,
                 eos_token_id=sorted(self.eos_ids | set(params.stop_token_ids)),
                 pad_token_id=self.pad_id,
-                return_dict_in_generate=True,
-                output_logits=True,
+                logits_processor=LogitsProcessorList([recorder]),
             )
-        tokens = out.sequences[:, ids.shape[1] :]
-        temperature = 1.0 if greedy else params.temperature
-        logits = torch.stack(out.logits, dim=1).float() / temperature
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return tokens.cpu(), log_probs.cpu()
+        return out[:, ids.shape[1] :].cpu(), recorder.result(out).cpu()
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """One sample. Concurrent calls are batched: the requests waiting when a batch starts go
@@ -158,12 +154,32 @@ class HFRollout(RolloutEngine):
                 state[name].copy_(tensor.to(self.device))
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+class _SampledLogProbs(LogitsProcessor):
+    """Records each sampled token's log-prob under softmax(logits / temperature) while ``generate``
+    runs, keeping one step's ``(rows, vocab)`` log-softmax at a time instead of every step's logits
+    (``output_logits=True`` holds ``(rows, steps, vocab)``). Custom processors run before
+    ``generate``'s sampling warpers, so ``scores`` are the raw logits; the token sampled at a step
+    is read from ``input_ids`` at the next call (and from the sequences after the last step)."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # (rows, vocab) of the step whose token is not known yet
+        self.steps: list[torch.Tensor] = []  # (rows, 1) per generated token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1:])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, tokens))
+            self.pending = None
+
+    def result(self, sequences: torch.Tensor) -> torch.Tensor:
+        """``(rows, generated)`` log-probs, given ``generate``'s output sequences."""
+        self._take(sequences[:, -1:])
+        return torch.cat(self.steps, dim=1) if self.steps else sequences.new_zeros((len(sequences), 0), dtype=torch.float32)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:

@@ -22,7 +22,20 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis.interfaces.rollout import (
+    ALL_MEMORY,
+    WEIGHTS,
+    Generation,
+    RolloutEngine,
+    RolloutSpec,
+    SamplingParams,
+    context_length,
+    log_once,
+    pad_id,
+    samples_batch,
+    sleep_skipped,
+    stop_ids,
+)
 from trellis.interfaces.weights import WeightSyncError, check_update, checkpoint_shapes, complete_tied, tied_pairs
 from trellis_sglang.options import SGLangRolloutOptions
 
@@ -30,13 +43,6 @@ log = logging.getLogger("trellis")
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 _SEED_MOD = 2**63 - 1
-_said_once: set[str] = set()
-
-
-def _once(key: str, message: str, *args: Any) -> None:
-    if key not in _said_once:
-        _said_once.add(key)
-        log.warning(message, *args)
 
 
 def make_engine(spec: RolloutSpec) -> RolloutEngine:
@@ -59,7 +65,7 @@ class SGLangRollout(RolloutEngine):
             import sglang
         except ImportError as exc:
             raise ImportError(f"rollout 'sglang' needs SGLang ({exc}); install `sglang` (see the trellis-rollout-sglang README)") from exc
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.expected_shapes = checkpoint_shapes(self.model_path)
@@ -78,8 +84,9 @@ class SGLangRollout(RolloutEngine):
             "log_level": self.opts.log_level,
             "mem_fraction_static": self.opts.mem_fraction_static,
         }
-        if self.opts.context_length:
-            kwargs["context_length"] = self.opts.context_length
+        self.context_length = context_length(spec, self.opts.context_length, hf_config)
+        if self.context_length:
+            kwargs["context_length"] = self.context_length
         max_total = self.opts.max_total_tokens or (CPU_DEFAULT_MAX_TOTAL_TOKENS if self.on_cpu else 0)
         if max_total:
             kwargs["max_total_tokens"] = max_total
@@ -111,16 +118,10 @@ class SGLangRollout(RolloutEngine):
         atexit.unregister(self.engine.shutdown)
         atexit.register(self.close)
 
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        try:
-            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
-        except OSError:
-            eos = hf_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.pad_id = pad_id(self.tokenizer)
+        self.eos_ids = stop_ids(self.model_path, self.tokenizer, hf_config)
 
-        self.asleep = False
+        self.sleeping: set[str] = set()  # memory tags released by sleep() and not resumed yet
         self._closed = False
         self.last_sync_s = 0.0
         self._ids = itertools.count()
@@ -159,14 +160,17 @@ class SGLangRollout(RolloutEngine):
         }
         if seed is not None:
             if not self.seeded:
-                _once("seed", "rollout 'sglang': per-request seeds need SGLang's enable_deterministic_inference "
+                log_once("sglang-seed", "rollout 'sglang': per-request seeds need SGLang's enable_deterministic_inference "
                               "(not available with the torch_native attention of CPU runs); sampling is seeded per engine only")  # fmt: skip
             sampling["sampling_seed"] = seed % _SEED_MOD
         return sampling
 
     def _ready(self, what: str) -> None:
-        if self.asleep:
-            raise RuntimeError(f"rollout 'sglang' is asleep; call wake() before {what}")
+        if self._closed:
+            raise RuntimeError(f"rollout 'sglang' is closed; {what}() needs a new engine")
+        asleep = self.sleeping & {WEIGHTS} if what == "load_weights" else self.sleeping
+        if asleep:
+            raise RuntimeError(f"rollout 'sglang' is asleep ({', '.join(sorted(asleep))}); call wake() before {what}")
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         self._ready("generate")
@@ -180,19 +184,7 @@ class SGLangRollout(RolloutEngine):
         outputs = self._run(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True))
         tokens = [list(o["output_ids"]) for o in outputs]
         log_probs = [_sampled_log_probs(o) for o in outputs]
-        return self._assemble(prompts, params, tokens, log_probs)
-
-    def _assemble(self, prompts: Batch, params: SamplingParams, tokens: list[list[int]], log_probs: list[list[float]]) -> Batch:
-        """Right-pad the samples and lay them out as every engine does (``rollout_batch``)."""
-        width = max((len(t) for t in tokens), default=0)
-        responses = torch.full((len(tokens), width), self.pad_id, dtype=prompts["input_ids"].dtype)
-        lp = torch.zeros(len(tokens), width, dtype=torch.float32)
-        response_mask = torch.zeros(len(tokens), width, dtype=torch.long)
-        for i, (t, p) in enumerate(zip(tokens, log_probs)):
-            responses[i, : len(t)] = torch.tensor(t, dtype=responses.dtype)
-            lp[i, : len(p)] = torch.tensor(p, dtype=torch.float32)
-            response_mask[i, : len(t)] = 1  # SGLang stops at the first stop token and keeps it
-        return rollout_batch(prompts, params, responses, response_mask, lp)
+        return samples_batch(prompts, params, tokens, log_probs, self.pad_id)
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """One sample. Concurrent calls are concurrent SGLang requests, batched by its scheduler; a
@@ -248,24 +240,30 @@ class SGLangRollout(RolloutEngine):
             raise RuntimeError(f"rollout 'sglang': {call} failed: {message}")
 
     # -- sleep / wake --------------------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return bool(self.sleeping)
+
     def sleep(self) -> None:
         """Release the weights and KV cache (GPU with ``enable_memory_saver``); a logged no-op on CPU."""
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
         if not self.sleep_supported:
-            _once("sleep", "rollout 'sglang': sleep/wake is unsupported %s; skipped",
-                  "on CPU (SGLang's memory release needs CUDA)" if self.on_cpu else "with enable_memory_saver off")  # fmt: skip
+            sleep_skipped("sglang", "on CPU (SGLang's memory release needs CUDA)" if self.on_cpu else "with enable_memory_saver off")
             return
-        self._run(self.engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None))
-        self.asleep = True
+        if self.sleeping:
+            return
+        self._run(self.engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=list(ALL_MEMORY)), None))
+        self.sleeping = set(ALL_MEMORY)
 
-    def wake(self) -> None:
+    def wake(self, tags: Iterable[str] = ALL_MEMORY) -> None:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
-        if not self.asleep:
+        tags = [t for t in tags if t in self.sleeping]
+        if not tags:
             return
-        self._run(self.engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None))
-        self.asleep = False
+        self._run(self.engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
+        self.sleeping -= set(tags)
 
 
 def _buckets(items: list[tuple[str, torch.Tensor]], limit: int):

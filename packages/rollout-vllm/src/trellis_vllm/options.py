@@ -17,7 +17,8 @@ class VLLMRolloutOptions:
 
     dtype: weights and compute (``auto``: the model config's, which vLLM turns into float16 for a
         float32 checkpoint on GPU).
-    max_model_len: longest prompt + response in tokens (0: the model's ``max_position_embeddings``).
+    max_model_len: longest prompt + response in tokens (0: the recipe's ``data.max_prompt_length`` +
+        response length, else the model's ``max_position_embeddings``).
     gpu_memory_utilization: GPU only: share of GPU memory for weights, activations and KV cache.
         The default leaves room for the actor colocated in the same process.
     kv_cache_gib: KV-cache size in GiB (0: on GPU from ``gpu_memory_utilization``; on CPU 1 GiB, or
@@ -29,8 +30,9 @@ class VLLMRolloutOptions:
     in_process: run vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
         weight sync hands tensors over in memory.
     enable_sleep_mode: GPU only: allow ``sleep``/``wake`` to free the KV cache and weights.
-    sleep_level: 1 offloads weights to CPU memory and drops the KV cache; 2 drops both (weights
-        must be synced again after ``wake``).
+    sleep_level: 2 (default) drops the weights and KV cache: the rl recipe sends the weights again
+        at every sync anyway; 1 offloads the weights to CPU memory instead (keeps them for an engine
+        woken without a sync).
     max_num_seqs: most sequences per engine step (0: vLLM's default).
     engine_kwargs: any other ``vllm.LLM`` keyword arguments, passed through unchanged.
     """
@@ -45,7 +47,7 @@ class VLLMRolloutOptions:
     executor: str = "uni"
     in_process: bool = True
     enable_sleep_mode: bool = True
-    sleep_level: int = ranged(1, ge=1, le=2)
+    sleep_level: int = ranged(2, ge=1, le=2)
     max_num_seqs: int = ranged(0, ge=0)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

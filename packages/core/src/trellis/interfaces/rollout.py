@@ -1,15 +1,56 @@
-"""Interface of a rollout engine (kind ``rollout``): generation, weight updates, sleep/wake."""
+"""Interface of a rollout engine (kind ``rollout``): generation, weight updates, sleep/wake, close;
+and what every engine shares (stop tokens, the right-padded sample layout, the sync order)."""
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trellis.batch import Batch
+
+log = logging.getLogger("trellis")
+
+WEIGHTS, KV_CACHE = "weights", "kv_cache"  # what ``wake(tags)`` brings back (vLLM's and SGLang's tag names)
+ALL_MEMORY = (WEIGHTS, KV_CACHE)
+_said_once: set[str] = set()
+
+
+def log_once(key: str, message: str, *args: Any) -> None:
+    """A warning said once per process (per ``key``)."""
+    if key not in _said_once:
+        _said_once.add(key)
+        log.warning(message, *args)
+
+
+def sleep_skipped(engine: str, why: str) -> None:
+    """Say once that ``engine`` keeps its memory through sleep/wake, and why (e.g. ``on CPU (...)``)."""
+    log_once(f"sleep:{engine}", "rollout %r: sleep/wake is unsupported %s; skipped, the engine keeps its memory", engine, why)
+
+
+def stop_ids(model_path: str | Path, tokenizer, hf_config=None) -> set[int]:
+    """The model's end-of-sequence ids (its ``generation_config.json``, else its config) plus the
+    tokenizer's EOS: generation stops at any of them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = (hf_config or AutoConfig.from_pretrained(model_path)).eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def pad_id(tokenizer) -> int:
+    """The id responses are right-padded with: the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 @dataclass
@@ -37,12 +78,25 @@ class Generation:
 
 @dataclass
 class RolloutSpec:
-    """What a rollout engine is built from: the model folder, its options and the tokenizer."""
+    """What a rollout engine is built from: the model folder, its options and the tokenizer.
+    max_len: the longest prompt + response the recipe will ask for (0: unknown); an engine sizes
+    its context (vLLM ``max_model_len``, SGLang ``context_length``) from it unless its options say."""
 
     model_path: str
     options: Any
     tokenizer: Any
     seed: int = 0
+    max_len: int = 0
+
+
+def context_length(spec: RolloutSpec, option: int, hf_config) -> int:
+    """The engine's context length: its own option if set, else the recipe's ``max_len`` (capped at
+    the model's ``max_position_embeddings``); 0 leaves the engine's default (the model's maximum)."""
+    if option or not spec.max_len:
+        return option
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    longest = getattr(text, "max_position_embeddings", None)
+    return min(spec.max_len, longest) if longest else spec.max_len
 
 
 def rollout_batch(
@@ -84,6 +138,21 @@ def rollout_batch(
     return out
 
 
+def samples_batch(prompts: Batch, params: SamplingParams, tokens: list[list[int]], log_probs: list[list[float]], pad: int) -> Batch:
+    """``rollout_batch`` from per-sample token lists of an engine that stops at the first stop
+    token and keeps it (vLLM, SGLang): every listed token is a response token (mask 1), then
+    right padding with ``pad``. tokens, log_probs: ``B*n`` lists, prompt i's samples at i*n .. i*n+n-1."""
+    width = max((len(t) for t in tokens), default=0)
+    responses = torch.full((len(tokens), width), pad, dtype=prompts["input_ids"].dtype)
+    lp = torch.zeros(len(tokens), width, dtype=torch.float32)
+    response_mask = torch.zeros(len(tokens), width, dtype=torch.long)
+    for i, (t, p) in enumerate(zip(tokens, log_probs)):
+        responses[i, : len(t)] = torch.tensor(t, dtype=responses.dtype)
+        lp[i, : len(p)] = torch.tensor(p, dtype=torch.float32)
+        response_mask[i, : len(t)] = 1
+    return rollout_batch(prompts, params, responses, response_mask, lp)
+
+
 class RolloutEngine(ABC):
     """A generation engine. Registered as a factory ``make_engine(spec) -> RolloutEngine``."""
 
@@ -107,7 +176,22 @@ class RolloutEngine(ABC):
         """Replace the engine's weights with these full tensors (Hugging Face names), in memory."""
 
     def sleep(self) -> None:
-        """Free what generation holds (KV cache, weights) between rollouts; a no-op if unsupported."""
+        """Free what generation holds (KV cache and weights) between rollouts; a no-op if unsupported."""
 
-    def wake(self) -> None:
-        """Undo ``sleep`` before the next generation."""
+    def wake(self, tags: Iterable[str] = ALL_MEMORY) -> None:
+        """Undo ``sleep`` for ``tags`` (``WEIGHTS``, ``KV_CACHE``): a weight sync wakes the weights
+        alone, loads them, then wakes the KV cache (see :func:`sync_engine`)."""
+
+    def close(self) -> None:
+        """Release the engine (its processes, threads, memory); the controllers call it at shutdown.
+        Calling it twice is harmless."""
+
+
+def sync_engine(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load new weights into a possibly sleeping engine with the least memory at once: wake the
+    weights alone, load, let the trainer's cached blocks go, then wake the KV cache."""
+    engine.wake([WEIGHTS])
+    engine.load_weights(weights)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the export's buffers, before the KV cache takes its share again
+    engine.wake([KV_CACHE])

@@ -92,6 +92,7 @@ def check(cfg: DictConfig, registry) -> None:
     except (RewardError, RegistryError) as exc:
         raise ConfigError(f"config key 'reward': {exc}") from None
     check_inputs(cfg)
+    check_rollout_placement(cfg, registry)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
     world = backend_mesh(cfg, registry).dp
     if samples % world:
@@ -130,6 +131,19 @@ def check(cfg: DictConfig, registry) -> None:
         check_on_policy(cfg, samples)
     if cfg.algorithm.advantage.name in ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline") and cfg.sampling.n < 2:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
+
+
+def check_rollout_placement(cfg: DictConfig, registry) -> None:
+    """Under Ray every rank holds one device and builds its own engine beside its actor shard, so
+    an engine cannot span several devices (tensor parallel): refused here, with the ways out."""
+    _, options = resolve_component(registry, "rollout", cfg.rollout)
+    tp = getattr(options, "tensor_parallel_size", 1)
+    if cfg.trainer.controller == "ray" and tp > 1:
+        raise ConfigError(
+            f"config key 'rollout.tensor_parallel_size' is {tp} with trainer.controller=ray: each Ray rank holds one device "
+            f"and builds its own rollout engine, so an engine cannot span {tp} devices; set rollout.tensor_parallel_size=1 "
+            "(one data-parallel engine per rank), or trainer.controller=local, where the engine spans the machine's devices itself"
+        )
 
 
 def check_on_policy(cfg: DictConfig, samples: int) -> None:
@@ -193,8 +207,9 @@ class RLRecipe:
             actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
             ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref else None  # the actor's micro-batching, no optimizer
             critic = run.spawn("critic", cfg.critic.model_path or cfg.model.path, cfg.critic, objectives={"update": "value"}) if use_critic else None
-            rollout = run.spawn_rollout(actor, tokenizer)
+            rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
+            samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
             start = run.start(roles={"actor": actor, "critic": critic}, state={"data": train, "kl": kl_in_reward})
             if start:
                 rollout.sync_weights(version=start)
@@ -205,7 +220,9 @@ class RLRecipe:
                 run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
             for step in run.steps(start):
                 prompts = train.next_batch()
-                params = SamplingParams(**{**sampling.__dict__, "seed": cfg.seed * 100003 + step})
+                # opt-in per-request seeds: each sample of the run its own (engines add the sample's index in the step)
+                seed = None if sampling.seed is None else sampling.seed + (step - 1) * samples_per_step
+                params = SamplingParams(**{**sampling.__dict__, "seed": seed})
 
                 with timer("gen"):
                     batch = sample(rollout, prompts, params, agent)
@@ -222,6 +239,7 @@ class RLRecipe:
                         greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
                         by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
                         batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
+                rollout.sleep()  # the engines' memory goes to training until the weight sync wakes them
                 with timer("old_log_prob"):
                     old = actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in needs(estimator))
                     batch["old_log_probs"] = old["log_probs"]
@@ -275,7 +293,7 @@ class RLRecipe:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
             agent, _, val = load_data(cfg, ctx.registry, tokenizer)
             reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), ctx.registry, tokenizer)
-            rollout = run.spawn_rollout(run.spawn("actor", cfg.model.path, cfg.actor), tokenizer)
+            rollout = run.spawn_rollout(run.spawn("actor", cfg.model.path, cfg.actor), tokenizer, max_len=longest_sequence(cfg))
             return self.validate(rollout, val, reward_fn, cfg, agent)
 
     @staticmethod
@@ -305,7 +323,7 @@ class RLRecipe:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
         multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
         prompts = val.as_batch()
-        base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.seed)
+        base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.sampling.seed)
         greedy = score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent), reward_fn, agent)
         sampled_params = SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
         sampled = score(sample(rollout, prompts, sampled_params, agent), reward_fn, agent)
@@ -314,6 +332,14 @@ class RLRecipe:
             out["greedy_first_turn_reward_mean"] = greedy.metrics["reward/first_turn_mean"]
             out["first_turn_reward_mean"] = sampled.metrics["reward/first_turn_mean"]
         return out
+
+
+def longest_sequence(cfg: DictConfig) -> int:
+    """The longest prompt + response a run asks its rollout for: the engines' context length."""
+    response = cfg.sampling.max_new_tokens
+    if cfg.multi_turn.enable:  # every turn, model and environment, within the response budget
+        response = cfg.multi_turn.max_response_tokens or response * cfg.multi_turn.max_assistant_turns
+    return cfg.data.max_prompt_length + response
 
 
 def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: AgentSpec | None) -> Batch:

@@ -16,7 +16,7 @@ import torch
 from trellis.batch import Batch
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import Mesh, Route
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.worker import Worker
@@ -110,9 +110,19 @@ class RolloutGroup:
         raise NotImplementedError
 
     def sync_weights(self, version: int) -> None:
-        """Load the actor's current weights; later samples carry ``version``."""
+        """Load the actor's current weights (into sleeping engines too: the weights wake first,
+        then the KV cache, :func:`~trellis.interfaces.rollout.sync_engine`); later samples carry
+        ``version``."""
         self._sync()
         self.version = version
+
+    def sleep(self) -> None:
+        """Every engine frees its KV cache and weights until the next ``sync_weights`` or ``wake``."""
+        raise NotImplementedError
+
+    def wake(self, tags=ALL_MEMORY) -> None:
+        """Every engine takes back the memory ``tags`` name (``weights``, ``kv_cache``)."""
+        raise NotImplementedError
 
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         raise NotImplementedError
@@ -178,11 +188,20 @@ class LocalRollout(RolloutGroup):
         return await self.engine.agenerate(prompt_ids, params)
 
     def _sync(self) -> None:
-        self.engine.load_weights(chain.from_iterable(self.actor.workers[0].export_weights()))
+        sync_engine(self.engine, chain.from_iterable(self.actor.workers[0].export_weights()))
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self, tags=ALL_MEMORY) -> None:
+        self.engine.wake(tags)
 
 
 class LocalController(Controller):
     """World size 1: each role is one worker object in the current process."""
+
+    def __init__(self) -> None:
+        self.engines: list[RolloutEngine] = []  # closed at shutdown
 
     def spawn(self, role: str, make_worker: Callable[[DistInfo], Worker], mesh: Mesh | None = None) -> WorkerGroup:
         if mesh is not None and mesh.world_size != 1:
@@ -192,7 +211,13 @@ class LocalController(Controller):
         return LocalWorkerGroup(role, worker)
 
     def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
-        return LocalRollout(make_engine(), actor)
+        self.engines.append(make_engine())
+        return LocalRollout(self.engines[-1], actor)
+
+    def shutdown(self) -> None:
+        """Close every rollout engine built here (SGLang's scheduler is a subprocess)."""
+        while self.engines:
+            self.engines.pop().close()
 
     def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
         target.workers[0].load_weights(chain.from_iterable(source.workers[0].export_weights()))

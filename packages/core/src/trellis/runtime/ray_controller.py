@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import secrets
 import socket
@@ -22,11 +23,13 @@ from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup
 from trellis.runtime.worker import Worker
+
+log = logging.getLogger("trellis")
 
 
 def _set_env(values: dict[str, str | None]) -> None:
@@ -86,10 +89,11 @@ class RankProcess:
     actor's pool, a rollout engine. Runs as a Ray actor; ``agenerate`` makes it an asyncio actor,
     so every call runs on its event-loop thread, the thread the engine is built and stepped on."""
 
-    def __init__(self, rank: int, threads: int) -> None:
+    def __init__(self, rank: int, threads: int, local_rank: int) -> None:
         import torch
 
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["LOCAL_RANK"] = str(local_rank)  # not the driver's (a torchrun-launched driver has one)
         torch.set_num_threads(threads)
         self.rank = rank
         self.workers: dict[str, Worker] = {}
@@ -132,14 +136,38 @@ class RankProcess:
         return await self.engine.agenerate(prompt_ids, params)
 
     def sync_rollout(self, role: str) -> tuple[None, float]:
-        return _timed(lambda: self.engine.load_weights(chain.from_iterable(self.workers[role].export_weights(all_ranks=True))))
+        return _timed(lambda: sync_engine(self.engine, chain.from_iterable(self.workers[role].export_weights(all_ranks=True))))
+
+    def sleep_rollout(self) -> tuple[None, float]:
+        return _timed(self.engine.sleep)
+
+    def wake_rollout(self, tags: tuple[str, ...]) -> tuple[None, float]:
+        return _timed(self.engine.wake, tags)
+
+    def close(self) -> None:
+        """Close the rollout engine (its subprocesses, memory) before Ray ends this process."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def copy_weights(self, source: str, target: str) -> tuple[None, float]:
         return _timed(lambda: self.workers[target].load_weights(chain.from_iterable(self.workers[source].export_weights(all_ranks=True))))
 
 
+# Passed from the driver to every rank (Ray's runtime env): how collectives find the network, where models are cached.
+FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+FORWARDED_PREFIXES = ("NCCL_",)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's variables the ranks need to agree with it on (``NCCL_*``, ``GLOO_SOCKET_IFNAME``, ``HF_HOME``...)."""
+    return {k: v for k, v in os.environ.items() if k in FORWARDED_ENV or k.startswith(FORWARDED_PREFIXES)}
+
+
 class RayPool:
-    """A placement group of ``world`` bundles and one ``RankProcess`` per bundle."""
+    """``world`` ranks packed by node: one placement group of ``procs_per_node`` bundles per node
+    (``STRICT_PACK``: a node's ranks on one machine, their ranks consecutive), one ``RankProcess``
+    per bundle."""
 
     def __init__(self, ray, name: str, world: int, procs_per_node: int, use_gpu: bool, timeouts: tuple[float, float], threads: int) -> None:
         from ray.util.placement_group import placement_group
@@ -148,19 +176,25 @@ class RayPool:
         timeout_s, self.timeout_s = timeouts  # placement, then every call
         self.ray, self.name = ray, name
         bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK" if world <= procs_per_node else "SPREAD")
+        per_node = min(world, procs_per_node)
+        self.pgs = [placement_group([dict(bundle) for _ in range(per_node)], strategy="STRICT_PACK") for _ in range(world // per_node)]
         try:
-            ray.get(self.pg.ready(), timeout=timeout_s)
+            ray.get([pg.ready() for pg in self.pgs], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(self.pg)
+            for pg in self.pgs:
+                ray.util.remove_placement_group(pg)
             raise RuntimeError(
-                f"Ray could not place pool {name!r} within trainer.ray_timeout_s={timeout_s:g} s: it asks for {world} x {bundle} "
-                f"but the cluster has {ray.available_resources()} available of {ray.cluster_resources()}; lower "
-                f"trainer.procs_per_node / trainer.nnodes or add resources"
+                f"Ray could not place pool {name!r} within trainer.ray_timeout_s={timeout_s:g} s: it asks for {len(self.pgs)} node(s) with "
+                f"{per_node} x {bundle} each but the cluster has {ray.available_resources()} available of {ray.cluster_resources()}; "
+                f"lower trainer.procs_per_node / trainer.nnodes or add resources"
             ) from None
         remote = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(RankProcess)
+        env = {"env_vars": forwarded_env()}
         self.ranks = [
-            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote(i, threads)
+            remote.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[i // per_node], placement_group_bundle_index=i % per_node),
+                runtime_env=env,
+            ).remote(i, threads, 0 if use_gpu else i % per_node)  # Ray shows a rank its own GPU alone, as device 0
             for i in range(world)
         ]
         self.nodes = self.get([r.address.remote() for r in self.ranks], "start")
@@ -233,10 +267,14 @@ class RayRollout(RolloutGroup):
 
     def _deal(self, method: str, prompts: Batch, params: SamplingParams, *extra: Any) -> Batch:
         per_rank = DP_CHUNKS.scatter((prompts,), self.mesh)
-        # each engine group samples its own prompts; offset the seed so groups do not repeat each other
+        # Each engine group samples a contiguous chunk of the prompts. An engine seeds the sample
+        # k of its call with seed + k (vLLM: per prompt seed + i*n, plus the sample index), so
+        # offsetting by the chunk's first global sample index seeds every sample with seed + its
+        # global index, as one engine would: no two samples of a step share a seed.
+        starts = [int(chunk[0]) if len(chunk) else 0 for chunk in DP_CHUNKS.indices(len(prompts), self.mesh.dp)]
         refs = []
         for i, (r, (part,)) in enumerate(zip(self.pool.ranks, per_rank)):
-            seed = None if params.seed is None else params.seed + self.mesh.coords(i)["dp"]
+            seed = None if params.seed is None else params.seed + starts[self.mesh.coords(i)["dp"]] * params.n
             refs.append(getattr(r, method).remote(part, SamplingParams(**{**params.__dict__, "seed": seed}), *extra))
         # groups pad responses to their own longest; gather pads to the longest overall
         return DP_CHUNKS.gather(self.pool.timed(refs, f"rollout.{method}", "rollout"), self.mesh)
@@ -249,6 +287,12 @@ class RayRollout(RolloutGroup):
 
     def _sync(self) -> None:
         self.pool.timed([r.sync_rollout.remote(self.actor_role) for r in self.pool.ranks], "weight sync", self.actor_role)
+
+    def sleep(self) -> None:
+        self.pool.timed([r.sleep_rollout.remote() for r in self.pool.ranks], "rollout.sleep", "rollout")
+
+    def wake(self, tags=ALL_MEMORY) -> None:
+        self.pool.timed([r.wake_rollout.remote(tuple(tags)) for r in self.pool.ranks], "rollout.wake", "rollout")
 
 
 class RayController(Controller):
@@ -342,9 +386,14 @@ class RayController(Controller):
 
     def shutdown(self) -> None:
         for pool in self.pools.values():
+            try:  # engines first: a rank killed with its engine open can leave the engine's processes behind
+                pool.get([r.close.remote() for r in pool.ranks], "closing the rollout engines")
+            except RankFailure as exc:
+                log.warning("%s", exc)
             for r in pool.ranks:
                 self.ray.kill(r)
-            self.ray.util.remove_placement_group(pool.pg)
+            for pg in pool.pgs:
+                self.ray.util.remove_placement_group(pg)
         self.pools.clear()
         if self.started_cluster:
             self.ray.shutdown()
