@@ -86,13 +86,30 @@ def test_update_and_select():
     assert set(s.keys()) == {"log_probs", "score"}
 
 
-def test_trim_drops_all_padding_columns():
-    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
-    b = Batch({"mask": mask, "ids": torch.arange(8).view(2, 4)}, {"tag": ["a", "b"]})
-    t = b.trim("mask", "ids")
-    assert t["ids"].tolist() == [[0, 1], [4, 5]] and t["mask"].shape == (2, 2)
-    left = Batch({"mask": mask.flip(-1), "ids": torch.arange(8).view(2, 4)}).trim("mask", "ids", side="left")
-    assert left["ids"].tolist() == [[2, 3], [6, 7]]
+def test_trim_padding_drops_all_padding_columns_of_sequence_and_response_fields():
+    # left-padded prompts of width 3, right-padded responses of width 3: column 0 and the last
+    # response column are padding in every sample
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0]])
+    responses = torch.tensor([[7, 8, 0], [9, 0, 0]])
+    b = Batch({"attention_mask": mask, "input_ids": torch.arange(12).view(2, 6), "responses": responses, "score": torch.tensor([1.0, 2.0])})
+    t = b.trim_padding()
+    assert t["input_ids"].tolist() == [[1, 2, 3, 4], [7, 8, 9, 10]]
+    assert t["responses"].tolist() == [[7, 8], [9, 0]] and t["score"].tolist() == [1.0, 2.0]
+    # a batch of empty responses keeps one response column, aligned with the sequence's last
+    empty = Batch({"attention_mask": torch.tensor([[1, 1, 0]]), "responses": torch.zeros(1, 2, dtype=torch.long)}).trim_padding()
+    assert empty["attention_mask"].shape == (1, 2) and empty["responses"].shape == (1, 1)
+    # right padding only (SFT rows): the trailing columns go
+    sft = Batch({"attention_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]]), "loss_mask": torch.ones(2, 4)}).trim_padding()
+    assert sft["loss_mask"].shape == (2, 2)
+
+
+def test_split_by_tokens_counts_the_columns_left_after_trimming():
+    # sample 0: prompt of 3 + response of 1; sample 1: prompt of 1 + response of 3 (left/right
+    # padded to 3 + 3): each has 4 tokens, but together they span 6 columns: 2 x 6 = 12 > 8
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
+    b = Batch({"mask": mask})
+    assert [len(g) for g in b.split_by_tokens(8, "mask")] == [1, 1]
+    assert [len(g) for g in b.split_by_tokens(12, "mask")] == [2]
 
 
 def test_split_by_tokens_respects_budget():

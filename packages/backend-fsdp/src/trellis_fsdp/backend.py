@@ -2,10 +2,16 @@
 
 Only the model: build, forwards, backward, optimizer step, checkpoints and weights. Losses come
 from the objective layer through ``trellis.runtime.worker.RoleWorker``.
+
+Memory: the model is built on the meta device and sharded before any weight exists; rank 0 alone
+reads the folder and broadcasts one tensor at a time into the shards. Weight export gathers one
+parameter at a time (cast to the export dtype first). Optimizer state and parameters can leave
+the accelerator while a rollout engine generates (``offload`` / ``onload``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,29 +27,48 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from trellis.batch import Batch
 from trellis.config import ranged
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each
-from trellis.interfaces.hf import forward_outputs, load_hf_model
-from trellis.interfaces.optim import clipped_step, make_optimizer, schedule_step
+from trellis.interfaces.hf import empty_hf_model, forward_outputs, init_non_persistent_buffers, load_hf_model
+from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, make_optimizer, schedule_step
 from trellis.runtime.rng import get_rng_state, set_rng_state
 from trellis_fsdp.distributed import all_reduce_sum, device_for, ensure_process_group
+from trellis_fsdp.offload import HostCopy
+
+log = logging.getLogger("trellis")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# on CUDA: fp32 master weights, bf16 compute, fp32 gradient reduction; on CPU: the weights' dtype throughout
+AUTO_PRECISION = {"cuda": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}, "cpu": {"param_dtype": None, "reduce_dtype": None}}
 
 
 @dataclass
 class FSDPOptions:
-    """dtype: the weights' dtype. param_dtype / reduce_dtype: FSDP2 mixed precision (compute and
-    gradient-reduction dtypes; None = the weights' dtype). entropy_chunk_size: rows of logits per
-    chunk when computing entropy (bounds memory for large vocabularies)."""
+    """dtype: the master weights' dtype (what the optimizer updates; keep float32).
+    param_dtype: the compute dtype FSDP2 casts the gathered weights to (``auto``: bfloat16 on CUDA,
+    the weights' dtype on CPU; None: the weights' dtype). reduce_dtype: the dtype gradients are
+    reduced in over ranks (``auto``: float32 on CUDA; None: FSDP2's default, which is
+    ``param_dtype``, not the weights' dtype). entropy_chunk_size: positions per chunk when
+    log-probs, entropies and ``sum p^2`` are computed from logits (bounds the float32
+    ``(chunk, vocab)`` temporaries; each chunk is recomputed in the backward). padding_free: run
+    each micro-batch as one packed sequence without padding (attention over a block-diagonal
+    mask; pays off with varlen attention kernels, costs ``(tokens, tokens)`` masks with sdpa).
+    optimizer: AdamW kernels (``auto``: fused on CUDA, foreach elsewhere). offload_optimizer /
+    offload_params: while a rollout engine generates, keep this role's optimizer state /
+    parameter shards in host memory (``offload`` / ``onload``)."""
 
     dtype: str = "float32"
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
+    param_dtype: str | None = "auto"
+    reduce_dtype: str | None = "auto"
     activation_checkpointing: bool = False
     entropy_chunk_size: int | None = ranged(2048, ge=1)
+    padding_free: bool = False
+    optimizer: str = "auto"
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
 
 class FSDPBackend(Backend):
@@ -53,31 +78,53 @@ class FSDPBackend(Backend):
         self.spec = spec
         self.opts: FSDPOptions = spec.options if spec.options is not None else FSDPOptions()
         self.device = device_for(spec.dist)
+        self.offloaded: list[HostCopy] = []
 
     # -- set-up -----------------------------------------------------------------------------
+    def _precision(self) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None]:
+        """(weights, compute, reduction) dtypes after ``auto`` is resolved for this device."""
+        auto = AUTO_PRECISION["cuda" if self.device.type == "cuda" else "cpu"]
+        names = {n: getattr(self.opts, n) for n in ("dtype", "param_dtype", "reduce_dtype")}
+        for name, value in names.items():
+            valid = (*DTYPES, "auto", None) if name != "dtype" else tuple(DTYPES)
+            if value not in valid:
+                raise ValueError(f"backend.{name}={value!r} is not a dtype; valid: {', '.join(map(str, valid))}")
+            if value == "auto":
+                names[name] = auto[name]
+        if self.opts.optimizer not in IMPLEMENTATIONS:
+            raise ValueError(f"backend.optimizer={self.opts.optimizer!r} is unknown; valid: {', '.join(IMPLEMENTATIONS)}")
+        if self.spec.trainable and names["dtype"] != "float32":
+            log.warning(
+                "backend.dtype=%s: %s's master weights and optimizer state are %s, so small updates round away; "
+                "keep dtype=float32 and set param_dtype=bfloat16 for low-precision compute",
+                names["dtype"], self.spec.role, names["dtype"],
+            )
+        return tuple(DTYPES[v] if v else None for v in names.values())
+
     def build(self) -> None:
-        for name in ("dtype", "param_dtype", "reduce_dtype"):
-            value = getattr(self.opts, name)
-            if value is not None and value not in DTYPES:
-                raise ValueError(f"backend.{name}={value!r} is not a dtype; valid: {', '.join(DTYPES)}")
+        dtype, param_dtype, reduce_dtype = self._precision()
         self.mesh = ensure_process_group(self.spec.dist)
         torch.manual_seed(self.spec.seed)
-        self.model = load_hf_model(self.spec.model_path, self.spec.head, DTYPES[self.opts.dtype]).to(self.device)
+        # no weights yet: shard the meta-device model, then give each rank room for its shards only
+        self.model = empty_hf_model(self.spec.model_path, self.spec.head, dtype)
         if self.opts.activation_checkpointing and self.spec.trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self._shard()
+        self._shard(MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        self.model.to_empty(device=self.device)
+        init_non_persistent_buffers(self.model)
+        # rank 0 reads the folder; every tensor is broadcast and each rank keeps its shard
+        full = load_hf_model(self.spec.model_path, self.spec.head, dtype).state_dict() if dist.get_rank() == 0 else {}
+        self._set_full_state(full, broadcast=True)
+        del full
+        self.params = list(self.model.parameters())
         self.optimizer = self.scheduler = None
         if self.spec.trainable:
-            self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), self.spec.optim, self.spec.total_steps)
+            self.optimizer, self.scheduler = make_optimizer(self.params, self.spec.optim, self.spec.total_steps, self.opts.optimizer)
             self.model.train()
         else:
             self.model.eval()
 
-    def _shard(self) -> None:
-        mp = MixedPrecisionPolicy(
-            param_dtype=DTYPES[self.opts.param_dtype] if self.opts.param_dtype else None,
-            reduce_dtype=DTYPES[self.opts.reduce_dtype] if self.opts.reduce_dtype else None,
-        )
+    def _shard(self, mp: MixedPrecisionPolicy) -> None:
         # Decoder layers are the classes a model declares it must not split across devices.
         layer_classes = tuple(getattr(self.model, "_no_split_modules", None) or ())
         for module in self.model.modules():
@@ -85,9 +132,17 @@ class FSDPBackend(Backend):
                 fully_shard(module, mesh=self.mesh, mp_policy=mp)
         fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
 
+    def _set_full_state(self, state: dict[str, torch.Tensor], broadcast: bool = False) -> None:
+        """Full tensors into this rank's shards (``broadcast``: rank 0's ``state``, the others pass {})."""
+        self.model.reshard()  # set_model_state_dict needs the sharded layout, which a no_grad forward leaves behind
+        if not broadcast and self.spec.head == "lm" and getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied: the embedding is the head
+        options = StateDictOptions(full_state_dict=True, strict=not broadcast or dist.get_rank() == 0, broadcast_from_rank0=broadcast)
+        set_model_state_dict(self.model, state, options=options)
+
     # -- forward and backward -------------------------------------------------------------------
     def _outputs(self, micro: Batch, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return forward_outputs(self.model, micro, outputs, self.spec.head, self.opts.entropy_chunk_size)
+        return forward_outputs(self.model, micro, outputs, self.spec.head, self.opts.entropy_chunk_size, self.opts.padding_free)
 
     def forward(self, micros: list[Batch], outputs: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
         with torch.no_grad():
@@ -103,7 +158,7 @@ class FSDPBackend(Backend):
         return backward_each(micros, lambda micro: self._outputs(micro, outputs), loss_fn, self.spec.dist.world_size)
 
     def optimizer_step(self) -> dict[str, float]:
-        return clipped_step(list(self.model.parameters()), self.optimizer, self.spec.optim.grad_clip)
+        return clipped_step(self.params, self.optimizer, self.spec.optim.grad_clip)
 
     def lr_step(self) -> float:
         return schedule_step(self.scheduler)
@@ -112,22 +167,62 @@ class FSDPBackend(Backend):
         return all_reduce_sum(values, self.device)
 
     # -- weights ---------------------------------------------------------------------------------------
-    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
-        """Full tensors under Hugging Face names, in buckets of about ``bucket_bytes``. Every rank
-        takes part in the gather; ranks other than 0 get an empty iterator unless ``all_ranks``."""
-        # cpu_offload gathers to rank 0 only; without it every rank receives the full tensors.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks))
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> full shape of every exported tensor, read from the shards (nothing gathered)."""
+        return {name: tuple(t.shape) for name, t in self._state()}
+
+    def _state(self) -> Iterable[tuple[str, torch.Tensor]]:
+        self.model.reshard()
+        return self.model.state_dict(keep_vars=True).items()  # sharded DTensors under Hugging Face names
+
+    def _full_tensors(self, dtype: torch.dtype | None, to_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor gathered alone: the shard cast to ``dtype`` first (a bf16 export moves and
+        holds half the bytes), then all-gathered; the previous one is the caller's to drop."""
+        for name, tensor in self._state():
+            tensor = tensor.detach()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            yield name, tensor.cpu() if to_cpu else tensor
+
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+        """Full tensors under Hugging Face names, in buckets of about ``bucket_bytes``, gathered one
+        tensor at a time as the buckets are consumed (a rank never holds the full model). Every
+        rank takes part in each gather; ranks other than 0 run theirs at once and get an empty
+        iterator unless ``all_ranks`` (then every rank gets the tensors on its device, else on
+        CPU). ``dtype``: cast before the gather (e.g. the rollout engine's bfloat16)."""
+        stream = self._full_tensors(dtype, to_cpu=not all_ranks)
         if dist.get_rank() != 0 and not all_ranks:
+            for _ in stream:  # join rank 0's gathers, keep nothing
+                pass
             return iter(())
-        return _buckets(state.items(), bucket_bytes)
+        return _buckets(stream, bucket_bytes)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors (every rank gets all of them) into this rank's shards."""
-        self.model.reshard()
-        state = dict(weights)
-        if self.spec.head == "lm" and getattr(self.model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # tied: the embedding is the head
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        self._set_full_state(dict(weights))
+
+    # -- memory while generating -----------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move what ``offload_optimizer`` / ``offload_params`` name to host memory (a rollout
+        engine is about to generate); :meth:`onload` brings it back bit for bit."""
+        if self.offloaded:
+            return
+        tensors: list[torch.Tensor] = []
+        if self.opts.offload_params:
+            self.model.reshard()
+            tensors += self.params
+        if self.opts.offload_optimizer and self.optimizer is not None:
+            tensors += [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        self.offloaded = HostCopy.of(tensors)
+
+    def onload(self) -> None:
+        for copy in self.offloaded:
+            copy.restore()
+        if self.offloaded and self.device.type == "cuda":
+            torch.cuda.synchronize()  # the host copies may be freed once the bytes are back
+        self.offloaded = []
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _sharded_state(self) -> dict:
@@ -162,8 +257,13 @@ class FSDPBackend(Backend):
                 self.scheduler.load_state_dict(extra["scheduler"])
             set_rng_state(extra["rng"])
 
+    def close(self) -> None:
+        """Leave the process group (the first role of a process to close ends it for all)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
-def _buckets(items, bucket_bytes: int) -> Iterator[WeightBucket]:
+
+def _buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
     bucket: WeightBucket = []
     size = 0
     for name, tensor in items:

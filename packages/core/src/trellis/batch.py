@@ -156,32 +156,51 @@ class Batch:
         """Valid tokens per sample, ``(batch,)``, from a 0/1 mask ``(batch, seq_len)``."""
         return self.tensors[mask_key].sum(-1)
 
-    def trim(self, mask_key: str, *keys: str, side: str = "right") -> Batch:
-        """Cut the columns of ``keys`` (all ``(batch, seq_len)``, aligned with ``mask_key``) that are
-        padding in every sample, so a micro-batch computes on no more columns than it needs."""
+    def trim_padding(self, mask_key: str = "attention_mask", response_key: str = "responses") -> Batch:
+        """Cut the columns that are padding in every sample, so a micro-batch computes on no more
+        columns than it needs: leading and trailing ones of every ``(batch, seq_len)`` field (the
+        width of ``mask_key``), and, when ``response_key`` ``(batch, response_len)`` is present, the
+        same trailing ones of every ``(batch, response_len)`` field (responses end the sequence;
+        one response column is always kept)."""
         mask = self.tensors[mask_key]
-        used = mask.any(0).nonzero()
+        width = mask.shape[1]
+        used = mask.any(0).nonzero().flatten()
         if used.numel() == 0:
             return self
-        lo, hi = (0, int(used.max()) + 1) if side == "right" else (int(used.min()), mask.shape[1])
-        out = Batch(self.tensors.clone(recurse=False), dict(self.non_tensors), self.meta)
-        for k in (mask_key, *keys):
-            out.tensors[k] = self.tensors[k][:, lo:hi]
-        return out
+        lo, hi = int(used[0]), int(used[-1]) + 1
+        response_width = self.tensors[response_key].shape[1] if response_key in self.tensors.keys() else None
+        if response_width is not None:
+            hi = width - min(width - hi, response_width - 1)
+            lo = min(lo, width - response_width)
+        if (lo, hi) == (0, width):
+            return self
+        tensors = {}
+        for k, t in self.tensors.items():
+            if t.dim() >= 2 and t.shape[1] == width:
+                t = t[:, lo:hi]
+            elif response_width is not None and t.dim() >= 2 and t.shape[1] == response_width:
+                t = t[:, : response_width - (width - hi)]
+            tensors[k] = t
+        return Batch(tensors, self.non_tensors, self.meta)
 
     def split_by_tokens(self, max_tokens: int, mask_key: str) -> list[Batch]:
-        """Micro-batches of consecutive samples whose padded size (samples x longest) stays within
-        ``max_tokens`` (dynamic batching). A sample longer than the budget gets a micro-batch alone."""
-        lengths = self.token_counts(mask_key).tolist()
+        """Micro-batches of consecutive samples whose padded size (samples x the columns they span
+        once :meth:`trim_padding` cuts the all-padding ones) stays within ``max_tokens`` (dynamic
+        batching). A sample longer than the budget gets a micro-batch alone."""
+        mask = self.tensors[mask_key].bool()
+        attended = mask.any(-1)
+        columns = torch.arange(mask.shape[1])
+        first = torch.where(mask, columns, mask.shape[1]).min(-1).values.masked_fill(~attended, 0).tolist()
+        last = torch.where(mask, columns, -1).max(-1).values.tolist()
         groups: list[list[int]] = [[]]
-        longest = 0
-        for i, n in enumerate(lengths):
-            longest_if_added = max(longest, n)
-            if groups[-1] and longest_if_added * (len(groups[-1]) + 1) > max_tokens:
+        lo, hi = 0, -1
+        for i, (a, b) in enumerate(zip(first, last)):
+            new_lo, new_hi = (min(lo, a), max(hi, b)) if groups[-1] else (a, b)
+            if groups[-1] and (new_hi - new_lo + 1) * (len(groups[-1]) + 1) > max_tokens:
                 groups.append([])
-                longest_if_added = n
+                new_lo, new_hi = a, b
             groups[-1].append(i)
-            longest = longest_if_added
+            lo, hi = new_lo, new_hi
         return [self[torch.tensor(g)] for g in groups if g]
 
     def to(self, device: torch.device | str) -> Batch:

@@ -117,8 +117,9 @@ class Backend(ABC):
         """Join the process group, load the model (and optimizer and LR schedule if trainable)."""
 
     @abstractmethod
-    def forward(self, micro: Batch, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """A forward without gradient returning the named ``outputs`` (see :data:`OUTPUTS`)."""
+    def forward(self, micros: list[Batch], outputs: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+        """Forwards without gradient, one per micro-batch, each returning the named ``outputs``
+        (see :data:`OUTPUTS`). Every data-parallel rank gets the same number of micro-batches."""
 
     def forward_backward(self, micros: list[Batch], outputs: tuple[str, ...], loss_fn: LossFn) -> list[dict[str, float]]:
         """For each micro-batch: forward (with gradient), ``loss_fn(micro, outputs)``, backward,
@@ -140,11 +141,29 @@ class Backend(ABC):
         """Each value summed over the data-parallel ranks (unchanged on one rank)."""
         raise NotImplementedError(f"backend {type(self).__name__} does not reduce over ranks")
 
-    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
         """Full (unsharded) weights in Hugging Face names, in buckets of about ``bucket_bytes``.
         Every rank must call it (it gathers shards); rank 0 gets the weights, and with
-        ``all_ranks`` every rank does."""
+        ``all_ranks`` every rank does. ``dtype``: the tensors cast to it (e.g. the rollout
+        engine's); None: the weights' own. A sharded backend should gather one tensor at a time
+        as the buckets are consumed, so no rank ever holds the whole model."""
         raise NotImplementedError(f"backend {type(self).__name__} does not export weights")
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> full shape of each tensor :meth:`export_weights` yields, in the same order,
+        without gathering anything (an engine checks names and shapes before a streamed update)."""
+        return {name: tuple(t.shape) for bucket in self.export_weights(all_ranks=True) for name, t in bucket}
+
+    def offload(self) -> None:
+        """A rollout engine is about to generate on this device: move whatever the backend's
+        options say (optimizer state, parameters) to host memory. Default: nothing."""
+
+    def onload(self) -> None:
+        """Bring back what :meth:`offload` moved, unchanged. Default: nothing."""
+
+    def close(self) -> None:
+        """Release what ``build`` acquired beyond memory (e.g. leave the process group) at the end
+        of a run. Default: nothing."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the model's weights with these full tensors (Hugging Face names), in memory;

@@ -1,51 +1,66 @@
-"""Helpers for backends that run Hugging Face models: load a folder with the role's head, and the
-forward outputs (``trellis.interfaces.backend.OUTPUTS``) from its logits or value head, so no
-backend repeats the slicing."""
+"""Helpers for backends that run Hugging Face models: build or load a folder's model with the
+role's head, and the forward outputs (``trellis.interfaces.backend.OUTPUTS``) from its logits or
+value head, padded or padding-free (packed), so no backend repeats the slicing."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from trellis.batch import Batch
 
 
-def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
+def _float(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits in float32 (or wider), divided by the sampling temperature."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def _entropy_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``-sum_v p log p`` over the last dim, in float32 (or wider), from ``log_softmax`` so large
     logits do not overflow; ``-inf`` logits (banned tokens) contribute 0 instead of ``nan``."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    log_p = torch.log_softmax(logits, dim=-1)
+    log_p = torch.log_softmax(_float(logits, temperature), dim=-1)
     p = log_p.exp()
     log_p = log_p.masked_fill(torch.isneginf(log_p), 0.0)
     return -(p * log_p).sum(dim=-1)
 
 
-def _sum_sq_rows(logits: torch.Tensor) -> torch.Tensor:
+def _sum_sq_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``sum_v p^2`` over the last dim, in float32 (or wider), from ``log_softmax`` so large
     logits neither overflow nor lose precision; ``-inf`` logits contribute 0."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.exp(2.0 * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
+    return torch.exp(2.0 * torch.log_softmax(_float(logits, temperature), dim=-1)).sum(dim=-1)
 
 
-def _by_rows(rows_fn, logits: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
-    """``rows_fn`` ``(..., vocab) -> (...)`` over ``chunk_size`` positions at a time (all at once
-    for None); each chunk is checkpointed when a gradient is needed."""
-    if chunk_size is None:
-        return rows_fn(logits)
-    if chunk_size <= 0:
+def _log_prob_rows(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log p(token)`` of each row: the token's logit minus the row's ``logsumexp`` (no
+    ``(rows, vocab)`` log-softmax is kept), in float32 (or wider)."""
+    scaled = _float(logits, temperature)
+    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+def _by_rows(rows_fn, logits: torch.Tensor, chunk_size: int | None, *per_row: torch.Tensor) -> torch.Tensor:
+    """``rows_fn(rows (k, vocab), *per_row (k,)) -> (k,)`` over ``chunk_size`` positions at a time
+    (all at once for None); each chunk is checkpointed when a gradient is needed, so at most one
+    chunk's float32 ``(chunk, vocab)`` temporaries exist at once, in the forward and the backward."""
+    if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     rows = logits.reshape(-1, logits.shape[-1])
+    extras = [t.reshape(-1) for t in per_row]
+    if chunk_size is None:
+        return rows_fn(rows, *extras).reshape(logits.shape[:-1])
     keep_graph = torch.is_grad_enabled() and rows.requires_grad
-    parts = [
-        checkpoint(rows_fn, chunk, use_reentrant=False) if keep_graph else rows_fn(chunk)
-        for chunk in rows.split(chunk_size, dim=0)
-    ]
+    parts = []
+    for start in range(0, rows.shape[0], chunk_size):
+        args = [t[start : start + chunk_size] for t in (rows, *extras)]
+        parts.append(checkpoint(rows_fn, *args, use_reentrant=False) if keep_graph else rows_fn(*args))
     out = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.promote_types(rows.dtype, torch.float32))
     return out.reshape(logits.shape[:-1])
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the categorical distribution of every position: ``(..., vocab) -> (...)``.
 
     The result is float32 (float64 for float64 logits). With ``chunk_size``, rows (positions) are
@@ -53,38 +68,52 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> 
     temporaries exist at once; when a gradient is needed, each chunk is checkpointed (its softmax is
     recomputed in the backward pass instead of kept), which is what bounds memory in training.
     """
-    return _by_rows(_entropy_rows, logits, chunk_size)
+    return _by_rows(functools.partial(_entropy_rows, temperature=temperature), logits, chunk_size)
 
 
-def sum_sq_probs_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+def sum_sq_probs_from_logits(logits: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
     """``sum_v p_v^2`` of the categorical distribution of every position: ``(..., vocab) -> (...)``
     (the optimal token baseline's path-variance term), chunked as :func:`entropy_from_logits`."""
-    return _by_rows(_sum_sq_rows, logits, chunk_size)
+    return _by_rows(functools.partial(_sum_sq_rows, temperature=temperature), logits, chunk_size)
 
 
-def _gather(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """``log p(tokens)`` ``(...)`` under ``logits / temperature`` ``(..., vocab)``, as gather minus
+    logsumexp, chunked as :func:`entropy_from_logits`."""
+    return _by_rows(functools.partial(_log_prob_rows, temperature=temperature), logits, chunk_size, tokens)
 
 
-def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], entropy_chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+def _response_rows(logits: torch.Tensor, tokens: torch.Tensor, outputs: tuple[str, ...], temperature: float, chunk_size: int | None):
+    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` of rows of logits ``(..., vocab)`` that
+    predict ``tokens`` ``(...)``."""
+    out: dict[str, torch.Tensor] = {}
+    if "log_probs" in outputs:
+        out["log_probs"] = token_log_probs(logits, tokens, chunk_size, temperature)
+    if "entropy" in outputs:
+        out["entropy"] = entropy_from_logits(logits, chunk_size, temperature)
+    if "sum_sq_probs" in outputs:
+        out["sum_sq_probs"] = sum_sq_probs_from_logits(logits, chunk_size, temperature)
+    return out
+
+
+RESPONSE_OUTPUTS = ("log_probs", "entropy", "sum_sq_probs")
+
+
+def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], chunk_size: int | None = None) -> dict[str, torch.Tensor]:
     """``log_probs`` / ``entropy`` / ``sum_sq_probs`` ``(batch, response_len)`` at the response positions (logits
     divided by ``micro.meta["temperature"]``) and ``label_log_probs`` ``(batch, seq_len - 1)``,
     from a causal LM's ``logits`` ``(batch, positions, vocab)``: every position, or (without
-    ``label_log_probs``) at least the last ``response_len + 1``."""
+    ``label_log_probs``) at least the last ``response_len + 1``. ``chunk_size`` bounds the float32
+    temporaries (see :func:`entropy_from_logits`)."""
     out: dict[str, torch.Tensor] = {}
-    if {"log_probs", "entropy", "sum_sq_probs"} & set(outputs):
+    if set(RESPONSE_OUTPUTS) & set(outputs):
         responses = micro["responses"].to(logits.device)
         n = responses.shape[1]
-        scaled = logits[:, -n - 1 : -1].float() / float(micro.meta.get("temperature", 1.0))
-        if "log_probs" in outputs:
-            out["log_probs"] = _gather(torch.log_softmax(scaled, dim=-1), responses)
-        if "entropy" in outputs:
-            out["entropy"] = entropy_from_logits(scaled, entropy_chunk_size)
-        if "sum_sq_probs" in outputs:
-            out["sum_sq_probs"] = sum_sq_probs_from_logits(scaled, entropy_chunk_size)
+        temperature = float(micro.meta.get("temperature", 1.0))
+        out.update(_response_rows(logits[:, -n - 1 : -1], responses, outputs, temperature, chunk_size))
     if "label_log_probs" in outputs:
         labels = micro["input_ids"][:, 1:].to(logits.device)
-        out["label_log_probs"] = _gather(torch.log_softmax(logits[:, :-1].float(), dim=-1), labels)
+        out["label_log_probs"] = token_log_probs(logits[:, :-1], labels, chunk_size)
     return out
 
 
@@ -97,26 +126,127 @@ def value_outputs(head: torch.Tensor, micro: Batch, outputs: tuple[str, ...]) ->
         out["values"] = head[:, -n - 1 : -1].float()
     if "scores" in outputs:
         last = micro["attention_mask"].to(head.device).cumsum(-1).argmax(-1)
-        out["scores"] = _gather(head, last).float()
+        out["scores"] = head.gather(-1, last.unsqueeze(-1)).squeeze(-1).float()
     return out
+
+
+def _model_class(head: str):
+    return AutoModelForTokenClassification if head == "value" else AutoModelForCausalLM
+
+
+def _head_kwargs(head: str) -> dict:
+    return {"num_labels": 1} if head == "value" else {}
 
 
 def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     """The model of a Hugging Face folder: a causal LM (head ``lm``) or the same body with a
     one-label token-classification head (``value``: critic, reward model); KV cache off."""
-    if head == "value":
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = _model_class(head).from_pretrained(path, dtype=dtype, **_head_kwargs(head))
     model.config.use_cache = False
     return model
 
 
+def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The same model as :func:`load_hf_model` built from the folder's ``config.json`` alone, on
+    the meta device: no weights read, no memory taken (shard it, then materialise and load)."""
+    config = AutoConfig.from_pretrained(path, **_head_kwargs(head))
+    with torch.device("meta"):
+        model = _model_class(head).from_config(config, dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def init_non_persistent_buffers(model: torch.nn.Module) -> list[str]:
+    """Recompute the buffers a checkpoint does not hold (rotary ``inv_freq``...) after a meta-device
+    build was materialised with ``to_empty``; returns their names. Raises if one cannot be."""
+    names = []
+    for module_name, module in model.named_modules():
+        own = [b for b in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, b, None) is not None]
+        if not own:
+            continue
+        # transformers' own initialiser knows each rotary variant (default, dynamic, yarn...)
+        model._init_weights(module)
+        names += [f"{module_name}.{b}" if module_name else b for b in own]
+    for name in names:
+        value = model.get_buffer(name)
+        if not torch.isfinite(value).all():
+            raise RuntimeError(f"buffer {name!r} of {type(model).__name__} is not recomputed after a meta-device build; use a folder load instead")
+    return names
+
+
+def _packed_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One row of every sample's attended tokens back to back, with each sample's own positions
+    (restarting at 0, from which transformers builds a block-diagonal causal mask), plus the
+    ``(batch, seq_len)`` bool mask of attended tokens and their index in the packed row (-1 else)."""
+    mask = micro["attention_mask"].bool()
+    index = torch.full(mask.shape, -1, dtype=torch.long)
+    index[mask] = torch.arange(int(mask.sum()))
+    inputs = {"input_ids": micro["input_ids"][mask][None].to(device), "position_ids": micro["position_ids"][mask][None].to(device)}
+    return inputs, mask, index
+
+
+def _unpack(rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Rows ``(k,)`` back into a zero ``where``-shaped layout at its True entries (differentiable)."""
+    return rows.new_zeros(where.shape).masked_scatter(where.to(rows.device), rows)
+
+
+def packed_outputs(
+    model: torch.nn.Module, micro: Batch, outputs: tuple[str, ...], head: str, chunk_size: int | None = None
+) -> dict[str, torch.Tensor]:
+    """:func:`forward_outputs` without padding: the micro-batch's attended tokens run as one packed
+    sequence, and only the positions that predict a real token go through the LM head. The
+    results equal the padded forward's at every attended position and are 0 at padding. Needs
+    each sample's ``position_ids`` to count 0, 1, 2... over its attended tokens."""
+    device = next(model.parameters()).device
+    inputs, mask, index = _packed_inputs(micro, device)
+    if head == "value":
+        return value_outputs(_unpack(model(**inputs).logits[0, :, 0], mask), micro, outputs)
+    out: dict[str, torch.Tensor] = {}
+    if "label_log_probs" in outputs:
+        where = mask[:, 1:] & mask[:, :-1]
+        logits = model(**inputs, logits_to_keep=index[:, :-1][where].to(device)).logits[0]
+        labels = micro["input_ids"][:, 1:][where].to(device)
+        out["label_log_probs"] = _unpack(token_log_probs(logits, labels, chunk_size), where)
+        # the response rows are a subset of the label rows: reuse them
+        if set(RESPONSE_OUTPUTS) & set(outputs):
+            full = index.new_full(mask.shape, -1)
+            full[:, :-1][where] = torch.arange(int(where.sum()))
+            out.update(_packed_response(logits, full, micro, outputs, chunk_size))
+        return out
+    n = micro["responses"].shape[1]
+    where = mask[:, -n:]
+    logits = model(**inputs, logits_to_keep=index[:, -n - 1 : -1][where].to(device)).logits[0]
+    rows = torch.full(mask.shape, -1, dtype=torch.long)
+    rows[:, -n - 1 : -1][where] = torch.arange(int(where.sum()))
+    return _packed_response(logits, rows, micro, outputs, chunk_size)
+
+
+def _packed_response(
+    logits: torch.Tensor, rows: torch.Tensor, micro: Batch, outputs: tuple[str, ...], chunk_size: int | None
+) -> dict[str, torch.Tensor]:
+    """Response outputs ``(batch, response_len)`` from packed logits ``(k, vocab)``; ``rows``
+    ``(batch, seq_len)`` gives the logits row at each position (-1: none)."""
+    n = micro["responses"].shape[1]
+    where = micro["attention_mask"][:, -n:].bool()
+    picked = logits[rows[:, -n - 1 : -1][where].to(logits.device)]
+    tokens = micro["responses"][where].to(logits.device)
+    out = _response_rows(picked, tokens, outputs, float(micro.meta.get("temperature", 1.0)), chunk_size)
+    return {k: _unpack(v, where) for k, v in out.items() if k in RESPONSE_OUTPUTS}
+
+
 def forward_outputs(
-    model: torch.nn.Module, micro: Batch, outputs: tuple[str, ...], head: str, entropy_chunk_size: int | None = None
+    model: torch.nn.Module,
+    micro: Batch,
+    outputs: tuple[str, ...],
+    head: str,
+    chunk_size: int | None = None,
+    padding_free: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run ``model`` on the micro-batch's ``input_ids``, ``attention_mask``, ``position_ids`` (moved
-    to the model's device) and return the named ``outputs``."""
+    to the model's device) and return the named ``outputs``; ``padding_free``: as one packed
+    sequence (:func:`packed_outputs`)."""
+    if padding_free:
+        return packed_outputs(model, micro, outputs, head, chunk_size)
     device = next(model.parameters()).device
     inputs = {k: micro[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     if head == "value":
@@ -125,4 +255,4 @@ def forward_outputs(
         # only the positions that predict response tokens go through the LM head (vocab-wide
         # logits over the prompt would be computed and thrown away)
         inputs["logits_to_keep"] = micro["responses"].shape[1] + 1
-    return lm_outputs(model(**inputs).logits, micro, outputs, entropy_chunk_size)
+    return lm_outputs(model(**inputs).logits, micro, outputs, chunk_size)

@@ -48,8 +48,15 @@ class Plan:
         size = self.mini_batch_samples // dp_size if self.mini_batch_samples else len(batch)
         return batch.split(max(size, 1))
 
+    def one_update(self, samples: int) -> bool:
+        """Whether a step of ``samples`` samples (over all ranks) gets exactly one optimizer step."""
+        return self.epochs == 1 and self.mini_batch_samples in (0, samples)
+
     def micro_batches(self, batch: Batch, mask_key: str = "attention_mask") -> list[Batch]:
-        """Micro-batches of ``micro_batch_samples``, or by token budget over ``mask_key``."""
+        """Micro-batches of ``micro_batch_samples``, or by token budget over ``mask_key``; the
+        columns that are padding in all of a micro-batch's samples are cut (``Batch.trim_padding``)."""
         if self.max_tokens_per_micro_batch > 0 and mask_key in batch:
-            return batch.split_by_tokens(self.max_tokens_per_micro_batch, mask_key)
-        return batch.split(self.micro_batch_samples or max(len(batch), 1))
+            micros = batch.split_by_tokens(self.max_tokens_per_micro_batch, mask_key)
+        else:
+            micros = batch.split(self.micro_batch_samples or max(len(batch), 1))
+        return [m.trim_padding(mask_key) if mask_key in m else m for m in micros]

@@ -27,6 +27,8 @@ from trellis.runtime.plan import Plan
 
 # role -> its model's head: a causal LM, or one value per token
 ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "value"}
+# a micro-batch's meta key marking a zero-weight copy that keeps the ranks' collectives in step
+PADDING = "zero_weight_padding"
 # training verbs: the objective's loss is minimised (update) or only reported (sft_eval)
 TRAINING_VERBS = ("update", "sft_update", "sft_eval", "preference_update")
 FORWARD_ROUTES = {
@@ -34,7 +36,11 @@ FORWARD_ROUTES = {
     "values": Route(DP_SPLIT, (*MODEL_INPUTS, "responses")),
     "score": Route(DP_SPLIT, MODEL_INPUTS),
     "export_weights": Route(RANK0),
+    "weight_shapes": Route(RANK0),
     "load_weights": Route(ALL),
+    "offload": Route(ALL),
+    "onload": Route(ALL),
+    "close": Route(ALL),
     "save": Route(ALL),
     "load": Route(ALL),
 }
@@ -109,9 +115,33 @@ class RoleWorker(Worker):
         return routes
 
     # -- forwards ------------------------------------------------------------------------------
+    def _micro_batches(self, batch: Batch) -> tuple[list[Batch], int]:
+        """This rank's micro-batches of ``batch`` and how many of them are real. With a token
+        budget each rank cuts its own number, but a sharded backend runs collectives in every
+        forward and backward: all data-parallel ranks are padded to the largest count with
+        zero-weight one-sample micro-batches (marked ``PADDING``), so none waits forever."""
+        micros = self.plan.micro_batches(batch)
+        real = len(micros)
+        dist = self.spec.dist
+        if self.plan.max_tokens_per_micro_batch > 0 and dist.dp_size > 1 and micros:
+            # the maximum through the one collective every backend has: each rank fills its own slot
+            counts = self.backend.all_reduce_sum([float(real) if r == dist.dp_rank else 0.0 for r in range(dist.dp_size)])
+            pad = micros[-1][[0]]
+            pad.meta[PADDING] = True
+            micros += [pad] * (int(max(counts)) - real)
+        return micros, real
+
     def _forward(self, batch: Batch, outputs: tuple[str, ...]) -> Batch:
-        parts = self.backend.forward(self.plan.micro_batches(batch), outputs)
-        return Batch({k: torch.cat([p[k] for p in parts]) for k in outputs})
+        micros, real = self._micro_batches(batch)
+        parts = self.backend.forward(micros, outputs)[:real]
+        if "responses" not in batch or "attention_mask" not in batch:
+            return Batch({k: torch.cat([p[k] for p in parts]) for k in outputs})
+        # micro-batches come back as wide as their trimmed responses: pad to the batch's again,
+        # with 0 at every padding position whichever way the micro-batches were cut
+        width = batch["responses"].shape[1]
+        attended = batch["attention_mask"][:, -width:].bool()
+        out = {k: torch.cat([_right_pad(p[k], width) for p in parts]) for k in outputs}
+        return Batch({k: v.masked_fill(~attended, 0) if v.dim() == 2 else v for k, v in out.items()})
 
     def log_prob(self, batch: Batch, with_entropy: bool = False, with_sum_sq_probs: bool = False) -> Batch:
         """``log_probs`` (and ``entropy``, ``sum_sq_probs``) ``(batch, response_len)`` of the
@@ -147,15 +177,22 @@ class RoleWorker(Worker):
         steps once per call. Summed metrics (the objective's losses) add up the micro-batches'
         shares over ranks; the others are averaged."""
         objective = self._objective(verb)
+        on_policy = self._on_policy(objective, batch)
+        outputs = objective.outputs + ("entropy",) * (on_policy and "entropy" not in objective.outputs)
         seed = self.spec.seed * 1000003 + 7919 * (int(batch.meta.get("step", 1)) - 1)
         metrics: dict[str, list[float]] = defaultdict(list)
         for epoch in range(self.plan.epochs):
             for mini in self.plan.mini_batches(batch, self.spec.dist.dp_size, epoch, seed):
                 agg = self._global_counts(objective, mini)
-                micros = [objective.rows(m) for m in self.plan.micro_batches(mini)]
-                per_micro = self.backend.forward_backward(micros, objective.outputs, functools.partial(_loss, objective, agg=agg))
+                micros, real = self._micro_batches(mini)
+                micros = [objective.rows(m) for m in micros]
+                loss_fn = functools.partial(_loss, objective, agg=agg, on_policy=on_policy)
+                per_micro = self.backend.forward_backward(micros, outputs, loss_fn)[:real]
+                if on_policy:  # the entropy of the policy that sampled, as the old-log-prob pass would report it
+                    total, tokens = self.backend.all_reduce_sum([sum(m.pop(k) for m in per_micro) for k in ENTROPY_SUMS])
+                    metrics["entropy"].append(total / max(tokens, 1.0))
                 summed = sorted({k for m in per_micro for k in m} & objective.summed)
-                for k, v in zip(summed, self.backend.all_reduce_sum([sum(m[k] for m in per_micro) for k in summed])):
+                for k, v in zip(summed, self.backend.all_reduce_sum([sum(m.get(k, 0.0) for m in per_micro) for k in summed])):
                     metrics[k].append(v)
                 for k in sorted({k for m in per_micro for k in m} - objective.summed):
                     values = [m[k] for m in per_micro if k in m]
@@ -165,9 +202,26 @@ class RoleWorker(Worker):
         metrics["lr"].append(self.backend.lr_step())
         return {f"{prefix}/{k}": sum(v) / len(v) for k, v in metrics.items()}
 
+    def _on_policy(self, objective: Any, batch: Batch) -> bool:
+        """Whether this update takes its old log-probs from its own first forward (the batch has
+        none, and the objective needs them): exact only with one optimizer step per batch, when
+        that forward runs on the weights that would have computed them."""
+        if "old_log_probs" not in objective.inputs or "old_log_probs" in batch:
+            return False
+        samples = len(batch) * self.spec.dist.dp_size
+        if not self.plan.one_update(samples):
+            raise ValueError(
+                f"{self.spec.role}.update got no old_log_probs: they can come from the update's own forward only with one "
+                f"optimizer step per batch, but ppo_epochs={self.plan.epochs} and mini_batch_samples={self.plan.mini_batch_samples} "
+                f"for {samples} samples; run log_prob first (the recipe does when it updates more than once)"
+            )
+        return True
+
     def update(self, batch: Batch) -> dict[str, float]:
         """Train on this rank's share of the step (``batch.meta["step"]`` seeds the shuffle);
-        metrics ``<role>/...``."""
+        metrics ``<role>/...``. Without ``old_log_probs`` in the batch (one optimizer step per
+        batch only) they are the update's own first forward, detached, and ``<role>/entropy`` is
+        that forward's token-mean entropy."""
         return self._train("update", batch, self.spec.role)
 
     def sft_update(self, batch: Batch) -> dict[str, float]:
@@ -183,15 +237,36 @@ class RoleWorker(Worker):
         """The objective's loss on ``batch`` without training (held-out loss): ``val/loss``."""
         objective = self._objective("sft_eval")
         agg = self._global_counts(objective, batch)
-        micros = [objective.rows(m) for m in self.plan.micro_batches(batch)]
+        micros, real = self._micro_batches(batch)
+        micros = [objective.rows(m) for m in micros]
         with torch.no_grad():
-            total = sum(float(objective.loss(m, out, agg)[0]) for m, out in zip(micros, self.backend.forward(micros, objective.outputs)))
+            outs = self.backend.forward(micros, objective.outputs)
+            total = sum(float(objective.loss(m, out, agg)[0]) for m, out in zip(micros[:real], outs[:real]))
         return {"val/loss": self.backend.all_reduce_sum([total])[0]}
 
     # -- weights and state -----------------------------------------------------------------------
-    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
-        """Full weights in Hugging Face names, in buckets (see ``Backend.export_weights``)."""
-        return self.backend.export_weights(bucket_bytes, all_ranks)
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+        """Full weights in Hugging Face names, in buckets, cast to ``dtype`` if given (see
+        ``Backend.export_weights``)."""
+        if dtype is None:  # backends written before the dtype argument still export
+            return self.backend.export_weights(bucket_bytes, all_ranks)
+        return self.backend.export_weights(bucket_bytes, all_ranks, dtype=dtype)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> full shape of every exported tensor, without gathering (checked before a sync)."""
+        return self.backend.weight_shapes()
+
+    def offload(self) -> None:
+        """Free accelerator memory for generation as the backend's options say (optimizer state,
+        parameters); :meth:`onload` undoes it exactly."""
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
+    def close(self) -> None:
+        """End of the run: the backend leaves its process group."""
+        self.backend.close()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the model's weights in memory (e.g. ref <- actor)."""
@@ -204,8 +279,29 @@ class RoleWorker(Worker):
         self.backend.load(Path(path))
 
 
-def _loss(objective: Any, micro: Batch, outputs: dict[str, torch.Tensor], agg: Any) -> tuple[torch.Tensor, dict[str, float]]:
-    return objective.loss(micro, outputs, agg)
+# per-micro-batch sums behind the on-policy update's entropy metric
+ENTROPY_SUMS = ("_entropy_sum", "_entropy_tokens")
+
+
+def _loss(objective: Any, micro: Batch, outputs: dict[str, torch.Tensor], agg: Any, on_policy: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    if micro.meta.get(PADDING):
+        # no weight, but a graph through every parameter, so the backward's collectives still run
+        return sum(v.sum() for v in outputs.values()) * 0.0, {}
+    extra: dict[str, float] = {}
+    if on_policy:
+        micro["old_log_probs"] = outputs["log_probs"].detach()
+        mask = micro["response_mask"].to(outputs["entropy"].device)
+        extra = dict(zip(ENTROPY_SUMS, (float((outputs["entropy"].detach() * mask).sum()), float(mask.sum()))))
+        outputs = {k: outputs[k] for k in objective.outputs}
+    loss, metrics = objective.loss(micro, outputs, agg)
+    return loss, {**metrics, **extra}
+
+
+def _right_pad(t: torch.Tensor, width: int | None) -> torch.Tensor:
+    """A ``(batch, w)`` output zero-padded on the right to ``(batch, width)``."""
+    if width is None or t.dim() < 2 or t.shape[1] >= width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
 def build_worker(

@@ -51,8 +51,8 @@ class PlainBackend(Backend):
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return list(values)
 
-    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
-        yield [(name, tensor.detach().clone()) for name, tensor in self.model.state_dict().items()]
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+        yield [(name, tensor.detach().to(dtype or tensor.dtype, copy=True)) for name, tensor in self.model.state_dict().items()]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
