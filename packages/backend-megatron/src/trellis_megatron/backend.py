@@ -22,7 +22,6 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from safetensors import safe_open
@@ -207,8 +206,10 @@ class MegatronBackend(Backend):
         norm = float(opt.get_grad_norm())
         skipped = 0.0 if math.isfinite(norm) else 1.0
         if not skipped:
-            if self.spec.optim.grad_clip > 0:
-                clip_grad_by_total_norm_fp32(opt.get_parameters(), self.spec.optim.grad_clip, norm)
+            clip = self.spec.optim.grad_clip / (norm + 1e-6)
+            if 0 < clip < 1:
+                # Megatron's clip_grad_by_total_norm_fp32 asserts CUDA tensors; this is the same scaling
+                torch._foreach_mul_([p.grad for p in opt.get_parameters() if p.grad is not None], clip)
             opt.step_with_ready_grads()
         opt.zero_grad()
         self.ddp.zero_grad_buffer()

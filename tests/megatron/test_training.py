@@ -1,0 +1,106 @@
+"""Training through core's role worker: one actor update on the Megatron backend equals the FSDP
+backend's on the same batch (every metric, the gradient norm, the updated weights) at TP=1, TP=2
+and DP=2; forwards at PP=2 equal PP=1; the critic trains."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from ranks import run_ranks
+
+from trellis.batch import Batch
+from trellis.config import validate
+from trellis.interfaces.dispatch import DP_SPLIT, Mesh
+from trellis.plugins import load_plugins
+from trellis.recipes.options import ActorConfig, CriticConfig
+from trellis.runtime.worker import build_worker
+from trellis_megatron.backend import MegatronOptions
+
+PROMPT, RESPONSE, SAMPLES = 5, 6, 8
+
+
+def rl_batch(vocab: int, seed: int = 0) -> Batch:
+    """8 samples: left-padded prompts, right-padded responses of varied length, random
+    advantages, old log-probs and returns."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(2, PROMPT + 1, (SAMPLES,), generator=g)
+    resp_len = torch.randint(1, RESPONSE + 1, (SAMPLES,), generator=g)
+    prompt_mask = (torch.arange(PROMPT) >= PROMPT - prompt_len[:, None]).long()
+    response_mask = (torch.arange(RESPONSE) < resp_len[:, None]).long()
+    responses = torch.randint(3, vocab, (SAMPLES, RESPONSE), generator=g) * response_mask
+    mask = torch.cat([prompt_mask, response_mask], 1)
+    return Batch(
+        {
+            "input_ids": torch.cat([torch.randint(3, vocab, (SAMPLES, PROMPT), generator=g) * prompt_mask, responses], 1),
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": responses,
+            "response_mask": response_mask,
+            "advantages": torch.randn(SAMPLES, 1, generator=g).expand(SAMPLES, RESPONSE) * response_mask,
+            # near the model's own log-probs of random tokens, so the ratio is clipped sometimes
+            "old_log_probs": (-5.6 + 0.3 * torch.randn(SAMPLES, RESPONSE, generator=g)) * response_mask,
+            "returns": torch.randn(SAMPLES, RESPONSE, generator=g) * response_mask,
+            "values": torch.randn(SAMPLES, RESPONSE, generator=g) * response_mask,
+        },
+        meta={"temperature": 0.7, "step": 1},
+    )
+
+
+# Adam's first step moves each weight by lr * g / (|g| + eps). With the default eps (1e-8) a
+# weight whose gradient is near 1e-8 (a few dozen of the embedding's) turns a 1e-10 rounding
+# difference between two reduction orders into an lr-sized step of either sign. eps = lr = 1e-3
+# makes the step smooth in g: equal weights to 1e-5 then mean equal gradients to about 1e-5.
+LR = EPS = 1e-3
+
+
+def role_options(registry, role: str):
+    if role == "critic":
+        return validate(OmegaConf.create({"micro_batch_samples": 2, "optim": {"lr": LR, "eps": EPS, "grad_clip": 1.0}}), CriticConfig, registry)
+    base = {"micro_batch_samples": 2, "optim": {"lr": LR, "eps": EPS, "grad_clip": 1.0}, "policy_loss": {"name": "vanilla"}, "entropy_coeff": 0.01}
+    return validate(OmegaConf.create(base), ActorConfig, registry)
+
+
+def _update(info, backend: str, path: str, role: str, tp: int, pp: int):
+    """One ``update`` on this rank's share of the batch; the metrics and the full weights after it."""
+    registry = load_plugins().registry
+    options = MegatronOptions(tensor_parallel=tp, pipeline_parallel=pp) if backend == "megatron" else None
+    worker = build_worker(registry, backend, role, path, role_options(registry, role), {"update": "policy" if role == "actor" else "value"}, options=options, dist=info)
+    batch = rl_batch(worker.backend.hf_config.vocab_size if backend == "megatron" else worker.backend.model.config.vocab_size)
+    mine = DP_SPLIT.scatter((batch,), info.mesh)[info.rank][0]
+    metrics = worker.update(mine)
+    weights = dict(chain.from_iterable(worker.export_weights(all_ranks=True)))
+    return {"metrics": metrics, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def fsdp_actor(tiny_untied_model_path):
+    """FSDP's update on 1 and on 2 data-parallel ranks (averaged metrics depend on how samples
+    are dealt into micro-batches, so DP=2 is compared with DP=2)."""
+    runs = {dp: run_ranks(_update, Mesh(dp=dp), "fsdp", tiny_untied_model_path, "actor", 1, 1) for dp in (1, 2)}
+    return {dp: {"metrics": DP_SPLIT.gather([r["metrics"] for r in rs], Mesh(dp=dp)), "weights": rs[0]["weights"]} for dp, rs in runs.items()}
+
+
+@pytest.mark.parametrize("mesh", [Mesh(tp=1), Mesh(tp=2), Mesh(dp=2)], ids=["tp1", "tp2", "dp2"])
+def test_actor_update_equals_fsdp(mesh, fsdp_actor, tiny_untied_model_path):
+    results = run_ranks(_update, mesh, "megatron", tiny_untied_model_path, "actor", mesh.tp, 1)
+    fsdp_actor = fsdp_actor[mesh.dp]
+    want = fsdp_actor["metrics"]
+    got = DP_SPLIT.gather([r["metrics"] for r in results], mesh)  # what a controller returns
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], abs=1e-5, rel=1e-5), key
+    for r in results:
+        for name, tensor in fsdp_actor["weights"].items():
+            torch.testing.assert_close(r["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
+    assert want["actor/grad_norm"] > 1.0  # the clip to 1.0 was exercised
+    moved = fsdp_actor["weights"]["model.layers.0.mlp.down_proj.weight"] - initial_weight(tiny_untied_model_path, "model.layers.0.mlp.down_proj.weight")
+    assert moved.abs().max() > 0.3 * LR  # the update moved the weights
+
+
+def initial_weight(path: str, name: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(f"{path}/model.safetensors")[name]
