@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from trellis.batch import Batch
 from trellis.config import ranged
@@ -176,14 +176,15 @@ class FSDPBackend(Backend):
         return self.model.state_dict(keep_vars=True).items()  # sharded DTensors under Hugging Face names
 
     def _full_tensors(self, dtype: torch.dtype | None, to_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each tensor gathered alone: the shard cast to ``dtype`` first (a bf16 export moves and
-        holds half the bytes), then all-gathered; the previous one is the caller's to drop."""
+        """Each tensor gathered alone, cast to ``dtype`` shard-side first (a bf16 export moves and
+        holds half the bytes); the previous one is the caller's to drop."""
         for name, tensor in self._state():
             tensor = tensor.detach()
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
+            cast = dtype if dtype is not None and tensor.is_floating_point() else None
             if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
+                tensor = _gather(tensor, cast)
+            elif cast is not None:
+                tensor = tensor.to(cast)
             yield name, tensor.cpu() if to_cpu else tensor
 
     def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
@@ -261,6 +262,34 @@ class FSDPBackend(Backend):
         """Leave the process group (the first role of a process to close ends it for all)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# bytes one gather collective moves (over all ranks): bounds the temporaries beyond the output
+GATHER_BYTES = 2 << 20
+
+
+def _gather(tensor: DTensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The full tensor of a DTensor, in ``dtype``. FSDP2's dim-0 shards on a 1-D mesh (cut as
+    ``torch.chunk`` cuts) are cast and gathered a piece at a time straight into the output, so
+    the output plus about ``GATHER_BYTES`` is all the memory it takes (gloo's collectives copy
+    their buffers once more); other layouts go through ``full_tensor``."""
+    mesh, dtype = tensor.device_mesh, dtype or tensor.dtype
+    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),) or tensor.dim() == 0:
+        return tensor.to(dtype).full_tensor()
+    world = mesh.size()
+    local = tensor.to_local().reshape(-1)
+    per_rank = -(-tensor.shape[0] // world) * (tensor.numel() // max(tensor.shape[0], 1))  # ceil(rows / world) rows
+    out = torch.empty(world, per_rank, dtype=dtype, device=local.device)
+    step = max(1, GATHER_BYTES // (world * out.element_size()))
+    for start in range(0, per_rank, step):
+        size = min(step, per_rank - start)
+        piece = local[start : start + size].to(dtype)
+        if piece.numel() < size:  # the last ranks' shards are shorter (or empty)
+            piece = torch.nn.functional.pad(piece, (0, size - piece.numel()))
+        buffer = out.new_empty(world * size)
+        dist.all_gather_single(buffer, piece, group=mesh.get_group())
+        out[:, start : start + size] = buffer.view(world, size)
+    return out.view(-1)[: tensor.numel()].view(tensor.shape)
 
 
 def _buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:

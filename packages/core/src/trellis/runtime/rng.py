@@ -1,5 +1,8 @@
-"""This process's random-number states (python, numpy, torch CPU and CUDA), to save in a checkpoint
-and restore, so a resumed run draws the same numbers as one that was never stopped."""
+"""This process's random-number states (python, numpy, torch CPU and its CUDA device), to save in a
+checkpoint and restore, so a resumed run draws the same numbers as one that was never stopped.
+
+Only the current CUDA device's state is kept: a rank uses one device, and a checkpoint holding
+every visible device's state could not be restored where fewer devices are visible."""
 
 from __future__ import annotations
 
@@ -19,16 +22,23 @@ def get_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` returned (CUDA states only where CUDA is in use)."""
+    """Restore what :func:`get_rng_state` returned (the CUDA state, into the current device, only
+    where CUDA is in use). Older checkpoints hold a list of every visible device's state: the
+    current device's entry is used."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):
+            device = torch.cuda.current_device()
+            cuda = cuda[device] if device < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
