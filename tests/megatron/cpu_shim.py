@@ -2,7 +2,7 @@
 
 Megatron-Core 0.16 assumes CUDA in places the CPU tests reach: ``torch.cuda.current_device()``
 for buffers and broadcasts (DDP grad buffers, the optimizer, ``forward_backward_func``, mbridge's
-pipeline broadcast), ``device="cuda"`` / ``.cuda()`` on new tensors, and the CUDA RNG tracker
+pipeline broadcast), ``torch.cuda.synchronize()`` around pipeline sends, ``device="cuda"`` / ``.cuda()`` on new tensors, and the CUDA RNG tracker
 that forks ``torch.cuda`` generator states around dropout. ``install()`` makes every such
 request land on the CPU: a ``TorchFunctionMode`` rewrites CUDA devices to ``cpu`` in every torch
 call made through the Python API, ``torch.cuda.current_device`` answers 0 (rewritten to cpu by
@@ -52,6 +52,7 @@ def install() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None  # pipeline p2p waits for CUDA streams
     # the tracker saves and swaps torch.cuda generator states; on the CPU it forks nothing
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: None

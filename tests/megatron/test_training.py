@@ -67,7 +67,8 @@ def _update(info, backend: str, path: str, role: str, tp: int, pp: int):
     """One ``update`` on this rank's share of the batch; the metrics and the full weights after it."""
     registry = load_plugins().registry
     options = MegatronOptions(tensor_parallel=tp, pipeline_parallel=pp) if backend == "megatron" else None
-    worker = build_worker(registry, backend, role, path, role_options(registry, role), {"update": "policy" if role == "actor" else "value"}, options=options, dist=info)
+    objectives = {"update": "policy" if role == "actor" else "value"}
+    worker = build_worker(registry, backend, role, path, role_options(registry, role), objectives, options=options, dist=info)
     batch = rl_batch(worker.backend.hf_config.vocab_size if backend == "megatron" else worker.backend.model.config.vocab_size)
     mine = DP_SPLIT.scatter((batch,), info.mesh)[info.rank][0]
     metrics = worker.update(mine)
@@ -96,7 +97,8 @@ def test_actor_update_equals_fsdp(mesh, fsdp_actor, tiny_untied_model_path):
         for name, tensor in fsdp_actor["weights"].items():
             torch.testing.assert_close(r["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
     assert want["actor/grad_norm"] > 1.0  # the clip to 1.0 was exercised
-    moved = fsdp_actor["weights"]["model.layers.0.mlp.down_proj.weight"] - initial_weight(tiny_untied_model_path, "model.layers.0.mlp.down_proj.weight")
+    name = "model.layers.0.mlp.down_proj.weight"
+    moved = fsdp_actor["weights"][name] - initial_weight(tiny_untied_model_path, name)
     assert moved.abs().max() > 0.3 * LR  # the update moved the weights
 
 
@@ -104,3 +106,73 @@ def initial_weight(path: str, name: str) -> torch.Tensor:
     from safetensors.torch import load_file
 
     return load_file(f"{path}/model.safetensors")[name]
+
+
+def _forwards(info, path: str, tp: int, pp: int):
+    """The actor's log-probs, entropy and sum of squared probabilities, then the same after one
+    update (the gradients crossed the pipeline stages), at the given layout."""
+    registry = load_plugins().registry
+    options = MegatronOptions(tensor_parallel=tp, pipeline_parallel=pp)
+    worker = build_worker(registry, "megatron", "actor", path, role_options(registry, "actor"), {"update": "policy"}, options=options, dist=info)
+    batch = rl_batch(worker.backend.hf_config.vocab_size)
+    before = worker.log_prob(batch, with_entropy=True, with_sum_sq_probs=True)
+    metrics = worker.update(batch)
+    after = worker.log_prob(batch, with_entropy=True)
+    return {"before": before, "after": after, "metrics": metrics, "collects": info.mesh.collects(info.rank)}
+
+
+def test_pipeline_parallel_equals_one_stage(tiny_untied_model_path):
+    """PP=2 (one decoder layer per stage) against PP=1: forwards, an update, forwards after it."""
+    want = run_ranks(_forwards, Mesh(), tiny_untied_model_path, 1, 1)[0]
+    results = run_ranks(_forwards, Mesh(pp=2), tiny_untied_model_path, 1, 2)
+    assert [r["collects"] for r in results] == [False, True]  # the last stage's results are collected
+    for r in results:  # every stage returns the last stage's results
+        for key in ("log_probs", "entropy", "sum_sq_probs"):
+            torch.testing.assert_close(r["before"][key], want["before"][key], atol=1e-5, rtol=0)
+        for key in ("log_probs", "entropy"):
+            torch.testing.assert_close(r["after"][key], want["after"][key], atol=1e-5, rtol=0)
+        for key, value in want["metrics"].items():
+            assert r["metrics"][key] == pytest.approx(value, abs=1e-5, rel=1e-5), key
+    mask = rl_batch(10)["response_mask"].bool()
+    assert (want["after"]["log_probs"] - want["before"]["log_probs"])[mask].abs().max() > 1e-4  # the update changed the model
+
+
+def _critic(info, path: str, tp: int):
+    """An FSDP critic's weights (value head included) loaded into a Megatron critic at ``tp``,
+    then one update of each on the same batch, on separate process groups in one process."""
+    from transformers import AutoConfig
+
+    registry = load_plugins().registry
+    batch = rl_batch(AutoConfig.from_pretrained(path).vocab_size)
+    results = {}
+    for backend in ("fsdp", "megatron"):
+        options = MegatronOptions(tensor_parallel=tp) if backend == "megatron" else None
+        worker = build_worker(registry, backend, "critic", path, role_options(registry, "critic"), {"update": "value"}, options=options, dist=info)
+        if backend == "fsdp":
+            # cloned: on one rank FSDP's full state dict shares storage with the live parameters
+            initial = {k: v.clone() for k, v in chain.from_iterable(worker.export_weights(all_ranks=True))}
+        else:
+            worker.load_weights(initial.items())
+        values = worker.values(batch)["values"]
+        metrics = worker.update(batch)
+        results[backend] = {"values": values, "metrics": metrics, "weights": dict(chain.from_iterable(worker.export_weights(all_ranks=True)))}
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_critic_equals_fsdp(tp, tiny_critic_path):
+    for r in run_ranks(_critic, Mesh(tp=tp), tiny_critic_path, tp):
+        fsdp, megatron = r["fsdp"], r["megatron"]
+        # positions past a response's end differ (padding queries; nothing reads them there)
+        mask = rl_batch(10)["response_mask"].bool()
+        torch.testing.assert_close(megatron["values"][mask], fsdp["values"][mask], atol=1e-5, rtol=0)
+        assert set(megatron["metrics"]) == set(fsdp["metrics"])
+        for key, value in fsdp["metrics"].items():
+            # vf_clip_frac counts `clipped_loss > plain_loss`, where an unclipped prediction
+            # makes the two equal up to rounding (old + (v - old) vs v): a tie decided by noise
+            if key == "critic/vf_clip_frac":
+                continue
+            assert megatron["metrics"][key] == pytest.approx(value, abs=1e-5, rel=1e-5), key
+        assert set(megatron["weights"]) == set(fsdp["weights"])
+        for name, tensor in fsdp["weights"].items():
+            torch.testing.assert_close(megatron["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)

@@ -109,8 +109,9 @@ class MegatronBackend(Backend):
             variable_seq_lengths=True,
             **NO_FUSIONS,
         )
-        model = build_gpt(self.bridge, self.spec.head).to(self.device)
-        load_hf(self.bridge, model, _read_safetensors(self.spec.model_path))
+        model = build_gpt(self.bridge, self.spec.head, self.spec.seed).to(self.device)
+        # a causal LM's folder has no value head: a critic starts from a fresh one
+        load_hf(self.bridge, model, _read_safetensors(self.spec.model_path), optional=("score.weight", "score.bias"))
         self.model = model
         self.optimizer = None
         if self.spec.trainable:

@@ -77,28 +77,34 @@ def make_bridge(hf_config, dtype: torch.dtype, vocab_multiple: int, **overrides)
     return bridge
 
 
-def build_gpt(bridge, head: str) -> GPTModel:
+def build_gpt(bridge, head: str, seed: int) -> GPTModel:
     """This pipeline stage's ``GPTModel``. ``head="value"``: the LM head is replaced by a
-    one-output linear layer (:class:`ValueHead`), HF name ``score.weight``."""
+    one-output linear layer (:class:`ValueHead`, HF names ``score.weight``, ``score.bias``), its weight drawn from
+    ``N(0, initializer_range)`` with ``seed`` (the same on every rank) until weights replace it."""
     pre, post = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
     model = bridge._model_provider([])(pre_process=pre, post_process=post)
     if head == "value" and post:
         model.share_embeddings_and_output_weights = False
         model.output_layer = ValueHead(bridge.config.hidden_size, bridge.dtype)
+        std = getattr(bridge.hf_config, "initializer_range", 0.02)
+        with torch.no_grad():
+            model.output_layer.weight.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
     return model
 
 
 class ValueHead(torch.nn.Module):
-    """One value per position, replicated on every tensor-parallel rank (its input is the full
+    """One value per position (a linear layer with bias, as transformers' token-classification
+    head, without its dropout), replicated on every tensor-parallel rank (its input is the full
     hidden state there), called like Megatron's output layer: ``(hidden, **_) -> (values, None)``
     with values ``(seq, batch, 1)``."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
-        return torch.nn.functional.linear(hidden, self.weight), None
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 def _hf_names(bridge, model) -> dict[str, list[str]]:
@@ -108,18 +114,21 @@ def _hf_names(bridge, model) -> dict[str, list[str]]:
     for local, global_name in local_to_global.items():
         if "_extra_state" in local:
             continue
-        out[local] = ["score.weight"] if _is_value_head(model, local) else bridge._weight_name_mapping_mcore_to_hf(global_name)
+        if _is_value_head(model, local):
+            out[local] = [local.replace("output_layer.", "score.")]
+        else:
+            out[local] = bridge._weight_name_mapping_mcore_to_hf(global_name)
     return out
 
 
-def _is_value_head(model, name: str) -> bool:
-    return name == "output_layer.weight" and isinstance(getattr(model, "output_layer", None), ValueHead)
+def _is_value_head(model, name: str | None) -> bool:
+    return name in ("output_layer.weight", "output_layer.bias") and isinstance(getattr(model, "output_layer", None), ValueHead)
 
 
-def load_hf(bridge, model, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_hf(bridge, model, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], optional: tuple[str, ...] = ()) -> None:
     """Copy full HF tensors into this rank's shards. Every rank holds (or reads) every tensor it
     needs and keeps its own tensor-parallel slice, so no collective is needed. Raises on a
-    missing tensor."""
+    missing tensor unless its HF name is in ``optional`` (the parameter keeps its value)."""
     tensors = tensors if isinstance(tensors, dict) else dict(tensors)
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     state = model.state_dict()
@@ -128,11 +137,16 @@ def load_hf(bridge, model, tensors: dict[str, torch.Tensor] | Iterable[tuple[str
             if local == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False) and "lm_head.weight" not in tensors:
                 names = ["model.embed_tokens.weight"]  # tied: the head is the embedding
             missing = [n for n in names if n not in tensors]
+            if missing and set(missing) <= set(optional):
+                continue
             if missing:
                 raise KeyError(f"weights lack {missing} for the megatron parameter {local}")
             param = state[local]
-            full = bridge._weight_to_mcore_format(local, [tensors[n] for n in names])
-            shard = bridge._weight_split_across_tp(local, full, param, tp)[tp_rank] if tp > 1 and not _is_value_head(model, local) else full
+            if _is_value_head(model, local):  # replicated, not vocabulary-sized
+                shard = tensors[names[0]]
+            else:
+                full = bridge._weight_to_mcore_format(local, [tensors[n] for n in names])
+                shard = bridge._weight_split_across_tp(local, full, param, tp)[tp_rank] if tp > 1 else full
             param.copy_(shard.to(param.dtype))
 
 
@@ -145,7 +159,7 @@ def export_hf(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
     local_to_global = bridge._weight_name_mapping_mcore_local_to_global(model)
     # the last stage's copy of a tied embedding is not exported: the first stage's is
-    params = [(n, p) for n, p in model.named_parameters() if not (tied and n == "output_layer.weight")]
+    params = [(n, p) for n, p in model.named_parameters() if not (tied and n == "output_layer.weight" and not _is_value_head(model, n))]
     # every stage learns how many parameters each stage holds
     counts: list = [None] * mpu.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(counts, len(params), group=mpu.get_pipeline_model_parallel_group())
@@ -159,7 +173,7 @@ def export_hf(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
                 name, value_head = broadcast_str_from_megatron_pp(key)
                 tensor = broadcast_from_megatron_pp(param)
                 if value_head:
-                    yield "score.weight", tensor.detach().cpu()
+                    yield name.replace("output_layer.", "score."), tensor.detach().cpu().clone()
                     continue
                 if getattr(tensor, "tensor_model_parallel", False) and tp > 1:
                     parts = [torch.empty_like(tensor) for _ in range(tp)]
