@@ -134,14 +134,22 @@ def _model_class(head: str):
     return AutoModelForTokenClassification if head == "value" else AutoModelForCausalLM
 
 
-def _head_kwargs(head: str) -> dict:
-    return {"num_labels": 1} if head == "value" else {}
+def _config(path: str, head: str):
+    """The folder's config, with one label for a value head and no dropout before it
+    (transformers' default is 0.1): a critic's values must be the same in its no-grad pass and
+    in its update's forward."""
+    if head != "value":
+        return AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    return config
 
 
 def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     """The model of a Hugging Face folder: a causal LM (head ``lm``) or the same body with a
-    one-label token-classification head (``value``: critic, reward model); KV cache off."""
-    model = _model_class(head).from_pretrained(path, dtype=dtype, **_head_kwargs(head))
+    one-label token-classification head (``value``: critic, reward model; no dropout before it);
+    KV cache off."""
+    model = _model_class(head).from_pretrained(path, config=_config(path, head), dtype=dtype)
     model.config.use_cache = False
     return model
 
@@ -149,7 +157,7 @@ def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
 def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     """The same model as :func:`load_hf_model` built from the folder's ``config.json`` alone, on
     the meta device: no weights read, no memory taken (shard it, then materialise and load)."""
-    config = AutoConfig.from_pretrained(path, **_head_kwargs(head))
+    config = _config(path, head)
     with torch.device("meta"):
         model = _model_class(head).from_config(config, dtype=dtype)
     model.config.use_cache = False
