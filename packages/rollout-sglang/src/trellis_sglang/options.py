@@ -8,6 +8,7 @@ from typing import Any
 from trellis.config import ranged
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+SYNC_METHODS = ("tensor", "distributed")
 
 
 @dataclass
@@ -21,12 +22,18 @@ class SGLangRolloutOptions:
         room for the actor colocated on the same GPU.
     max_total_tokens: KV-cache size in tokens (0: SGLang's default from ``mem_fraction_static``;
         on CPU 65536, a fixed size instead of a share of the machine's memory).
-    tensor_parallel_size: devices per engine (SGLang's ``tp_size``).
+    tensor_parallel_size: devices one engine spans (SGLang's ``tp_size``), under the local
+        controller; needs CUDA (SGLang's NCCL communicator). Under Ray each rank has one device
+        and its own engine, so the rl recipe refuses more than 1 there.
     seed: engine seed (None: the run's seed).
     attention_backend: SGLang's attention backend (empty: ``torch_native`` on CPU, SGLang's choice on GPU).
     disable_cuda_graph: no CUDA graphs (None: True on CPU, False on GPU).
     sync_bucket_mb: a weight sync hands the engine its tensors in buckets of about this many MiB,
-        so at most one bucket is serialised to the engine at a time.
+        so at most one bucket is in transit to the engine at a time.
+    sync_method: how a weight sync reaches the engine's processes: ``tensor`` (each bucket
+        serialised through SGLang's ``update_weights_from_tensor``) or ``distributed`` (broadcast
+        over a process group shared with the engine, ``update_weights_from_distributed``: gloo on
+        CPU, NCCL on GPU, no serialisation).
     enable_memory_saver: GPU only: let ``sleep``/``wake`` release and resume the weights and KV cache.
     log_level: SGLang's log level.
     engine_kwargs: any other ``sglang.Engine`` keyword arguments (``ServerArgs`` fields), passed through.
@@ -41,6 +48,7 @@ class SGLangRolloutOptions:
     attention_backend: str = ""
     disable_cuda_graph: bool | None = None
     sync_bucket_mb: float = ranged(512.0, gt=0)
+    sync_method: str = "tensor"
     enable_memory_saver: bool = True
     log_level: str = "error"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -49,10 +57,7 @@ class SGLangRolloutOptions:
         """Raise ``ValueError`` naming the option for a value that cannot work."""
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"rollout.tensor_parallel_size={self.tensor_parallel_size}: the sglang rollout runs one engine per "
-                "trainer rank (tensor parallel 1) for now; set rollout.tensor_parallel_size=1"
-            )
+        if self.sync_method not in SYNC_METHODS:
+            raise ValueError(f"rollout.sync_method={self.sync_method!r}; valid: {', '.join(SYNC_METHODS)}")
         if self.sync_bucket_mb <= 0:
             raise ValueError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be positive (MiB per weight-sync bucket)")

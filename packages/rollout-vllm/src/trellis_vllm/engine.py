@@ -9,13 +9,14 @@ a copy through disk or a socket.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,7 +34,7 @@ from trellis.interfaces.rollout import (
     sleep_skipped,
     stop_ids,
 )
-from trellis.interfaces.weights import DEFAULT_PACKED, check_update, checkpoint_shapes, complete_tied, tied_pairs
+from trellis.interfaces.weights import DEFAULT_PACKED, check_update, complete_tied, engine_weights
 from trellis_vllm.options import VLLMRolloutOptions
 
 log = logging.getLogger("trellis")
@@ -48,6 +49,9 @@ def make_engine(spec: RolloutSpec) -> RolloutEngine:
 
 class VLLMRollout(RolloutEngine):
     """A ``vllm.LLM`` behind the Trellis rollout interface."""
+
+    _open = 0  # engines built and not closed in this process
+    _closing: ClassVar[list[Any]] = []  # closed engines' LLMs, freed with the last open one
 
     def __init__(self, spec: RolloutSpec) -> None:
         self.opts: VLLMRolloutOptions = spec.options if spec.options is not None else VLLMRolloutOptions()
@@ -72,11 +76,7 @@ class VLLMRollout(RolloutEngine):
         hf_config = AutoConfig.from_pretrained(self.model_path)
         if self.on_cpu:
             _check_cpu_head_size(hf_config)
-        self.expected_shapes = checkpoint_shapes(self.model_path)
-        self.tied = tied_pairs(hf_config)
-        for head, embed in self.tied.items():
-            if embed in self.expected_shapes:
-                self.expected_shapes.setdefault(head, self.expected_shapes[embed])
+        self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
 
         kwargs: dict[str, Any] = {
             "model": self.model_path,
@@ -110,6 +110,7 @@ class VLLMRollout(RolloutEngine):
         kwargs.update(self.opts.engine_kwargs)
         start = time.perf_counter()
         self.llm = LLM(**kwargs)
+        VLLMRollout._open += 1
         self.startup_s = time.perf_counter() - start
         self.packed = self._packed_modules()
 
@@ -298,12 +299,19 @@ class VLLMRollout(RolloutEngine):
             self.weights_dropped = True
 
     def close(self) -> None:
-        """Shut the engine core down (its executor and workers) and drop it."""
+        """Refuse further work; the last engine closed in this process shuts the engine cores down
+        (executors, workers) and frees them. In-process engines share vLLM's process-wide parallel
+        state, which freeing any of them tears down: an engine closed while another is open is kept
+        until that one closes too."""
         if self.llm is None:
             return
-        with self._lock:
-            self.llm.llm_engine.engine_core.shutdown()
+        VLLMRollout._closing.append(self.llm)
         self.llm = None
+        VLLMRollout._open -= 1
+        if not VLLMRollout._open:
+            while VLLMRollout._closing:
+                VLLMRollout._closing.pop().llm_engine.engine_core.shutdown()
+            gc.collect()  # their KV caches and weights go now, not at some later collection
 
 
 def _sampled_log_probs(sample) -> list[float]:

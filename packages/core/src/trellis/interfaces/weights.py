@@ -66,6 +66,17 @@ def tied_pairs(hf_config) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"}
 
 
+def engine_weights(model_path: str | Path, hf_config) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """What an engine built from ``model_path`` holds, for :func:`check_update`: name -> shape of
+    every checkpoint tensor plus the output head of a tied pair, and the tied pairs (:func:`tied_pairs`)."""
+    shapes = checkpoint_shapes(model_path)
+    tied = tied_pairs(hf_config)
+    for head, embed in tied.items():
+        if embed in shapes:
+            shapes.setdefault(head, shapes[embed])
+    return shapes, tied
+
+
 def complete_tied(weights: list[tuple[str, torch.Tensor]], tied: Mapping[str, str]) -> list[tuple[str, torch.Tensor]]:
     """Add the missing half of each tied pair. An engine (vLLM) keeps its own copy of a tied output head on
     some backends (the CPU one repacks it), so the head must be sent along with the embedding."""
@@ -98,13 +109,15 @@ def check_update(
     packed: Mapping[str, list[str]] = DEFAULT_PACKED,
 ) -> list[tuple[str, torch.Tensor]]:
     """Validate an update; return it as a list. Raises :class:`WeightSyncError` (a ``ValueError``)
-    for a non-tensor, a repeated name, an unknown name (with the closest known names), a wrong
+    for a non-tensor, a non-floating-point tensor, a repeated name, an unknown name (with the closest known names), a wrong
     shape, or a fused module given only in part (the engine would load the missing shards as garbage)."""
     items = list(weights)
     seen: set[str] = set()
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"rollout weight update: {name!r} is a {type(tensor).__name__}, not a tensor")
+        if not tensor.is_floating_point():
+            raise WeightSyncError(f"rollout weight update: {name!r} has dtype {tensor.dtype}; the engine's weights are floating point")
         if name in seen:
             raise WeightSyncError(f"rollout weight update: {name!r} is given twice")
         seen.add(name)
