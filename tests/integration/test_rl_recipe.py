@@ -18,7 +18,7 @@ from trellis.recipes.train import train
 
 STEP_KEYS = {
     "reward/mean", "actor/entropy", "actor/pg_loss", "response/length_mean", "timing/step_s",
-    "timing/gen_s", "timing/reward_s", "timing/old_log_prob_s", "timing/adv_s", "timing/update_actor_s", "timing/weight_sync_s",
+    "timing/gen_s", "timing/reward_s", "timing/adv_s", "timing/update_actor_s", "timing/weight_sync_s",
 }  # fmt: skip
 
 

@@ -146,6 +146,20 @@ def check_rollout_placement(cfg: DictConfig, registry) -> None:
         )
 
 
+def on_policy_update(cfg: DictConfig, estimator, samples: int) -> bool:
+    """Whether the actor's update can take the old log-probs from its own first forward instead of
+    a separate pass (exact): one optimizer step per batch, and nothing before the update reads
+    them (the in-reward KL, an estimator using ``sum_sq_probs``, rollout-correction weights)."""
+    corrects = any(cfg.actor.policy_loss.get(k) for k in ("rollout_is", "rollout_rs", "log_metrics"))
+    return (
+        cfg.actor.ppo_epochs == 1
+        and cfg.actor.mini_batch_samples in (0, samples)
+        and not cfg.algorithm.use_kl_in_reward
+        and "sum_sq_probs" not in needs(estimator)
+        and not corrects
+    )
+
+
 def check_on_policy(cfg: DictConfig, samples: int) -> None:
     """OPO is exact on-policy: each step's fresh samples get one optimizer step. Settings that
     would update on them again are refused, by name."""
@@ -210,6 +224,8 @@ class RLRecipe:
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
             samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
+            on_policy = on_policy_update(cfg, estimator, samples_per_step)
+            roles = [r for r in (actor, ref, critic) if r is not None]
             start = run.start(roles={"actor": actor, "critic": critic}, state={"data": train, "kl": kl_in_reward})
             if start:
                 rollout.sync_weights(version=start)
@@ -225,6 +241,8 @@ class RLRecipe:
                 params = SamplingParams(**{**sampling.__dict__, "seed": seed})
 
                 with timer("gen"):
+                    for role in roles:  # optimizer state / params to host memory if the backend is asked to
+                        role.offload()
                     batch = sample(rollout, prompts, params, agent)
                     batch.meta["step"] = step
                 with timer("reward"):
@@ -240,11 +258,15 @@ class RLRecipe:
                         by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
                         batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
                 rollout.sleep()  # the engines' memory goes to training until the weight sync wakes them
-                with timer("old_log_prob"):
-                    old = actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in needs(estimator))
-                    batch["old_log_probs"] = old["log_probs"]
-                    if "sum_sq_probs" in old:
-                        batch["sum_sq_probs"] = old["sum_sq_probs"]
+                for role in roles:
+                    role.onload()
+                old = None  # on-policy: the actor's update computes them in its first forward
+                if not on_policy:
+                    with timer("old_log_prob"):
+                        old = actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in needs(estimator))
+                        batch["old_log_probs"] = old["log_probs"]
+                        if "sum_sq_probs" in old:
+                            batch["sum_sq_probs"] = old["sum_sq_probs"]
                 if ref is not None:
                     with timer("ref"):
                         batch["ref_log_probs"] = ref.log_prob(batch)["log_probs"]
@@ -268,7 +290,7 @@ class RLRecipe:
                     **update_metrics,
                     **kl_metrics,
                     **_kl_summary(update_metrics, kl_metrics),
-                    "actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
+                    **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
                     "response/length_mean": float(mask.sum(-1).mean()),
                     "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                     "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
