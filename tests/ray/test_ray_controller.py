@@ -256,6 +256,35 @@ def test_ray_address_joins_an_existing_cluster_and_leaves_it_running(ray_cluster
     )
 
 
+def test_ranks_are_packed_one_placement_group_per_node(tmp_path):
+    """Two Ray nodes of 2 CPUs on this machine (``ray.cluster_utils.Cluster``, in a subprocess:
+    its own cluster) and nnodes=2 x procs_per_node=2: each node's 2 ranks in one STRICT_PACK
+    placement group, so ranks 0-1 share a node and ranks 2-3 the other (not SPREAD over both)."""
+    import subprocess
+
+    script = tmp_path / "placement.py"
+    script.write_text(
+        "import ray\n"
+        "from ray.cluster_utils import Cluster\n"
+        "from trellis.runtime.ray_controller import RayController\n"
+        "cluster = Cluster(initialize_head=True, head_node_args={'num_cpus': 2})\n"
+        "cluster.add_node(num_cpus=2)\n"
+        "ray.init(address=cluster.address)\n"
+        "c = RayController(nnodes=2, procs_per_node=2, timeout_s=60, call_timeout_s=60)\n"
+        "pool = c._pool('actor')\n"
+        "nodes = [ray.util.placement_group_table(pg)['bundles_to_node_id'] for pg in pool.pgs]\n"
+        "print('strategies', [ray.util.placement_group_table(pg)['strategy'] for pg in pool.pgs])\n"
+        "print('nodes per group', [len(set(b.values())) for b in nodes], 'groups on distinct nodes', len({n for b in nodes for n in b.values()}))\n"
+        "c.shutdown()\n"
+        "ray.shutdown()\n"
+        "cluster.shutdown()\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "strategies ['STRICT_PACK', 'STRICT_PACK']" in out.stdout
+    assert "nodes per group [1, 1] groups on distinct nodes 2" in out.stdout
+
+
 def test_spin_recipe_on_two_ray_ranks_refreshes_the_reference_in_memory(ray_cluster, tiny_model_path, tmp_path):
     """SPIN on 2 ranks: every step's pairs start from policy == reference (margin 0) only if the
     reference took the actor's weights on every rank after the step before."""
