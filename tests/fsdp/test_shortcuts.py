@@ -136,6 +136,31 @@ def test_offloaded_optimizer_and_params_come_back_bit_for_bit(registry, tiny_mod
     assert_same_weights(moved, still)
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_sft_log_probs_only_at_loss_positions_equal_the_full_forward(tiny_model_path, padding_free):
+    """With a loss_mask only the positions predicting a loss token go through the LM head: the
+    label log-probs there, and the gradient of their masked sum, equal those of every position."""
+    from transformers import AutoModelForCausalLM
+
+    from trellis.interfaces.hf import forward_outputs
+
+    batch = prepared_batch(tiny_model_path)
+    loss_mask = torch.cat([torch.zeros(SAMPLES, PROMPT, dtype=torch.long), batch["response_mask"]], 1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    results = []
+    for micro in (batch.select("input_ids", "attention_mask", "position_ids"), batch.select("input_ids", "attention_mask", "position_ids")):
+        if len(results):
+            micro["loss_mask"] = loss_mask
+        lp = forward_outputs(model, micro, ("label_log_probs",), "lm", padding_free=padding_free)["label_log_probs"]
+        masked = lp * loss_mask[:, 1:]
+        grads = torch.autograd.grad(masked.sum(), list(model.parameters()))
+        results.append((masked.detach(), grads))
+    (full, full_grads), (kept, kept_grads) = results
+    torch.testing.assert_close(kept, full, atol=1e-6, rtol=1e-6)
+    for a, b in zip(kept_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_chunked_log_probs_equal_log_softmax_with_gradient():
     """gather - logsumexp over chunks of rows, checkpointed, against log_softmax over the whole
     (rows, vocab) tensor: values and gradients."""

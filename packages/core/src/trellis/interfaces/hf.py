@@ -211,7 +211,7 @@ def packed_outputs(
         return value_outputs(_unpack(model(**inputs).logits[0, :, 0], mask), micro, outputs)
     out: dict[str, torch.Tensor] = {}
     if "label_log_probs" in outputs:
-        where = mask[:, 1:] & mask[:, :-1]
+        where = mask[:, 1:] & mask[:, :-1] & _label_rows(micro, outputs)
         logits = model(**inputs, logits_to_keep=index[:, :-1][where].to(device)).logits[0]
         labels = micro["input_ids"][:, 1:][where].to(device)
         out["label_log_probs"] = _unpack(token_log_probs(logits, labels, chunk_size), where)
@@ -242,6 +242,14 @@ def _packed_response(
     return {k: _unpack(v, where) for k, v in out.items() if k in RESPONSE_OUTPUTS}
 
 
+def _label_rows(micro: Batch, outputs: tuple[str, ...]) -> torch.Tensor | bool:
+    """``(batch, seq_len - 1)`` True where ``label_log_probs`` are needed: where the micro-batch's
+    ``loss_mask`` counts the next token (a supervised batch), else everywhere (True)."""
+    if "loss_mask" not in micro or set(RESPONSE_OUTPUTS) & set(outputs):
+        return True
+    return micro["loss_mask"][:, 1:].bool()
+
+
 def forward_outputs(
     model: torch.nn.Module,
     micro: Batch,
@@ -252,7 +260,9 @@ def forward_outputs(
 ) -> dict[str, torch.Tensor]:
     """Run ``model`` on the micro-batch's ``input_ids``, ``attention_mask``, ``position_ids`` (moved
     to the model's device) and return the named ``outputs``; ``padding_free``: as one packed
-    sequence (:func:`packed_outputs`)."""
+    sequence (:func:`packed_outputs`). Only positions whose output is used go through the LM
+    head: those predicting response tokens, or, for ``label_log_probs`` of a micro-batch with a
+    ``loss_mask``, those predicting a token in the loss (``label_log_probs`` is 0 elsewhere)."""
     if padding_free:
         return packed_outputs(model, micro, outputs, head, chunk_size)
     device = next(model.parameters()).device
@@ -263,4 +273,11 @@ def forward_outputs(
         # only the positions that predict response tokens go through the LM head (vocab-wide
         # logits over the prompt would be computed and thrown away)
         inputs["logits_to_keep"] = micro["responses"].shape[1] + 1
+    elif "loss_mask" in micro and not set(RESPONSE_OUTPUTS) & set(outputs):
+        # supervised rows: only the positions whose next token is in the loss reach the LM head
+        where = _label_rows(micro, outputs)
+        inputs["logits_to_keep"] = torch.cat([where, where.new_zeros(len(where), 1)], 1).to(device)
+        logits = model(**inputs).logits  # (positions kept, vocab)
+        labels = micro["input_ids"][:, 1:][where].to(device)
+        return {"label_log_probs": _unpack(token_log_probs(logits, labels, chunk_size), where)}
     return lm_outputs(model(**inputs).logits, micro, outputs, chunk_size)
