@@ -128,6 +128,10 @@ class SGLangRollout(RolloutEngine):
 
             dist.destroy_process_group(self._group)
             self._group = None
+        try:  # the tokenizer manager's tasks end now, not as "destroyed but pending" at exit
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=10)
+        except Exception as exc:  # noqa: BLE001 - closing goes on regardless
+            log.debug("rollout 'sglang': cancelling the engine loop's tasks: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
@@ -296,6 +300,14 @@ class SGLangRollout(RolloutEngine):
             return
         self._run(self.engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
         self.sleeping -= set(tags)
+
+
+async def _cancel_tasks() -> None:
+    """Cancel every other task of the running loop and wait for them to end."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def engine_args(opts: SGLangRolloutOptions, spec: RolloutSpec, hf_config, on_cpu: bool) -> dict[str, Any]:
