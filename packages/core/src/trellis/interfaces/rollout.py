@@ -188,10 +188,17 @@ class RolloutEngine(ABC):
 
 
 def sync_engine(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load new weights into a possibly sleeping engine with the least memory at once: wake the
-    weights alone, load, let the trainer's cached blocks go, then wake the KV cache."""
+    """Load new weights into a possibly sleeping engine with the least memory at once: free the
+    trainer's cached blocks, wake the weights alone, load, free the export's buffers, then wake the
+    KV cache."""
+    _free_cached()
     engine.wake([WEIGHTS])
     engine.load_weights(weights)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the export's buffers, before the KV cache takes its share again
+    _free_cached()
     engine.wake([KV_CACHE])
+
+
+def _free_cached() -> None:
+    """Hand the CUDA caching allocator's unused blocks back, so the engine (another allocator) can take them."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
