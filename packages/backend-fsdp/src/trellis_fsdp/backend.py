@@ -266,6 +266,8 @@ class FSDPBackend(Backend):
 
 # bytes one gather collective moves (over all ranks): bounds the temporaries beyond the output
 GATHER_BYTES = 2 << 20
+# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _gather(tensor: DTensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -287,7 +289,7 @@ def _gather(tensor: DTensor, dtype: torch.dtype | None) -> torch.Tensor:
         if piece.numel() < size:  # the last ranks' shards are shorter (or empty)
             piece = torch.nn.functional.pad(piece, (0, size - piece.numel()))
         buffer = out.new_empty(world * size)
-        dist.all_gather_single(buffer, piece, group=mesh.get_group())
+        _all_gather(buffer, piece, group=mesh.get_group())
         out[:, start : start + size] = buffer.view(world, size)
     return out.view(-1)[: tensor.numel()].view(tensor.shape)
 
