@@ -196,3 +196,29 @@ def test_token_budget_with_different_lengths_per_rank_trains_like_one_rank(tiny_
     for name, tensor in one["weights"].items():
         torch.testing.assert_close(ranks[0]["weights"][name], tensor, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
+
+
+# -- leaving the process group -------------------------------------------------------------------------
+LEAVES_AT_EXIT = """
+import atexit, sys
+import torch.distributed as dist
+atexit.register(lambda: print("in group at exit:", dist.is_initialized()))  # runs after the backend's hook (LIFO)
+from trellis.plugins import load_plugins
+from trellis.runtime.worker import build_worker
+build_worker(load_plugins().registry, "fsdp", "ref", sys.argv[1])
+print("in group after build:", dist.is_initialized())
+"""
+
+
+def test_a_rank_leaves_its_process_group_at_close_or_else_at_exit(tiny_model_path, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVES_AT_EXIT)
+    out = subprocess.run([sys.executable, str(script), tiny_model_path], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "in group after build: True" in out and "in group at exit: False" in out, out
+    close = tmp_path / "close.py"
+    close.write_text(LEAVES_AT_EXIT.replace("build_worker(", "worker = build_worker(") + "worker.close()\nprint('closed:', dist.is_initialized())\n")
+    out = subprocess.run([sys.executable, str(close), tiny_model_path], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "closed: False" in out, out

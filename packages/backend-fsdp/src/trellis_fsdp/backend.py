@@ -35,7 +35,7 @@ from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucke
 from trellis.interfaces.hf import empty_hf_model, forward_outputs, init_non_persistent_buffers, load_hf_model
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, make_optimizer, schedule_step
 from trellis.runtime.rng import get_rng_state, set_rng_state
-from trellis_fsdp.distributed import all_reduce_sum, device_for, ensure_process_group
+from trellis_fsdp.distributed import all_reduce_sum, device_for, ensure_process_group, leave_process_group
 from trellis_fsdp.offload import HostCopy
 
 log = logging.getLogger("trellis")
@@ -259,9 +259,9 @@ class FSDPBackend(Backend):
             set_rng_state(extra["rng"])
 
     def close(self) -> None:
-        """Leave the process group (the first role of a process to close ends it for all)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the process group (the first role of a process to close ends it for all; a
+        process that never calls it leaves at exit)."""
+        leave_process_group()
 
 
 # bytes one gather collective moves (over all ranks): bounds the temporaries beyond the output

@@ -3,6 +3,7 @@ roles colocated in it."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 
@@ -44,12 +45,20 @@ def ensure_process_group(info: DistInfo) -> DeviceMesh:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
                 os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
             dist.init_process_group(backend, init_method=url, rank=info.rank, world_size=info.world_size)
+        # a process that ends without a backend's close() still leaves the group (NCCL warns otherwise)
+        atexit.register(leave_process_group)
     elif dist.get_world_size() != info.world_size:
         raise RuntimeError(
             f"this process already belongs to a process group of {dist.get_world_size()} ranks, "
             f"but a worker asks for {info.world_size}; colocated roles must share one world size"
         )
     return init_device_mesh(device.type, (info.world_size,), mesh_dim_names=("dp",))
+
+
+def leave_process_group() -> None:
+    """``destroy_process_group`` if this process is still in one (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
