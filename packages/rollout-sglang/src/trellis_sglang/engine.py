@@ -1,5 +1,7 @@
 """Rollout on SGLang's offline engine: n samples per prompt from token ids, sampled-token log-probs
-at the sampling temperature, weight sync from the actor in buckets, async generation for multi-turn.
+at the sampling temperature, weight sync from the actor in buckets (serialised tensors, or a
+broadcast over a process group shared with the engine), sleep/wake by memory tag, async generation
+for multi-turn.
 
 ``sglang.Engine`` runs the model in a scheduler subprocess; this process holds its tokenizer
 manager, whose asyncio tasks live on one event loop for the engine's lifetime. That loop runs in a
@@ -100,6 +102,7 @@ class SGLangRollout(RolloutEngine):
         self.sleeping: set[str] = set()  # memory tags released by sleep() and not resumed yet
         self.backend = "gloo" if self.on_cpu else "nccl"  # of the distributed weight sync's group
         self._group = None  # made at the first distributed sync
+        self._group_name = ""
         self._closed = False
         self.last_sync_s = 0.0
         self._ids = itertools.count()
