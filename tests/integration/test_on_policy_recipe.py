@@ -8,7 +8,6 @@ import pytest
 
 from trellis.recipes import rl
 
-
 # a reward that differs between samples of a prompt, so advantages and gradients are not 0
 VARIED_REWARD = """
 def varied(data_source, solution_str, ground_truth, extra_info=None):
