@@ -44,12 +44,14 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def install() -> None:
-    """Install the CPU redirection in this process (idempotent; a no-op when CUDA is available)."""
+def install(mrandom=None) -> None:
+    """Install the CPU redirection in this process (idempotent; a no-op when CUDA is available).
+    ``mrandom``: Megatron's ``tensor_parallel.random`` module, when the caller is importing it."""
     global _installed
     if _installed or torch.cuda.is_available():
         return
-    from megatron.core.tensor_parallel import random as mrandom
+    if mrandom is None:
+        from megatron.core.tensor_parallel import random as mrandom
 
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda device=None: None  # pipeline p2p waits for CUDA streams
