@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from trellis.batch import Batch
 from trellis.config import ranged
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each
-from trellis.interfaces.hf import empty_hf_model, forward_outputs, init_non_persistent_buffers, load_hf_model
+from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, make_optimizer, schedule_step
 from trellis.runtime.rng import get_rng_state, set_rng_state
 from trellis_fsdp.distributed import all_reduce_sum, device_for, ensure_process_group, leave_process_group
@@ -110,8 +110,9 @@ class FSDPBackend(Backend):
         if self.opts.activation_checkpointing and self.spec.trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._shard(MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        restore_buffers = keep_buffers(self.model)  # rotary inv_freq...: in no checkpoint
         self.model.to_empty(device=self.device)
-        init_non_persistent_buffers(self.model)
+        restore_buffers()
         # rank 0 reads the folder; every tensor is broadcast and each rank keeps its shard
         full = load_hf_model(self.spec.model_path, self.spec.head, dtype).state_dict() if dist.get_rank() == 0 else {}
         self._set_full_state(full, broadcast=True)

@@ -4,6 +4,7 @@ value head, padded or padding-free (packed), so no backend repeats the slicing."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -155,31 +156,47 @@ def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The same model as :func:`load_hf_model` built from the folder's ``config.json`` alone, on
-    the meta device: no weights read, no memory taken (shard it, then materialise and load)."""
+    """The same model as :func:`load_hf_model` built from the folder's ``config.json`` alone, with
+    every parameter on the meta device (no weights read, no memory taken: shard it, then
+    materialise and load) and every buffer real, as the model's constructor computed it (rotary
+    ``inv_freq`` and the like, which no checkpoint holds): see :func:`keep_buffers`."""
     config = _config(path, head)
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = _model_class(head).from_config(config, dtype=dtype)
     model.config.use_cache = False
     return model
 
 
-def init_non_persistent_buffers(model: torch.nn.Module) -> list[str]:
-    """Recompute the buffers a checkpoint does not hold (rotary ``inv_freq``...) after a meta-device
-    build was materialised with ``to_empty``; returns their names. Raises if one cannot be."""
-    names = []
-    for module_name, module in model.named_modules():
-        own = [b for b in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, b, None) is not None]
-        if not own:
-            continue
-        # transformers' own initialiser knows each rotary variant (default, dynamic, yarn...)
-        model._init_weights(module)
-        names += [f"{module_name}.{b}" if module_name else b for b in own]
-    for name in names:
-        value = model.get_buffer(name)
-        if not torch.isfinite(value).all():
-            raise RuntimeError(f"buffer {name!r} of {type(model).__name__} is not recomputed after a meta-device build; use a folder load instead")
-    return names
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter a module registers goes to the meta device (modules still compute their
+    buffers for real, unlike under ``torch.device("meta")``); a parameter's host tensor is only
+    ever ``torch.empty``, never written, so it takes no memory."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def keep_buffers(model: torch.nn.Module):
+    """``restore()`` puts back the values ``model``'s buffers have now, after ``to_empty`` (which
+    materialises parameters and buffers alike as uninitialised memory) moved them."""
+    saved = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for name, value in saved.items():
+                model.get_buffer(name).copy_(value)
+
+    return restore
 
 
 def _packed_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
