@@ -107,6 +107,18 @@ def test_padding_free_forwards_equal_padded_ones(registry, tiny_model_path, back
         assert_same_weights(a, b, atol=1e-5)
 
 
+def test_padding_free_refuses_positions_that_do_not_start_at_zero(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from trellis.interfaces.hf import forward_outputs
+
+    batch = prepared_batch(tiny_model_path)
+    batch["position_ids"] = batch["position_ids"] + 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with pytest.raises(ValueError, match=r"padding_free packs samples by their position_ids, which must start at 0 .* or set padding_free=false"):
+        forward_outputs(model, batch, ("log_probs",), "lm", padding_free=True)
+
+
 def test_foreach_adamw_equals_the_per_tensor_loop(registry, tiny_model_path):
     batch = prepared_batch(tiny_model_path)
     loop, foreach = (

@@ -204,6 +204,12 @@ def _packed_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.
     (restarting at 0, from which transformers builds a block-diagonal causal mask), plus the
     ``(batch, seq_len)`` bool mask of attended tokens and their index in the packed row (-1 else)."""
     mask = micro["attention_mask"].bool()
+    first = micro["position_ids"].gather(1, mask.int().argmax(-1, keepdim=True)).flatten()
+    if (first[mask.any(-1)] != 0).any():
+        raise ValueError(
+            f"backend.padding_free packs samples by their position_ids, which must start at 0 on each sample's first attended "
+            f"token; these start at {first.tolist()}: give position_ids as attention_mask.cumsum(-1) - 1, or set padding_free=false"
+        )
     index = torch.full(mask.shape, -1, dtype=torch.long)
     index[mask] = torch.arange(int(mask.sum()))
     inputs = {"input_ids": micro["input_ids"][mask][None].to(device), "position_ids": micro["position_ids"][mask][None].to(device)}
