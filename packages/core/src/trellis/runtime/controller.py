@@ -188,7 +188,8 @@ class LocalRollout(RolloutGroup):
         return await self.engine.agenerate(prompt_ids, params)
 
     def _sync(self) -> None:
-        sync_engine(self.engine, chain.from_iterable(self.actor.workers[0].export_weights()))
+        # all_ranks: the tensors stay on the actor's device (no copy through host memory each step)
+        sync_engine(self.engine, chain.from_iterable(self.actor.workers[0].export_weights(all_ranks=True)))
 
     def sleep(self) -> None:
         self.engine.sleep()
@@ -202,12 +203,14 @@ class LocalController(Controller):
 
     def __init__(self) -> None:
         self.engines: list[RolloutEngine] = []  # closed at shutdown
+        self.workers: list[Worker] = []  # likewise
 
     def spawn(self, role: str, make_worker: Callable[[DistInfo], Worker], mesh: Mesh | None = None) -> WorkerGroup:
         if mesh is not None and mesh.world_size != 1:
             raise ValueError(f"the local controller runs one rank; role {role!r} asks for a mesh of {mesh.world_size} ({mesh})")
         worker = make_worker(DistInfo(rank=0, world_size=1))
         worker.build()
+        self.workers.append(worker)
         return LocalWorkerGroup(role, worker)
 
     def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
@@ -215,9 +218,12 @@ class LocalController(Controller):
         return LocalRollout(self.engines[-1], actor)
 
     def shutdown(self) -> None:
-        """Close every rollout engine built here (SGLang's scheduler is a subprocess)."""
+        """Close every rollout engine built here (SGLang's scheduler is a subprocess), then every
+        worker (a backend leaves its process group)."""
         while self.engines:
             self.engines.pop().close()
+        while self.workers:
+            self.workers.pop().close()
 
     def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
-        target.workers[0].load_weights(chain.from_iterable(source.workers[0].export_weights()))
+        target.workers[0].load_weights(chain.from_iterable(source.workers[0].export_weights(all_ranks=True)))

@@ -145,10 +145,13 @@ class RankProcess:
         return _timed(self.engine.wake, tags)
 
     def close(self) -> None:
-        """Close the rollout engine (its subprocesses, memory) before Ray ends this process."""
+        """Close the rollout engine (its subprocesses, memory), then the workers (a backend leaves
+        its process group), before Ray ends this process: ``ray.kill`` skips atexit hooks."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        while self.workers:
+            self.workers.popitem()[1].close()
 
     def copy_weights(self, source: str, target: str) -> tuple[None, float]:
         return _timed(lambda: self.workers[target].load_weights(chain.from_iterable(self.workers[source].export_weights(all_ranks=True))))
@@ -387,7 +390,7 @@ class RayController(Controller):
     def shutdown(self) -> None:
         for pool in self.pools.values():
             try:  # engines first: a rank killed with its engine open can leave the engine's processes behind
-                pool.get([r.close.remote() for r in pool.ranks], "closing the rollout engines")
+                pool.get([r.close.remote() for r in pool.ranks], "closing the rollout engines and workers")
             except RankFailure as exc:
                 log.warning("%s", exc)
             for r in pool.ranks:

@@ -57,6 +57,9 @@ class Worker(ABC):
         """Verb -> how it is dealt over the ranks and what it reads."""
         return dict(FORWARD_ROUTES)
 
+    def close(self) -> None:
+        """End of the run (the controller's shutdown). Default: nothing."""
+
 
 @dataclass
 class WorkerSpec:
