@@ -122,7 +122,7 @@ class SPINRecipe:
 
             actor = run.spawn("actor", cfg.model.path, cfg.train, objectives={"preference_update": "preference"})
             ref = run.spawn("ref", cfg.model.path, cfg.train)
-            rollout = run.spawn_rollout(actor, tokenizer)
+            rollout = run.spawn_rollout(actor, tokenizer, max_len=cfg.data.max_prompt_length + cfg.sampling.max_new_tokens)
             start = run.start(roles={"actor": actor, "ref": ref}, state={"data": train})
             if start:
                 rollout.sync_weights(version=start)
@@ -133,9 +133,10 @@ class SPINRecipe:
                 run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
             for step in run.steps(start):
                 prompts = train.next_batch()
-                params = SamplingParams(**{**sampling.__dict__, "seed": cfg.seed * 100003 + step})
+                params = sampling.at_step(step, cfg.data.train_batch_prompts * sampling.n)
                 with run.timer("gen"):
                     samples = rollout.generate(prompts, params)
+                rollout.sleep()  # the engine's memory goes to training until the weight sync wakes it
                 with run.timer("pairs"):
                     chosen, rejected, metrics = self.pairs(cfg, prompts, samples, reward, tokenizer, params, actor.mesh.dp)
                 if len(chosen):
@@ -179,5 +180,5 @@ class SPINRecipe:
     @staticmethod
     def validate(rollout, val: PromptDataset, reward: RewardManager, cfg: DictConfig) -> dict[str, float]:
         """Greedy reward on every held-out prompt."""
-        greedy = rollout.generate(val.as_batch(), SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, greedy=True, seed=cfg.seed))
+        greedy = rollout.generate(val.as_batch(), SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, greedy=True, seed=cfg.sampling.seed))
         return {"greedy_reward_mean": float(reward.score(greedy).scores.mean())}

@@ -3,6 +3,7 @@ and what every engine shares (stop tokens, the right-padded sample layout, the s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -65,6 +66,12 @@ class SamplingParams:
     greedy: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+
+    def at_step(self, step: int, samples_per_step: int) -> SamplingParams:
+        """These params for trainer step ``step`` (1-based). Per-request seeds are opt-in: with a
+        ``seed``, it moves on by the step's samples, so that with each engine adding a sample's
+        index in the step every sample of a run gets a seed of its own."""
+        return self if self.seed is None else dataclasses.replace(self, seed=self.seed + (step - 1) * samples_per_step)
 
 
 @dataclass

@@ -236,9 +236,7 @@ class RLRecipe:
                 run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
             for step in run.steps(start):
                 prompts = train.next_batch()
-                # opt-in per-request seeds: each sample of the run its own (engines add the sample's index in the step)
-                seed = None if sampling.seed is None else sampling.seed + (step - 1) * samples_per_step
-                params = SamplingParams(**{**sampling.__dict__, "seed": seed})
+                params = sampling.at_step(step, samples_per_step)
 
                 with timer("gen"):
                     for role in roles:  # optimizer state / params to host memory if the backend is asked to
