@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from trellis.interfaces.dispatch import Mesh
 from trellis.plugins import load_plugins
 from trellis.runtime.worker import build_worker
-from trellis_megatron.backend import MegatronOptions, _mask, _positions
+from trellis_megatron.backend import _mask, _positions
+from trellis_megatron.options import MegatronOptions
 
 
 def left_padded(vocab: int, seed: int = 0):

@@ -18,7 +18,7 @@ from trellis.interfaces.dispatch import Mesh
 from trellis.plugins import load_plugins
 from trellis.recipes.options import ActorConfig
 from trellis.runtime.worker import build_worker
-from trellis_megatron.backend import MegatronOptions
+from trellis_megatron.options import MegatronOptions
 
 
 def actor(info, path: str, tp: int, trainable: bool = True):

@@ -17,7 +17,7 @@ from trellis.interfaces.dispatch import DP_SPLIT, Mesh
 from trellis.plugins import load_plugins
 from trellis.recipes.options import ActorConfig, CriticConfig
 from trellis.runtime.worker import build_worker
-from trellis_megatron.backend import MegatronOptions
+from trellis_megatron.options import MegatronOptions
 
 PROMPT, RESPONSE, SAMPLES = 5, 6, 8
 

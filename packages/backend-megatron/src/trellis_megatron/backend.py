@@ -10,10 +10,8 @@ checkpointing, and HF-named weights in and out. Losses come from the objective l
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,16 +26,13 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from trellis.batch import Batch
-from trellis.config import ranged
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket
-from trellis.interfaces.dispatch import Mesh
 from trellis.interfaces.optim import lr_factor
 from trellis.runtime.rng import get_rng_state, set_rng_state
 from trellis_megatron.bridge import build_gpt, export_hf, load_hf, make_bridge
 from trellis_megatron.distributed import all_reduce_sum, device_for, init_parallel
+from trellis_megatron.options import MegatronOptions
 from trellis_megatron.outputs import role_outputs
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Kernels that need Apex or Transformer Engine (absent here): the local layers' plain PyTorch paths
@@ -49,32 +44,6 @@ NO_FUSIONS = {
     "apply_rope_fusion": False,
     "persist_layer_norm": False,
 }
-
-
-@dataclass
-class MegatronOptions:
-    """tensor_parallel / pipeline_parallel: ranks a model is split over (the rest are data
-    parallel). dtype: weights and compute. sequence_parallel, distributed_optimizer: Megatron's
-    features of those names (CUDA only: they fail on gloo/CPU)."""
-
-    tensor_parallel: int = ranged(1, ge=1)
-    pipeline_parallel: int = ranged(1, ge=1)
-    dtype: str = "float32"
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-
-    def mesh(self, world_size: int) -> Mesh:
-        """tp x pp ranks per model replica, the rest data parallel. One process (``trellis
-        export``, a notebook) runs the whole model: Megatron's checkpoints reshard on load."""
-        if world_size == 1:
-            return Mesh()
-        per_model = self.tensor_parallel * self.pipeline_parallel
-        if world_size % per_model:
-            raise ValueError(
-                f"backend.tensor_parallel={self.tensor_parallel} x backend.pipeline_parallel={self.pipeline_parallel} = {per_model} "
-                f"does not divide the {world_size} ranks; set trainer.procs_per_node (x nnodes) to a multiple of {per_model}"
-            )
-        return Mesh(dp=world_size // per_model, tp=self.tensor_parallel, pp=self.pipeline_parallel)
 
 
 class MegatronBackend(Backend):
