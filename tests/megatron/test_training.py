@@ -121,10 +121,14 @@ def _forwards(info, path: str, tp: int, pp: int):
     return {"before": before, "after": after, "metrics": metrics, "collects": info.mesh.collects(info.rank)}
 
 
-def test_pipeline_parallel_equals_one_stage(tiny_untied_model_path):
-    """PP=2 (one decoder layer per stage) against PP=1: forwards, an update, forwards after it."""
-    want = run_ranks(_forwards, Mesh(), tiny_untied_model_path, 1, 1)[0]
-    results = run_ranks(_forwards, Mesh(pp=2), tiny_untied_model_path, 1, 2)
+@pytest.mark.parametrize("model", ["tiny_untied_model_path", "tiny_model_path"], ids=["untied", "tied"])
+def test_pipeline_parallel_equals_one_stage(model, request):
+    """PP=2 (one decoder layer per stage) against PP=1: forwards, an update, forwards after it.
+    Tied: the embedding (first stage) and the LM head (last stage) are one weight whose gradient
+    is summed over the two stages."""
+    path = request.getfixturevalue(model)
+    want = run_ranks(_forwards, Mesh(), path, 1, 1)[0]
+    results = run_ranks(_forwards, Mesh(pp=2), path, 1, 2)
     assert [r["collects"] for r in results] == [False, True]  # the last stage's results are collected
     for r in results:  # every stage returns the last stage's results
         for key in ("log_probs", "entropy", "sum_sq_probs"):
