@@ -41,8 +41,8 @@ class ExportingActor:
     def __init__(self) -> None:
         self.workers = [self]
 
-    def export_weights(self, all_ranks: bool = False):
-        assert all_ranks  # one rank: the tensors stay on the actor's device
+    def export_weights(self, all_ranks: bool = False, dtype=None):
+        assert all_ranks and dtype is None  # one rank: the tensors stay on the actor's device, as trained (the engine names no dtype)
         yield [("a", torch.zeros(1))]
         yield [("b", torch.ones(1))]
 

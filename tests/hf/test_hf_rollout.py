@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+from trellis.interfaces.weights import WeightSyncError
 from trellis_hf.engine import HFRolloutOptions, make_engine
 
 TEXTS = ["12+35=", "7+8=", "40+41="]
@@ -83,8 +84,9 @@ def test_seeded_sampling_is_reproducible(engine, make_prompts):
     assert torch.equal(a["responses"], b["responses"])
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_untied_model_path"])
-def test_load_weights_makes_outputs_follow_new_weights(fixture, request, make_prompts):
+def test_load_weights_makes_outputs_follow_new_weights(fixture, streamed, request, make_prompts):
     path = request.getfixturevalue(fixture)
     engine = make_engine(RolloutSpec(path, HFRolloutOptions(), AutoTokenizer.from_pretrained(path)))
     other = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -92,7 +94,11 @@ def test_load_weights_makes_outputs_follow_new_weights(fixture, request, make_pr
     with torch.no_grad():
         for p in other.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    engine.load_weights(other.state_dict().items())
+    state = other.state_dict()
+    if streamed:  # read lazily against the manifest (the trainer's weight_shapes)
+        engine.load_weights((pair for pair in state.items()), shapes={name: t.shape for name, t in state.items()})
+    else:
+        engine.load_weights(state.items())
     out = engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(n=2, max_new_tokens=8, seed=0))
     expected = forward_log_probs(other, out, 1.0) * out["response_mask"]
     torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=0)
@@ -101,10 +107,16 @@ def test_load_weights_makes_outputs_follow_new_weights(fixture, request, make_pr
 def test_bad_weight_update_fails_clearly_and_keeps_old_weights(engine, make_prompts):
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     name = "model.layers.0.mlp.up_proj.weight"
-    with pytest.raises(KeyError, match=r"unknown parameter 'model.layers.0.mlp.up_projj.weight'"):
+    closest = r"unknown parameter 'model.layers.0.mlp.up_projj.weight'; the engine's closest names: \['model.layers.0.mlp.up_proj.weight'"
+    with pytest.raises(WeightSyncError, match=closest):
         engine.load_weights([(name, before[name] + 1), ("model.layers.0.mlp.up_projj.weight", before[name])])
-    with pytest.raises(ValueError, match=rf"'{name}' has shape \(3, 3\), the engine expects"):
+    with pytest.raises(WeightSyncError, match=rf"'{name}' has shape \(3, 3\), the engine expects"):
         engine.load_weights([("model.norm.weight", before["model.norm.weight"] + 1), (name, torch.zeros(3, 3))])
+    read = []
+    stream = (read.append(n) or (n, before[n] + 1) for n in ("model.norm.weight", name))
+    with pytest.raises(WeightSyncError, match=rf"'{name}' has shape \(3, 3\), the engine expects"):
+        engine.load_weights(stream, shapes={"model.norm.weight": before["model.norm.weight"].shape, name: (3, 3)})
+    assert read == []  # a refused manifest: the stream is never read
     for k, v in engine.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by a refused update"
     assert len(engine.generate(make_prompts(engine.tokenizer, TEXTS), SamplingParams(max_new_tokens=4))) == 3

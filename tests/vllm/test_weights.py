@@ -60,14 +60,21 @@ def test_bad_updates_are_refused_with_the_reason(update, message):
     assert issubclass(WeightSyncError, ValueError)
 
 
-def test_tied_embeddings_are_completed_both_ways():
+def test_tied_embeddings_are_completed_both_ways_right_after_their_half():
     tied = {"lm_head.weight": "model.embed_tokens.weight"}
-    embed = torch.ones(10, 4)
-    assert complete_tied([("model.embed_tokens.weight", embed)], tied)[-1] == ("lm_head.weight", embed)
-    assert complete_tied([("lm_head.weight", embed)], tied)[-1] == ("model.embed_tokens.weight", embed)
+    embed, norm = torch.ones(10, 4), torch.ones(4)
+
+    def completed(items):
+        return list(complete_tied(items, tied, [n for n, _ in items]))
+
+    assert completed([("model.embed_tokens.weight", embed), ("model.norm.weight", norm)]) == [
+        ("model.embed_tokens.weight", embed), ("lm_head.weight", embed), ("model.norm.weight", norm)]  # fmt: skip
+    assert completed([("lm_head.weight", embed)]) == [("lm_head.weight", embed), ("model.embed_tokens.weight", embed)]
     both = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed)]
-    assert complete_tied(both, tied) == both
-    assert complete_tied(both[:1], {}) == both[:1]
+    assert completed(both) == both
+    assert list(complete_tied(both[:1], {}, ["model.embed_tokens.weight"])) == both[:1]
+    manifest = {"model.embed_tokens.weight": (10, 4)}  # a manifest completes the same way
+    assert list(complete_tied(manifest.items(), tied, manifest)) == [("model.embed_tokens.weight", (10, 4)), ("lm_head.weight", (10, 4))]
 
 
 def test_shapes_and_ties_come_from_the_model_folder(tiny_model_path, tiny_untied_model_path):

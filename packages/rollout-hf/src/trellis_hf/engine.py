@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,7 @@ from trellis.batch import Batch
 from trellis.config import ranged
 from trellis.data import left_pad
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, pad_id, rollout_batch, stop_ids
+from trellis.interfaces.weights import prepare_update
 
 _Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]"]  # prompt ids, sampling, result
 
@@ -43,7 +44,8 @@ class HFRollout(RolloutEngine):
         self.tokenizer = spec.tokenizer
         use_cuda = self.opts.device == "cuda" or (self.opts.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[self.opts.dtype]).to(self.device).eval()
+        self.weight_dtype = DTYPES[self.opts.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=self.weight_dtype).to(self.device).eval()
         self.pad_id = pad_id(self.tokenizer)
         self.eos_ids = stop_ids(spec.model_path, self.tokenizer, self.model.config)
         self._queue: list[_Request] = []  # async requests waiting for the next batch
@@ -136,22 +138,16 @@ class HFRollout(RolloutEngine):
         return out
 
     # -- weights -------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors into the model in place. Names and shapes are checked before any copy,
-        so a bad update leaves the old weights whole."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Copy full tensors into the model in place. Names and shapes (of the update, or of its
+        manifest ``shapes``, then the stream is copied one tensor at a time) are checked before any
+        copy, so a refused update leaves the old weights whole. The model's own modules: no fused
+        ones, and a tied head shares the embedding's tensor."""
         state = self.model.state_dict()
-        incoming = list(weights)
-        for name, tensor in incoming:
-            if name not in state:
-                close = [k for k in state if k.split(".")[-1] == name.split(".")[-1]][:3]
-                raise KeyError(f"rollout weight update: unknown parameter {name!r}; similar names: {close}")
-            if tuple(state[name].shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"rollout weight update: {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(state[name].shape)}"
-                )
+        update = prepare_update(weights, {name: tuple(t.shape) for name, t in state.items()}, tied={}, packed={}, shapes=shapes)
         with torch.no_grad():
-            for name, tensor in incoming:
-                state[name].copy_(tensor.to(self.device))
+            for name, tensor in update.tensors:
+                state[name].copy_(tensor)
 
 
 class _SampledLogProbs(LogitsProcessor):

@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,12 +34,13 @@ from trellis.interfaces.rollout import (
     SamplingParams,
     context_length,
     log_once,
+    option_dtype,
     pad_id,
     samples_batch,
     sleep_skipped,
     stop_ids,
 )
-from trellis.interfaces.weights import check_update, complete_tied, engine_weights
+from trellis.interfaces.weights import engine_weights, prepare_update
 from trellis_sglang.options import SGLangRolloutOptions
 
 log = logging.getLogger("trellis")
@@ -72,6 +73,7 @@ class SGLangRollout(RolloutEngine):
 
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
+        self.weight_dtype = option_dtype(self.opts.dtype)
 
         kwargs = engine_args(self.opts, spec, hf_config, self.on_cpu)
         self.context_length = kwargs.get("context_length", 0)
@@ -195,28 +197,27 @@ class SGLangRollout(RolloutEngine):
         return Generation(list(out["output_ids"]), _sampled_log_probs(out), reason)
 
     # -- weights -------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Update the weights in place, in buckets of about ``sync_bucket_mb`` MiB, inside SGLang's
         begin/end weight-update calls, then the prefix cache (KV of the old weights) is flushed.
         ``sync_method``: ``tensor`` hands each bucket over serialised (``update_weights_from_tensor``);
         ``distributed`` broadcasts it from this process over a process group it shares with the
-        engine's (``update_weights_from_distributed``; gloo on CPU, NCCL on GPU). The whole update
-        is checked first; a refused one raises :class:`~trellis.interfaces.weights.WeightSyncError`
-        and leaves the engine as it was."""
+        engine's (``update_weights_from_distributed``; gloo on CPU, NCCL on GPU). The update (or its
+        manifest ``shapes``, then the stream is read a bucket at a time) is checked first; a refused
+        one raises :class:`~trellis.interfaces.weights.WeightSyncError` and leaves the engine as it was."""
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
         self._ready("load_weights")
         start = time.perf_counter()
-        items = check_update(complete_tied(list(weights), self.tied), self.expected_shapes)
-        if not items:
+        update = prepare_update(weights, self.expected_shapes, self.tied, shapes=shapes)
+        if not update.manifest:
             return
         manager = self.engine.tokenizer_manager
-        buckets = list(_buckets(items, int(self.opts.sync_bucket_mb * (1 << 20))))
         send = self._send_distributed if self.opts.sync_method == "distributed" else self._send_tensors
         self._check(self._run(manager.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
         try:
-            for i, bucket in enumerate(buckets):
-                send(bucket, flush_cache=i == len(buckets) - 1)
+            for bucket, last in _with_last(_buckets(update.tensors, int(self.opts.sync_bucket_mb * (1 << 20)))):
+                send(bucket, flush_cache=last)
         finally:
             self._check(self._run(manager.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
         self.last_sync_s = time.perf_counter() - start
@@ -346,7 +347,20 @@ def engine_args(opts: SGLangRolloutOptions, spec: RolloutSpec, hf_config, on_cpu
     return kwargs | opts.engine_kwargs
 
 
-def _buckets(items: list[tuple[str, torch.Tensor]], limit: int):
+_END = object()
+
+
+def _with_last(items: Iterable) -> Iterator[tuple[Any, bool]]:
+    """Each item with whether it is the last, reading one item ahead."""
+    it = iter(items)
+    current = next(it, _END)
+    while current is not _END:
+        following = next(it, _END)
+        yield current, following is _END
+        current = following
+
+
+def _buckets(items: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of tensors of at most ``limit`` bytes (a larger tensor goes alone)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -29,12 +29,13 @@ from trellis.interfaces.rollout import (
     RolloutSpec,
     SamplingParams,
     context_length,
+    option_dtype,
     pad_id,
     samples_batch,
     sleep_skipped,
     stop_ids,
 )
-from trellis.interfaces.weights import DEFAULT_PACKED, check_update, complete_tied, engine_weights
+from trellis.interfaces.weights import DEFAULT_PACKED, engine_weights, prepare_update
 from trellis_vllm.options import VLLMRolloutOptions
 
 log = logging.getLogger("trellis")
@@ -77,6 +78,7 @@ class VLLMRollout(RolloutEngine):
         if self.on_cpu:
             _check_cpu_head_size(hf_config)
         self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
+        self.weight_dtype = option_dtype(self.opts.dtype)
 
         kwargs: dict[str, Any] = {
             "model": self.model_path,
@@ -241,20 +243,24 @@ class VLLMRollout(RolloutEngine):
             )
 
     # -- weights -------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Reload weights in place through vLLM's ``reload_weights`` (checkpoint format, Hugging
-        Face names). The whole update is checked before vLLM sees any of it; a refused update raises
+        Face names). The update (or its manifest ``shapes``, then the stream is read one tensor at a
+        time) is checked before vLLM sees any of it; a refused update raises
         :class:`~trellis.interfaces.weights.WeightSyncError` and leaves the engine as it was."""
         self._ready("load_weights")
         self._check_thread("load_weights")
         if self._futures or self._waiting:
             raise RuntimeError("rollout 'vllm': load_weights() called while agenerate() samples are in flight")
         start = time.perf_counter()
-        items = check_update(complete_tied(list(weights), self.tied), self.expected_shapes, self.packed)
-        if not items:
+        update = prepare_update(weights, self.expected_shapes, self.tied, self.packed, shapes)
+        if not update.manifest:
             return
+        # In-process workers (uni, external_launcher) read the stream as vLLM loads it; mp and ray
+        # workers are other processes, which get the update pickled whole.
+        tensors = list(update.tensors) if self.opts.executor in ("mp", "ray") else update.tensors
         with self._lock:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
             # Cached prompt KV was computed with the old weights.
             self.llm.reset_prefix_cache()
         self.weights_dropped = False

@@ -149,10 +149,11 @@ class Backend(ABC):
         as the buckets are consumed, so no rank ever holds the whole model."""
         raise NotImplementedError(f"backend {type(self).__name__} does not export weights")
 
-    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+    def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """Name -> full shape of each tensor :meth:`export_weights` yields, in the same order,
-        without gathering anything (an engine checks names and shapes before a streamed update)."""
-        return {name: tuple(t.shape) for bucket in self.export_weights(all_ranks=True) for name, t in bucket}
+        without gathering anything: the manifest a rollout engine checks before a streamed weight
+        sync. Default None (unknown): the engine then reads the whole update before loading it."""
+        return None
 
     def offload(self) -> None:
         """A rollout engine is about to generate on this device: move whatever the backend's

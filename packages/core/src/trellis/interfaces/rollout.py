@@ -4,9 +4,10 @@ and what every engine shares (stop tokens, the right-padded sample layout, the s
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,11 @@ class RolloutSpec:
     max_len: int = 0
 
 
+def option_dtype(name: str) -> torch.dtype | None:
+    """An engine's ``dtype`` option as a torch dtype (``bfloat16`` -> ``torch.bfloat16``); None for ``auto``."""
+    return None if name == "auto" else getattr(torch, name)
+
+
 def context_length(spec: RolloutSpec, option: int, hf_config) -> int:
     """The engine's context length: its own option if set, else the recipe's ``max_len`` (capped at
     the model's ``max_position_embeddings``); 0 leaves the engine's default (the model's maximum)."""
@@ -161,7 +167,12 @@ def samples_batch(prompts: Batch, params: SamplingParams, tokens: list[list[int]
 
 
 class RolloutEngine(ABC):
-    """A generation engine. Registered as a factory ``make_engine(spec) -> RolloutEngine``."""
+    """A generation engine. Registered as a factory ``make_engine(spec) -> RolloutEngine``.
+
+    weight_dtype: the dtype the engine holds its weights in, when its options name one (a weight
+    sync has the trainer export in it, e.g. bfloat16); None: unknown (``auto``), sent as trained."""
+
+    weight_dtype: torch.dtype | None = None
 
     @abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -179,8 +190,13 @@ class RolloutEngine(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no async generation")
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights with these full tensors (Hugging Face names), in memory."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Replace the engine's weights with these full tensors (Hugging Face names), in memory.
+        ``shapes``: the update's manifest, name -> full shape in the order ``weights`` yields them
+        (the trainer's ``weight_shapes()``): the engine checks it before reading any tensor, then
+        reads ``weights`` once, lazily, one tensor at a time. None: ``weights`` may be read whole
+        (e.g. a list) and is checked before loading. Engines written before the manifest, whose
+        ``load_weights`` has no ``shapes``, get the stream alone (:func:`takes_manifest`)."""
 
     def sleep(self) -> None:
         """Free what generation holds (KV cache and weights) between rollouts; a no-op if unsupported."""
@@ -194,13 +210,22 @@ class RolloutEngine(ABC):
         Calling it twice is harmless."""
 
 
-def sync_engine(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def takes_manifest(engine: RolloutEngine) -> bool:
+    """Whether ``engine.load_weights`` takes ``shapes=`` (a streamed update with its manifest)."""
+    return "shapes" in inspect.signature(engine.load_weights).parameters
+
+
+def sync_engine(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
     """Load new weights into a possibly sleeping engine with the least memory at once: free the
     trainer's cached blocks, wake the weights alone, load, free the export's buffers, then wake the
-    KV cache."""
+    KV cache. ``shapes``: the update's manifest (see :meth:`RolloutEngine.load_weights`), passed
+    on when given."""
     _free_cached()
     engine.wake([WEIGHTS])
-    engine.load_weights(weights)
+    if shapes is None:
+        engine.load_weights(weights)
+    else:
+        engine.load_weights(weights, shapes=shapes)
     _free_cached()
     engine.wake([KV_CACHE])
 

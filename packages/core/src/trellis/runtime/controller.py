@@ -16,7 +16,7 @@ import torch
 from trellis.batch import Batch
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import Mesh, Route
-from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine
+from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine, takes_manifest
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.worker import Worker
@@ -28,6 +28,15 @@ def batch_bytes(batch: Batch) -> int:
     """Bytes a batch takes on the wire: its tensors plus its pickled Python fields."""
     tensors = sum(t.numel() * t.element_size() for t in batch.tensors.values())
     return tensors + (len(pickle.dumps(batch.non_tensors)) if batch.non_tensors else 0)
+
+
+def sync_from(engine: RolloutEngine, worker: Worker) -> None:
+    """Load ``worker``'s current weights into ``engine`` (both in this process), exported in the
+    engine's ``weight_dtype`` and kept on the worker's device (``all_ranks``: no copy through host
+    memory). An engine that takes a manifest checks the worker's ``weight_shapes()`` first, then
+    reads the export one tensor at a time as the backend gathers it."""
+    shapes = worker.weight_shapes() if takes_manifest(engine) else None
+    sync_engine(engine, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=engine.weight_dtype)), shapes)
 
 
 class WorkerGroup:
@@ -188,8 +197,7 @@ class LocalRollout(RolloutGroup):
         return await self.engine.agenerate(prompt_ids, params)
 
     def _sync(self) -> None:
-        # all_ranks: the tensors stay on the actor's device (no copy through host memory each step)
-        sync_engine(self.engine, chain.from_iterable(self.actor.workers[0].export_weights(all_ranks=True)))
+        sync_from(self.engine, self.actor.workers[0])
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -23,10 +23,10 @@ from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
-from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine
+from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
-from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup
+from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, sync_from
 from trellis.runtime.worker import Worker
 
 log = logging.getLogger("trellis")
@@ -136,7 +136,7 @@ class RankProcess:
         return await self.engine.agenerate(prompt_ids, params)
 
     def sync_rollout(self, role: str) -> tuple[None, float]:
-        return _timed(lambda: sync_engine(self.engine, chain.from_iterable(self.workers[role].export_weights(all_ranks=True))))
+        return _timed(sync_from, self.engine, self.workers[role])
 
     def sleep_rollout(self) -> tuple[None, float]:
         return _timed(self.engine.sleep)

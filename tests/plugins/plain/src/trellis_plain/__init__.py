@@ -54,6 +54,9 @@ class PlainBackend(Backend):
     def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
         yield [(name, tensor.detach().to(dtype or tensor.dtype, copy=True)) for name, tensor in self.model.state_dict().items()]
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             state = self.model.state_dict()
