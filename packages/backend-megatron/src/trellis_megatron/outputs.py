@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from megatron.core import parallel_state as mpu
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
 from trellis.batch import Batch
 from trellis.interfaces.hf import value_outputs
 
 
 def _tp_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the tensor-parallel group, differentiable (gradient: the same sum)."""
-    group = mpu.get_tensor_model_parallel_group()
-    return dist_fn.all_reduce(t, group=group) if dist.get_world_size(group) > 1 else t
+    """Sum over the tensor-parallel group. Backward passes the gradient through unchanged: what
+    follows the sum is computed identically on every rank, so each rank's gradient of the sum
+    is already the whole one (summing it over ranks would count it tp times)."""
+    return reduce_from_tensor_model_parallel_region(t)
 
 
 def _tp_max(t: torch.Tensor) -> torch.Tensor:
