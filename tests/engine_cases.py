@@ -1,7 +1,7 @@
 """Tests every in-process rollout engine (vLLM, SGLang) must pass, against the real engine on a tiny
-model: the HF rollout's layout, log-probs equal to the FSDP actor's, weight sync (tied and untied),
-refused syncs, async generation, sleep on CPU, close; and multi-turn conversations through the agent
-loop.
+model: the HF rollout's layout, log-probs equal to the FSDP actor's, weight sync (tied and untied;
+a list, or a stream with its manifest as the controllers send it), refused syncs and manifests,
+async generation, sleep on CPU, close; and multi-turn conversations through the agent loop.
 
 An engine's test module subclasses :class:`RolloutCases` / :class:`MultiTurnCases` and names the
 engine (``ENGINE``); the engine is found through the plugin registry, so this module imports no
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.interfaces.weights import WeightSyncError
+from trellis.runtime.controller import sync_from
 
 TEXTS = ["12+35=", "7+8=", "40+41="]
 LONG = ["".join(f"{a}+{a}={2 * a} #### {2 * a}\n" for a in range(10, 30)) + "12+13="]  # a long shared prefix: prefix-cached
@@ -67,6 +68,11 @@ def perturbed(path, seed):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.5)
     return model
+
+
+def stream(pairs):
+    """``pairs`` as a generator, read once."""
+    yield from pairs
 
 
 def checkpoint_state(path):
@@ -175,8 +181,11 @@ class RolloutCases:
         torch.testing.assert_close(out["rollout_log_probs"], lp, atol=1e-4, rtol=0)
 
     # -- weight sync ------------------------------------------------------------------------------
+    @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
     @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-    def test_outputs_and_log_probs_follow_synced_weights(self, tied, engines, make_prompts, restore):
+    def test_outputs_and_log_probs_follow_synced_weights(self, tied, streamed, engines, make_prompts, restore):
+        """Whole: a list, read before loading. Streamed: a generator with its manifest (as the
+        trainer's sync sends it), read one tensor at a time."""
         eng = engines["tied" if tied else "untied"]
         prompts = make_prompts(eng.tokenizer, TEXTS + LONG)
         assert prompts["input_ids"].shape[1] > 256  # more than two KV blocks of 128: prefix-cached
@@ -188,7 +197,10 @@ class RolloutCases:
             assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
             state.pop("lm_head.weight")
         restore(eng)
-        eng.load_weights(state.items())
+        if streamed:
+            eng.load_weights(stream(state.items()), shapes={name: t.shape for name, t in state.items()})
+        else:
+            eng.load_weights(list(state.items()))
         assert eng.last_sync_s > 0
         out = eng.generate(prompts, params)
         torch.testing.assert_close(out["rollout_log_probs"], forward_log_probs(other, out, 0.8) * out["response_mask"], atol=1e-4, rtol=0)
@@ -211,7 +223,7 @@ class RolloutCases:
         stale = engine.generate(prompts, params)
         assert (actor.log_prob(stale)["log_probs"] * stale["response_mask"] - stale["rollout_log_probs"]).abs().max() > 1e-3
         restore(engine)
-        engine.load_weights(w for bucket in actor.export_weights() for w in bucket)
+        sync_from(engine, actor)  # the controllers' sync: the actor's manifest, then its export streamed
         after = engine.generate(prompts, params)
         torch.testing.assert_close(actor.log_prob(after)["log_probs"] * after["response_mask"], after["rollout_log_probs"], atol=1e-4, rtol=0)
 
@@ -232,6 +244,11 @@ class RolloutCases:
         for update, message in refused:
             with pytest.raises(WeightSyncError, match=message):
                 engine.load_weights(update)
+        for update, message in refused[:2] + refused[3:4]:  # the same as manifests: nothing is read
+            read = []
+            with pytest.raises(WeightSyncError, match=message):
+                engine.load_weights((read.append(n) or (n, t) for n, t in update), shapes={n: t.shape for n, t in update})
+            assert read == []
         after = greedy(engine, make_prompts)
         assert torch.equal(after["responses"], before["responses"])
         torch.testing.assert_close(after["rollout_log_probs"], before["rollout_log_probs"], atol=1e-6, rtol=0)  # prefix-cached: float noise

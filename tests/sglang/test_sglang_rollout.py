@@ -1,12 +1,13 @@
 """The SGLang rollout against the real engine (on CPU here): the shared engine tests
-(``tests/engine_cases.py``) plus SGLang's own: the distributed weight sync against the tensor one,
+(``tests/engine_cases.py``) plus SGLang's own: the distributed weight sync against the tensor one
+(each from a list and streamed),
 and tensor parallel reaching the engine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import LONG, TEXTS, RolloutCases, checkpoint_state, forward_log_probs, greedy, perturbed
+from engine_cases import LONG, TEXTS, RolloutCases, checkpoint_state, forward_log_probs, greedy, perturbed, stream
 
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.interfaces.weights import WeightSyncError
@@ -32,7 +33,8 @@ class TestSGLangRollout(RolloutCases):
     @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
     def test_distributed_sync_equals_tensor_sync(self, tied, engines, make_prompts, restore):
         """The same new weights through ``update_weights_from_distributed`` (broadcast over gloo from
-        this process) and ``update_weights_from_tensor``: identical outputs and log-probs, which
+        this process) and ``update_weights_from_tensor``, each from a list and streamed with its
+        manifest (the untied engine in 10 KiB buckets): identical outputs and log-probs, which
         follow the new weights (a forward pass of the perturbed model)."""
         eng = engines["tied" if tied else "untied"]
         prompts = make_prompts(eng.tokenizer, TEXTS + LONG)
@@ -40,19 +42,27 @@ class TestSGLangRollout(RolloutCases):
         state = other.state_dict()
         if tied:
             state.pop("lm_head.weight")
+        manifest = {name: t.shape for name, t in state.items()}
         restore(eng)
-        results = {}
-        for method in ("tensor", "distributed", "tensor"):  # back to tensor: the group does not get in its way
+        results = []
+        # back to tensor after distributed: the group does not get in its way
+        for method, streamed in (("tensor", False), ("distributed", False), ("distributed", True), ("tensor", True)):
             eng.load_weights(checkpoint_state(eng.model_path).items())
             eng.opts.sync_method = method
-            eng.load_weights(state.items())
-            results[method] = (greedy(eng, make_prompts, TEXTS + LONG), eng.generate(prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=8)))
+            if streamed:
+                eng.load_weights(stream(state.items()), shapes=manifest)
+            else:
+                eng.load_weights(list(state.items()))
+            results.append((greedy(eng, make_prompts, TEXTS + LONG), eng.generate(prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=8))))
         eng.opts.sync_method = "tensor"
         assert eng._group is not None
-        (g_tensor, _), (g_dist, sampled) = results["tensor"], results["distributed"]
-        assert torch.equal(g_dist["responses"], g_tensor["responses"])
-        torch.testing.assert_close(g_dist["rollout_log_probs"], g_tensor["rollout_log_probs"], atol=1e-6, rtol=0)
-        torch.testing.assert_close(sampled["rollout_log_probs"], forward_log_probs(other, sampled, 0.8) * sampled["response_mask"], atol=1e-4, rtol=0)
+        (g_first, _), *others = results
+        for g_other, _ in others:
+            assert torch.equal(g_other["responses"], g_first["responses"])
+            torch.testing.assert_close(g_other["rollout_log_probs"], g_first["rollout_log_probs"], atol=1e-6, rtol=0)
+        for _, sampled in results:
+            expected = forward_log_probs(other, sampled, 0.8) * sampled["response_mask"]
+            torch.testing.assert_close(sampled["rollout_log_probs"], expected, atol=1e-4, rtol=0)
 
     def test_refused_distributed_sync_leaves_the_engine_generating(self, engine, make_prompts):
         before = greedy(engine, make_prompts)
