@@ -182,3 +182,23 @@ def test_an_engine_without_a_manifest_argument_gets_the_stream_alone():
     assert not takes_manifest(engine) and takes_manifest(StreamRecordingEngine())
     LocalController().spawn_rollout(lambda: engine, actor).sync_weights(version=1)
     assert actor.calls == [("export_weights", True, None)] and engine.names == list(EXPECTED)
+
+
+def test_weight_buckets_hold_at_most_the_limit_and_read_lazily() -> None:
+    """Buckets of at most ``bucket_bytes`` (a larger tensor alone), in order; the items are taken
+    one bucket ahead at most, so an exporter gathering as it is read holds one bucket."""
+    from trellis.interfaces.backend import weight_buckets
+
+    sizes = [4, 4, 10, 2, 2, 2]  # float32 elements: 16, 16, 40, 8, 8, 8 bytes
+    produced: list[str] = []
+
+    def items():
+        for i, n in enumerate(sizes):
+            produced.append(f"t{i}")
+            yield f"t{i}", torch.zeros(n)
+
+    buckets = weight_buckets(items(), bucket_bytes=32)
+    first = next(buckets)
+    assert [n for n, _ in first] == ["t0", "t1"] and produced == ["t0", "t1", "t2"]
+    rest = [[n for n, _ in b] for b in buckets]
+    assert rest == [["t2"], ["t3", "t4", "t5"]]

@@ -31,11 +31,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trellis.batch import Batch
 from trellis.config import ranged
-from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each
+from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each, weight_buckets
 from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, make_optimizer, schedule_step
+from trellis.interfaces.process_group import device_for, leave_process_group
 from trellis.runtime.rng import get_rng_state, set_rng_state
-from trellis_fsdp.distributed import all_reduce_sum, device_for, ensure_process_group, leave_process_group
+from trellis_fsdp.distributed import all_reduce_sum, ensure_process_group
 from trellis_fsdp.offload import HostCopy
 
 log = logging.getLogger("trellis")
@@ -199,7 +200,7 @@ class FSDPBackend(Backend):
             for _ in stream:  # join rank 0's gathers, keep nothing
                 pass
             return iter(())
-        return _buckets(stream, bucket_bytes)
+        return weight_buckets(stream, bucket_bytes)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors (every rank gets all of them) into this rank's shards."""
@@ -293,16 +294,3 @@ def _gather(tensor: DTensor, dtype: torch.dtype | None) -> torch.Tensor:
         _all_gather(buffer, piece, group=mesh.get_group())
         out[:, start : start + size] = buffer.view(world, size)
     return out.view(-1)[: tensor.numel()].view(tensor.shape)
-
-
-def _buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
-    bucket: WeightBucket = []
-    size = 0
-    for name, tensor in items:
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

@@ -1,64 +1,19 @@
-"""Process-group set-up: gloo on CPU, nccl on CUDA; one default group per process, shared by the
-roles colocated in it."""
+"""The FSDP backend's data-parallel mesh over the default process group, and its one collective."""
 
 from __future__ import annotations
-
-import atexit
-import os
-import socket
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trellis.interfaces.backend import DistInfo
-
-
-def device_for(info: DistInfo) -> torch.device:
-    if info.device == "cuda" or (info.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", info.rank % max(torch.cuda.device_count(), 1))))
-    return torch.device("cpu")
-
-
-def loopback_interface() -> str | None:
-    """The name of this machine's loopback network interface (``lo`` on Linux), if it has one."""
-    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+from trellis.interfaces.process_group import join_process_group
 
 
 def ensure_process_group(info: DistInfo) -> DeviceMesh:
-    """Join (or reuse) the default process group and return a 1-D data-parallel mesh over it.
-
-    Nothing listens beyond loopback unless the ranks span machines: one rank meets itself in an
-    in-memory store; ranks on one machine meet through a file (``DistInfo.init_method``
-    ``file://``) and keep gloo's and NCCL's sockets on the loopback interface."""
-    device = device_for(info)
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if info.world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            url = info.init_method or f"tcp://{info.master_addr}:{info.master_port}"
-            loopback = loopback_interface()
-            if url.startswith("file://") and loopback:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-                os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-            dist.init_process_group(backend, init_method=url, rank=info.rank, world_size=info.world_size)
-        # a process that ends without a backend's close() still leaves the group (NCCL warns otherwise)
-        atexit.register(leave_process_group)
-    elif dist.get_world_size() != info.world_size:
-        raise RuntimeError(
-            f"this process already belongs to a process group of {dist.get_world_size()} ranks, "
-            f"but a worker asks for {info.world_size}; colocated roles must share one world size"
-        )
+    """Join (or reuse) the default process group and return a 1-D data-parallel mesh over it."""
+    device = join_process_group(info)
     return init_device_mesh(device.type, (info.world_size,), mesh_dim_names=("dp",))
-
-
-def leave_process_group() -> None:
-    """``destroy_process_group`` if this process is still in one (idempotent)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -25,6 +25,23 @@ from trellis.batch import Batch
 from trellis.interfaces.dispatch import Mesh
 
 WeightBucket = list[tuple[str, torch.Tensor]]
+
+
+def weight_buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Consecutive ``(name, tensor)`` pairs in buckets of at most ``bucket_bytes`` (a larger tensor
+    goes alone), taking ``items`` lazily: an exporter that gathers as it is read holds at most one
+    bucket."""
+    bucket: WeightBucket = []
+    size = 0
+    for name, tensor in items:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 # A micro-batch's loss: ``loss_fn(micro, outputs) -> (loss, metrics)``; the loss is this
 # micro-batch's share of the global mini-batch loss (a scalar with gradient).
 LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
