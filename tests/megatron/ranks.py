@@ -1,8 +1,9 @@
-"""Run a function on N gloo ranks (spawned processes with the CPU shim installed) and collect
-each rank's return value; the Megatron tests' multi-process driver."""
+"""The Megatron tests' multi-process drivers: a function on N gloo ranks (spawned processes with
+the CPU shim installed), and the environment of a recipe process whose Ray ranks get the shim."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -31,3 +32,11 @@ def run_ranks(fn, mesh: Mesh, *args) -> list:
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_main, args=(fn, mesh.world_size, mesh, folder, args), nprocs=mesh.world_size, join=True)
         return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False) for r in range(mesh.world_size)]
+
+
+def boot_env() -> dict:
+    """This process's environment plus what puts the CPU shim (test scaffolding) into every
+    Python process a recipe starts, Ray's rank processes included (``boot/sitecustomize.py``)."""
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here / "boot"), str(here), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "TRELLIS_TEST_MEGATRON_CPU_SHIM": "1", "OMP_NUM_THREADS": "1"}

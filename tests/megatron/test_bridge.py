@@ -40,7 +40,9 @@ def _logits_and_export(info, path: str, tp: int):
     logits = torch.cat(parts, -1)[..., : backend.hf_config.vocab_size]
     weights = dict(chain.from_iterable(worker.export_weights(bucket_bytes=4096, all_ranks=True)))
     buckets = sum(1 for _ in worker.export_weights(bucket_bytes=4096))
-    return {"logits": logits, "weights": weights, "buckets": buckets, "local_vocab": local.shape[-1]}
+    bf16 = list(chain.from_iterable(worker.export_weights(all_ranks=True, dtype=torch.bfloat16)))
+    shapes = worker.weight_shapes()
+    return {"logits": logits, "weights": weights, "buckets": buckets, "local_vocab": local.shape[-1], "bf16": bf16, "shapes": shapes}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -61,5 +63,8 @@ def test_logits_equal_hf_and_export_round_trips(model, tp, request):
         assert set(r["weights"]) == set(saved)
         for name, tensor in saved.items():
             assert torch.equal(r["weights"][name], tensor), name
+        # the manifest: every exported name with its full shape, in export order, before any gather
+        assert list(r["shapes"].items()) == [(name, tuple(tensor.shape)) for name, tensor in r["weights"].items()]
+        assert all(t.dtype == torch.bfloat16 and torch.equal(t, saved[name].bfloat16()) for name, t in r["bf16"])
     assert results[0]["buckets"] > 1  # 4 KiB buckets: the export is streamed in pieces
     assert all(r["buckets"] == 0 for r in results[1:])  # without all_ranks only rank 0 receives

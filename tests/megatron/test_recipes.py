@@ -6,7 +6,6 @@ exported."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import boot_env
 from safetensors.torch import load_file
 
 from trellis.examples.tasks import make_arithmetic_split, write_rows
@@ -22,12 +22,6 @@ from trellis.export import export_checkpoint
 HERE = Path(__file__).parent
 KILLABLE = HERE.parent / "integration" / "killable.py"
 TRAIN = "import sys; from trellis.recipes.train import train; train(None, sys.argv[1:])"
-
-
-def boot_env() -> dict:
-    """The environment of a recipe process whose Ray ranks get the CPU shim (test scaffolding)."""
-    path = os.pathsep.join([str(HERE / "boot"), str(HERE), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "TRELLIS_TEST_MEGATRON_CPU_SHIM": "1", "OMP_NUM_THREADS": "1"}
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -118,7 +118,9 @@ def _forwards(info, path: str, tp: int, pp: int):
     before = worker.log_prob(batch, with_entropy=True, with_sum_sq_probs=True)
     metrics = worker.update(batch)
     after = worker.log_prob(batch, with_entropy=True)
-    return {"before": before, "after": after, "metrics": metrics, "collects": info.mesh.collects(info.rank)}
+    exported = [(name, tuple(t.shape)) for name, t in chain.from_iterable(worker.export_weights(all_ranks=True))]
+    shapes = worker.weight_shapes()
+    return {"before": before, "after": after, "metrics": metrics, "collects": info.mesh.collects(info.rank), "shapes": shapes, "exported": exported}
 
 
 @pytest.mark.parametrize("model", ["tiny_untied_model_path", "tiny_model_path"], ids=["untied", "tied"])
@@ -137,6 +139,8 @@ def test_pipeline_parallel_equals_one_stage(model, request):
             torch.testing.assert_close(r["after"][key], want["after"][key], atol=1e-5, rtol=0)
         for key, value in want["metrics"].items():
             assert r["metrics"][key] == pytest.approx(value, abs=1e-5, rel=1e-5), key
+        # every stage exports (and announces) every tensor, in the one-stage order
+        assert r["exported"] == want["exported"] == list(r["shapes"].items())
     mask = rl_batch(10)["response_mask"].bool()
     assert (want["after"]["log_probs"] - want["before"]["log_probs"])[mask].abs().max() > 1e-4  # the update changed the model
 

@@ -29,7 +29,7 @@ from trellis.batch import Batch
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket
 from trellis.interfaces.optim import lr_factor
 from trellis.runtime.rng import get_rng_state, set_rng_state
-from trellis_megatron.bridge import build_gpt, export_hf, load_hf, make_bridge
+from trellis_megatron.bridge import build_gpt, export_hf, hf_shapes, load_hf, make_bridge
 from trellis_megatron.distributed import all_reduce_sum, device_for, init_parallel
 from trellis_megatron.options import MegatronOptions
 from trellis_megatron.outputs import role_outputs
@@ -195,16 +195,17 @@ class MegatronBackend(Backend):
         return all_reduce_sum(values, self.device)
 
     # -- weights ---------------------------------------------------------------------------------------
-    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False) -> Iterator[WeightBucket]:
-        """Full tensors under HF names, in buckets of about ``bucket_bytes``: every rank takes part
-        in the gathers; ranks other than 0 get nothing unless ``all_ranks``."""
+    def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+        """Full tensors under HF names (cast to ``dtype`` if given), in buckets of about
+        ``bucket_bytes``, gathered one tensor at a time as the buckets are consumed: every rank
+        takes part in the gathers; ranks other than 0 get nothing unless ``all_ranks``."""
         keep = all_ranks or dist.get_rank() == 0
         bucket: WeightBucket = []
         size = 0
         for name, tensor in export_hf(self.bridge, self.model):
             if not keep:
                 continue
-            bucket.append((name, tensor))
+            bucket.append((name, tensor if dtype is None else tensor.to(dtype)))
             size += tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
                 yield bucket
@@ -212,9 +213,21 @@ class MegatronBackend(Backend):
         if bucket:
             yield bucket
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> full shape of each exported tensor, in export order, without gathering."""
+        return hf_shapes(self.bridge, self.model)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full HF tensors (every rank gets all of them); each rank keeps its shard."""
         load_hf(self.bridge, self.model, dict(weights))
+
+    def close(self) -> None:
+        """Leave Megatron's groups and the process group (idempotent; the first role of a process
+        to close ends them for every role colocated there)."""
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _sharded_state(self, loading: bool) -> dict:

@@ -150,16 +150,45 @@ def load_hf(bridge, model, tensors: dict[str, torch.Tensor] | Iterable[tuple[str
             param.copy_(shard.to(param.dtype))
 
 
+def _exported_params(bridge, model) -> list[tuple[str, torch.nn.Parameter]]:
+    """This stage's parameters in export order; the last stage's copy of a tied embedding is
+    left out (the first stage's is exported)."""
+    tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
+    return [(n, p) for n, p in model.named_parameters() if not (tied and n == "output_layer.weight" and not _is_value_head(model, n))]
+
+
+def hf_shapes(bridge, model) -> dict[str, tuple[int, ...]]:
+    """HF name -> full shape of every tensor :func:`export_hf` yields, in its order, from the
+    shards' shapes alone (only names and shapes cross the pipeline stages)."""
+    tp = mpu.get_tensor_model_parallel_world_size()
+    local_to_global = bridge._weight_name_mapping_mcore_local_to_global(model)
+    mine = []
+    for local, param in _exported_params(bridge, model):
+        shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] *= tp
+        mine.append((local_to_global[local], _is_value_head(model, local), shape))
+    stages: list = [None] * mpu.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, mine, group=mpu.get_pipeline_model_parallel_group())
+    shapes = {}
+    for name, value_head, shape in (entry for stage in stages for entry in stage):
+        if value_head:
+            shapes[name.replace("output_layer.", "score.")] = tuple(shape)
+            continue
+        # the HF layout of a full tensor of that shape, worked out on the meta device
+        for hf_name, value in zip(*bridge._weight_to_hf_format(name, torch.empty(shape, device="meta"))):
+            shapes[hf_name] = tuple(value.shape)
+    return shapes
+
+
 def export_hf(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors under HF names, gathered over the tensor-parallel group and broadcast from
     the pipeline stage that holds each (every rank of the model-parallel group must iterate it
     to the end; every rank gets every tensor). Tied embeddings yield no ``lm_head.weight``."""
     from mbridge.core.util import broadcast_from_megatron_pp, broadcast_str_from_megatron_pp
 
-    tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
     local_to_global = bridge._weight_name_mapping_mcore_local_to_global(model)
-    # the last stage's copy of a tied embedding is not exported: the first stage's is
-    params = [(n, p) for n, p in model.named_parameters() if not (tied and n == "output_layer.weight" and not _is_value_head(model, n))]
+    params = _exported_params(bridge, model)
     # every stage learns how many parameters each stage holds
     counts: list = [None] * mpu.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(counts, len(params), group=mpu.get_pipeline_model_parallel_group())
