@@ -49,11 +49,12 @@ LR = 1e-2
 PROMPT, RESPONSE, SAMPLES = 5, 6, 8
 
 
-def rl_batch(vocab: int, seed: int = 0) -> Batch:
-    """8 samples: left-padded prompts, right-padded responses of varied length, random advantages."""
+def rl_batch(vocab: int, seed: int = 0, response_lengths: torch.Tensor | None = None, temperature: float = 0.7) -> Batch:
+    """SAMPLES samples: left-padded prompts, right-padded responses (of ``response_lengths``, else
+    random), random advantages; widths PROMPT and RESPONSE."""
     g = torch.Generator().manual_seed(seed)
     prompt_len = torch.randint(2, PROMPT + 1, (SAMPLES,), generator=g)
-    resp_len = torch.randint(1, RESPONSE + 1, (SAMPLES,), generator=g)
+    resp_len = torch.randint(1, RESPONSE + 1, (SAMPLES,), generator=g) if response_lengths is None else response_lengths
     prompt_mask = (torch.arange(PROMPT) >= PROMPT - prompt_len[:, None]).long()
     response_mask = (torch.arange(RESPONSE) < resp_len[:, None]).long()
     prompts = torch.randint(3, vocab, (SAMPLES, PROMPT), generator=g) * prompt_mask
@@ -68,7 +69,7 @@ def rl_batch(vocab: int, seed: int = 0) -> Batch:
             "response_mask": response_mask,
             "advantages": torch.randn(SAMPLES, 1, generator=g).expand(SAMPLES, RESPONSE) * response_mask,
         },
-        meta={"temperature": 0.7},
+        meta={"temperature": temperature},
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_fsdp_worker import OBJECTIVES, actor_options, free_port, make_worker  # noqa: E402
+from test_fsdp_worker import OBJECTIVES, RESPONSE, SAMPLES, actor_options, free_port, make_worker, rl_batch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trellis.batch import Batch
@@ -136,31 +136,10 @@ def test_model_build_reads_the_folder_on_rank_0_only(tiny_model_path, tmp_path):
 
 
 # -- token budget with uneven ranks ------------------------------------------------------------------
-PROMPT, RESPONSE, SAMPLES = 4, 8, 8
-
-
 def uneven_batch(vocab: int) -> Batch:
-    """8 samples whose even rows (rank 0's share when dealt over 2 ranks) have 8-token responses and
-    odd rows (rank 1's) 1-token ones, so a token budget cuts rank 0's share into more micro-batches."""
-    g = torch.Generator().manual_seed(3)
-    resp_len = torch.tensor([RESPONSE if i % 2 == 0 else 1 for i in range(SAMPLES)])
-    prompt_len = torch.randint(2, PROMPT + 1, (SAMPLES,), generator=g)
-    prompt_mask = (torch.arange(PROMPT) >= PROMPT - prompt_len[:, None]).long()
-    response_mask = (torch.arange(RESPONSE) < resp_len[:, None]).long()
-    mask = torch.cat([prompt_mask, response_mask], 1)
-    responses = torch.randint(3, vocab, (SAMPLES, RESPONSE), generator=g) * response_mask
-    prompts = torch.randint(3, vocab, (SAMPLES, PROMPT), generator=g) * prompt_mask
-    return Batch(
-        {
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": responses,
-            "response_mask": response_mask,
-            "advantages": torch.randn(SAMPLES, 1, generator=g).expand(SAMPLES, RESPONSE) * response_mask,
-        },
-        meta={"temperature": 1.0},
-    )
+    """8 samples whose even rows (rank 0's share when dealt over 2 ranks) have full-length responses
+    and odd rows (rank 1's) 1-token ones, so a token budget cuts rank 0's share into more micro-batches."""
+    return rl_batch(vocab, seed=3, response_lengths=torch.tensor([RESPONSE if i % 2 == 0 else 1 for i in range(SAMPLES)]), temperature=1.0)
 
 
 def _budget_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
@@ -195,7 +174,6 @@ def test_token_budget_with_different_lengths_per_rank_trains_like_one_rank(tiny_
     assert ranks[0]["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=1e-5)
     for name, tensor in one["weights"].items():
         torch.testing.assert_close(ranks[0]["weights"][name], tensor, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-
 
 
 # -- leaving the process group -------------------------------------------------------------------------
