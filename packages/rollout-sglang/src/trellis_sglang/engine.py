@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
+from trellis.interfaces.backend import weight_buckets
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
     WEIGHTS,
@@ -216,7 +217,7 @@ class SGLangRollout(RolloutEngine):
         send = self._send_distributed if self.opts.sync_method == "distributed" else self._send_tensors
         self._check(self._run(manager.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
         try:
-            for bucket, last in _with_last(_buckets(update.tensors, int(self.opts.sync_bucket_mb * (1 << 20)))):
+            for bucket, last in _with_last(weight_buckets(update.tensors, int(self.opts.sync_bucket_mb * (1 << 20)))):
                 send(bucket, flush_cache=last)
         finally:
             self._check(self._run(manager.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
@@ -358,21 +359,6 @@ def _with_last(items: Iterable) -> Iterator[tuple[Any, bool]]:
         following = next(it, _END)
         yield current, following is _END
         current = following
-
-
-def _buckets(items: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most ``limit`` bytes (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _sampled_log_probs(output: dict) -> list[float]:
