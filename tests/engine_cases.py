@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any, ClassVar
 
 import pytest
@@ -73,6 +74,22 @@ def perturbed(path, seed):
 def stream(pairs):
     """``pairs`` as a generator, read once."""
     yield from pairs
+
+
+class FreshCopies:
+    """An export of ``state`` as fresh copies; ``counts``: how many earlier copies were still alive
+    (held by the reader) each time the next was made."""
+
+    def __init__(self, state):
+        self.state, self.made, self.counts = state, [], []
+
+    def export(self):
+        for name, tensor in self.state.items():
+            self.counts.append(sum(ref() is not None for ref in self.made))
+            copy = tensor.clone()
+            self.made.append(weakref.ref(copy))
+            yield name, copy
+            del copy
 
 
 def checkpoint_state(path):
@@ -226,6 +243,20 @@ class RolloutCases:
         sync_from(engine, actor)  # the controllers' sync: the actor's manifest, then its export streamed
         after = engine.generate(prompts, params)
         torch.testing.assert_close(actor.log_prob(after)["log_probs"] * after["response_mask"], after["rollout_log_probs"], atol=1e-4, rtol=0)
+
+    def test_a_streamed_sync_holds_a_few_tensors_at_a_time(self, engines):
+        """The untied engine (SGLang: 10 KiB buckets) loads the checkpoint's tensors, fresh copies
+        made as they are read: with the manifest, fewer than one decoder layer's tensors are alive
+        (not yet dropped by the engine) whenever the next is made; read whole, all of them."""
+        eng = engines["untied"]
+        state = checkpoint_state(eng.model_path)
+        layer = sum(name.startswith("model.layers.0.") for name in state)
+        peaks = {}
+        for streamed in (True, False):
+            alive = FreshCopies(state)
+            eng.load_weights(alive.export(), shapes={name: t.shape for name, t in state.items()} if streamed else None)
+            peaks[streamed] = max(alive.counts)
+        assert peaks[True] < layer < len(state) - 1 == peaks[False], peaks
 
     def test_refused_sync_fails_clearly_and_the_engine_still_generates(self, engine, make_prompts):
         before = greedy(engine, make_prompts)
