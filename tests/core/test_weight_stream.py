@@ -202,3 +202,19 @@ def test_weight_buckets_hold_at_most_the_limit_and_read_lazily() -> None:
     assert [n for n, _ in first] == ["t0", "t1"] and produced == ["t0", "t1", "t2"]
     rest = [[n for n, _ in b] for b in buckets]
     assert rest == [["t2"], ["t3", "t4", "t5"]]
+
+
+def test_a_backend_without_the_dtype_argument_still_exports_in_the_engines_dtype() -> None:
+    """A backend written before ``export_weights(..., dtype=)``: the worker casts what it exports."""
+    from trellis.runtime.worker import RoleWorker
+
+    class OlderBackend:
+        def export_weights(self, bucket_bytes, all_ranks):
+            yield [("w", torch.ones(2, dtype=torch.float32))]
+
+    worker = RoleWorker.__new__(RoleWorker)  # only the backend matters here
+    worker.backend = OlderBackend()
+    [[(name, tensor)]] = list(worker.export_weights(all_ranks=True, dtype=torch.bfloat16))
+    assert name == "w" and tensor.dtype == torch.bfloat16 and torch.equal(tensor.float(), torch.ones(2))
+    [[(_, same)]] = list(worker.export_weights())
+    assert same.dtype == torch.float32
