@@ -148,3 +148,12 @@ def test_numeric_options_declare_and_enforce_ranges(assert_ranges_enforced):
     from trellis.plugins import load_plugins
 
     assert assert_ranges_enforced(HFRolloutOptions, load_plugins().registry) == 1
+
+
+def test_the_default_dtype_follows_the_device() -> None:
+    """``rollout.dtype`` null: bfloat16 on a GPU (the trainer computes in bf16 there), float32 on
+    CPU; a named dtype is kept on both."""
+    from trellis.interfaces.rollout import engine_dtype
+
+    assert engine_dtype(None, on_gpu=True) == "bfloat16" and engine_dtype(None, on_gpu=False) == "float32"
+    assert engine_dtype("float16", on_gpu=True) == "float16" and engine_dtype("float32", on_gpu=True) == "float32"

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from trellis.batch import Batch
 from trellis.config import ranged
 from trellis.data import left_pad
-from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, pad_id, rollout_batch, stop_ids
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, engine_dtype, pad_id, rollout_batch, stop_ids
 from trellis.interfaces.weights import prepare_update
 
 _Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]"]  # prompt ids, sampling, result
@@ -24,10 +24,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class HFRolloutOptions:
-    """dtype: weights and compute. micro_batch_prompts: prompts per generate call (0: all).
+    """dtype: weights and compute (None: bfloat16 on a GPU, float32 on CPU). micro_batch_prompts: prompts per generate call (0: all).
     device: ``auto`` (cuda when available), ``cuda`` or ``cpu``."""
 
-    dtype: str = "float32"
+    dtype: str | None = None
     micro_batch_prompts: int = ranged(0, ge=0)
     device: str = "auto"
 
@@ -39,12 +39,12 @@ def make_engine(spec: RolloutSpec) -> RolloutEngine:
 class HFRollout(RolloutEngine):
     def __init__(self, spec: RolloutSpec) -> None:
         self.opts: HFRolloutOptions = spec.options if spec.options is not None else HFRolloutOptions()
-        if self.opts.dtype not in DTYPES:
-            raise ValueError(f"rollout.dtype={self.opts.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
+        if self.opts.dtype is not None and self.opts.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={self.opts.dtype!r} is not a dtype; valid: {', '.join(DTYPES)} (or null: by device)")
         self.tokenizer = spec.tokenizer
         use_cuda = self.opts.device == "cuda" or (self.opts.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
-        self.weight_dtype = DTYPES[self.opts.dtype]
+        self.weight_dtype = DTYPES[engine_dtype(self.opts.dtype, use_cuda)]
         self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=self.weight_dtype).to(self.device).eval()
         self.pad_id = pad_id(self.tokenizer)
         self.eos_ids = stop_ids(spec.model_path, self.tokenizer, self.model.config)

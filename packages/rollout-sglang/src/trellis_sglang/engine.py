@@ -34,6 +34,7 @@ from trellis.interfaces.rollout import (
     RolloutSpec,
     SamplingParams,
     context_length,
+    engine_dtype,
     log_once,
     option_dtype,
     pad_id,
@@ -74,7 +75,7 @@ class SGLangRollout(RolloutEngine):
 
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
-        self.weight_dtype = option_dtype(self.opts.dtype)
+        self.weight_dtype = option_dtype(engine_dtype(self.opts.dtype, not self.on_cpu))
 
         kwargs = engine_args(self.opts, spec, hf_config, self.on_cpu)
         self.context_length = kwargs.get("context_length", 0)
@@ -325,7 +326,7 @@ def engine_args(opts: SGLangRolloutOptions, spec: RolloutSpec, hf_config, on_cpu
         )
     kwargs: dict[str, Any] = {
         "model_path": str(spec.model_path),
-        "dtype": opts.dtype,
+        "dtype": engine_dtype(opts.dtype, not on_cpu),
         "random_seed": opts.seed if opts.seed is not None else spec.seed,
         "tp_size": opts.tensor_parallel_size,
         "skip_tokenizer_init": True,  # token ids in, token ids out: the trainer's tokenizer decodes

@@ -15,7 +15,7 @@ SYNC_METHODS = ("tensor", "distributed")
 class SGLangRolloutOptions:
     """How the SGLang engine is set up. Sampling itself (n, temperature, ...) comes from the recipe.
 
-    dtype: weights and compute (``auto``: the model config's).
+    dtype: weights and compute (None: bfloat16 on a GPU, float32 on CPU; ``auto``: the model config's).
     context_length: longest prompt + response in tokens (0: the recipe's ``data.max_prompt_length`` +
         response length, else the model's ``max_position_embeddings``).
     mem_fraction_static: GPU only: share of GPU memory for weights and KV cache. The default leaves
@@ -39,7 +39,7 @@ class SGLangRolloutOptions:
     engine_kwargs: any other ``sglang.Engine`` keyword arguments (``ServerArgs`` fields), passed through.
     """
 
-    dtype: str = "float32"
+    dtype: str | None = None
     context_length: int = ranged(0, ge=0)
     mem_fraction_static: float = ranged(0.5, gt=0, le=1)
     max_total_tokens: int = ranged(0, ge=0)
@@ -55,8 +55,8 @@ class SGLangRolloutOptions:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the option for a value that cannot work."""
-        if self.dtype not in DTYPES:
-            raise ValueError(f"rollout.dtype={self.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} is not a dtype; valid: {', '.join(DTYPES)} (or null: by device)")
         if self.sync_method not in SYNC_METHODS:
             raise ValueError(f"rollout.sync_method={self.sync_method!r}; valid: {', '.join(SYNC_METHODS)}")
         if self.sync_bucket_mb <= 0:

@@ -29,6 +29,7 @@ from trellis.interfaces.rollout import (
     RolloutSpec,
     SamplingParams,
     context_length,
+    engine_dtype,
     option_dtype,
     pad_id,
     samples_batch,
@@ -78,11 +79,12 @@ class VLLMRollout(RolloutEngine):
         if self.on_cpu:
             _check_cpu_head_size(hf_config)
         self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
-        self.weight_dtype = option_dtype(self.opts.dtype)
+        dtype = engine_dtype(self.opts.dtype, not self.on_cpu)
+        self.weight_dtype = option_dtype(dtype)
 
         kwargs: dict[str, Any] = {
             "model": self.model_path,
-            "dtype": self.opts.dtype,
+            "dtype": dtype,
             "seed": self.opts.seed if self.opts.seed is not None else spec.seed,
             "tensor_parallel_size": self.opts.tensor_parallel_size,
             "enforce_eager": self.on_cpu if self.opts.enforce_eager is None else self.opts.enforce_eager,

@@ -15,7 +15,7 @@ EXECUTORS = ("uni", "mp", "ray", "external_launcher")
 class VLLMRolloutOptions:
     """How the vLLM engine is set up. Sampling itself (n, temperature, ...) comes from the recipe.
 
-    dtype: weights and compute (``auto``: the model config's, which vLLM turns into float16 for a
+    dtype: weights and compute (None: bfloat16 on a GPU, float32 on CPU; ``auto``: the model config's, which vLLM turns into float16 for a
         float32 checkpoint on GPU).
     max_model_len: longest prompt + response in tokens (0: the recipe's ``data.max_prompt_length`` +
         response length, else the model's ``max_position_embeddings``).
@@ -37,7 +37,7 @@ class VLLMRolloutOptions:
     engine_kwargs: any other ``vllm.LLM`` keyword arguments, passed through unchanged.
     """
 
-    dtype: str = "float32"
+    dtype: str | None = None
     max_model_len: int = ranged(0, ge=0)
     gpu_memory_utilization: float = ranged(0.5, gt=0, le=1)
     kv_cache_gib: float = ranged(0.0, ge=0)
@@ -53,8 +53,8 @@ class VLLMRolloutOptions:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the option for a value that cannot work."""
-        if self.dtype not in DTYPES:
-            raise ValueError(f"rollout.dtype={self.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} is not a dtype; valid: {', '.join(DTYPES)} (or null: by device)")
         if self.executor not in EXECUTORS:
             raise ValueError(f"rollout.executor={self.executor!r}; valid: {', '.join(EXECUTORS)}")
         if self.tensor_parallel_size < 1:

@@ -97,6 +97,14 @@ class RolloutSpec:
     max_len: int = 0
 
 
+def engine_dtype(option: str | None, on_gpu: bool) -> str:
+    """An engine's ``dtype`` option with its default filled in: None is ``bfloat16`` on a GPU (the
+    colocated trainer computes in bf16 there and the KV cache halves) and ``float32`` on CPU."""
+    if option is not None:
+        return option
+    return "bfloat16" if on_gpu else "float32"
+
+
 def option_dtype(name: str) -> torch.dtype | None:
     """An engine's ``dtype`` option as a torch dtype (``bfloat16`` -> ``torch.bfloat16``); None for ``auto``."""
     return None if name == "auto" else getattr(torch, name)
