@@ -186,7 +186,7 @@ class MegatronBackend(Backend):
         return {"grad_norm": norm, "skipped_steps": skipped}
 
     def lr_step(self) -> float:
-        lr = self.spec.optim.lr * self.lr_of(self.lr_steps)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.lr_steps += 1
         self._set_lr()
         return lr
