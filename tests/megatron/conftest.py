@@ -45,16 +45,3 @@ def tiny_llama_path(tiny_untied_model_path, tmp_path_factory):
             shutil.copy(Path(tiny_untied_model_path) / name, out / name)
     return str(out)
 
-
-@pytest.fixture(scope="session")
-def tiny_critic_path(tiny_model_path, tmp_path_factory):
-    """The tiny Qwen2 with ``classifier_dropout=0``: transformers' token-classification head
-    (the FSDP critic) otherwise applies dropout 0.1 in training mode, value forwards included."""
-    import json
-    import shutil
-
-    out = tmp_path_factory.mktemp("models") / "tiny-critic"
-    shutil.copytree(tiny_model_path, out, dirs_exist_ok=True)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "classifier_dropout": 0.0}))
-    return str(out)

@@ -168,8 +168,8 @@ def _critic(info, path: str, tp: int):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_critic_equals_fsdp(tp, tiny_critic_path):
-    for r in run_ranks(_critic, Mesh(tp=tp), tiny_critic_path, tp):
+def test_critic_equals_fsdp(tp, tiny_model_path):
+    for r in run_ranks(_critic, Mesh(tp=tp), tiny_model_path, tp):
         fsdp, megatron = r["fsdp"], r["megatron"]
         # positions past a response's end differ (padding queries; nothing reads them there)
         mask = rl_batch(10)["response_mask"].bool()
