@@ -27,7 +27,7 @@ def _shard_outputs(info):
     from trellis_megatron import outputs
     from trellis_megatron.distributed import init_parallel
 
-    init_parallel(info, torch.device("cpu"))
+    init_parallel(info)
     z, tokens = logits_and_tokens()
     padded = torch.cat([z, torch.zeros(3, 5, PADDED - VOCAB, dtype=z.dtype)], -1)  # the padding rows' logits
     local = padded.chunk(info.mesh.tp, -1)[info.rank].clone().requires_grad_()

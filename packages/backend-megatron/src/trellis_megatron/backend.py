@@ -26,11 +26,12 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from trellis.batch import Batch
-from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket
+from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, weight_buckets
 from trellis.interfaces.optim import lr_factor
+from trellis.interfaces.process_group import device_for, leave_process_group
 from trellis.runtime.rng import get_rng_state, set_rng_state
 from trellis_megatron.bridge import build_gpt, export_hf, hf_shapes, load_hf, make_bridge
-from trellis_megatron.distributed import all_reduce_sum, device_for, init_parallel
+from trellis_megatron.distributed import all_reduce_sum, init_parallel
 from trellis_megatron.options import MegatronOptions
 from trellis_megatron.outputs import role_outputs
 
@@ -58,7 +59,7 @@ class MegatronBackend(Backend):
     def build(self) -> None:
         if self.opts.dtype not in DTYPES:
             raise ValueError(f"backend.dtype={self.opts.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
-        init_parallel(self.spec.dist, self.device)
+        init_parallel(self.spec.dist)
         torch.manual_seed(self.spec.seed)
         if self.device.type == "cuda":
             model_parallel_cuda_manual_seed(self.spec.seed)
@@ -199,19 +200,12 @@ class MegatronBackend(Backend):
         """Full tensors under HF names (cast to ``dtype`` if given), in buckets of about
         ``bucket_bytes``, gathered one tensor at a time as the buckets are consumed: every rank
         takes part in the gathers; ranks other than 0 get nothing unless ``all_ranks``."""
-        keep = all_ranks or dist.get_rank() == 0
-        bucket: WeightBucket = []
-        size = 0
-        for name, tensor in export_hf(self.bridge, self.model):
-            if not keep:
-                continue
-            bucket.append((name, tensor if dtype is None else tensor.to(dtype)))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        stream = ((name, tensor if dtype is None else tensor.to(dtype)) for name, tensor in export_hf(self.bridge, self.model))
+        if all_ranks or dist.get_rank() == 0:
+            yield from weight_buckets(stream, bucket_bytes)
+        else:
+            for _ in stream:  # take part in every gather, keep nothing
+                pass
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> full shape of each exported tensor, in export order, without gathering."""
@@ -226,8 +220,7 @@ class MegatronBackend(Backend):
         to close ends them for every role colocated there)."""
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _sharded_state(self, loading: bool) -> dict:
