@@ -98,7 +98,8 @@ def test_ray_two_ranks_match_local_one_rank(ray_cluster, tiny_model_path):
 
 
 def test_unsatisfiable_placement_fails_fast_with_resources(ray_cluster):
-    with pytest.raises(RuntimeError, match=r"could not place pool 'actor' within trainer.ray_timeout_s=2 s: it asks for 1 node\(s\) with 3 x \{'CPU': 1\} each"):
+    expected = r"could not place pool 'actor' within trainer.ray_timeout_s=2 s: it asks for 1 node\(s\) with 3 x \{'CPU': 1\} each"
+    with pytest.raises(RuntimeError, match=expected):
         controller(procs=3, timeout=2.0).spawn("actor", lambda dist: None)
 
 
