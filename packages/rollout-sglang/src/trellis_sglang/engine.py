@@ -141,6 +141,7 @@ class SGLangRollout(RolloutEngine):
             log.debug("rollout 'sglang': cancelling the engine loop's tasks: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        _close_zmq(self.engine, self.engine.tokenizer_manager)
 
     # -- generation ---------------------------------------------------------------------------
     def _sampling(self, params: SamplingParams, seed: int | None) -> dict[str, Any]:
@@ -368,3 +369,14 @@ def _sampled_log_probs(output: dict) -> list[float]:
     if entries is None:
         raise RuntimeError("SGLang returned no log-probs; the request must set return_logprob=True")
     return [float(e[0]) for e in entries]
+
+
+def _close_zmq(*owners: Any) -> None:
+    """Close the ZeroMQ sockets the engine and its tokenizer manager hold, dropping unsent messages:
+    their contexts would otherwise wait at interpreter exit (``Context.term`` in a garbage-collection
+    pass) for a scheduler that is gone, and the process would never end."""
+    import zmq
+
+    contexts = {id(v.context): v.context for owner in owners for v in vars(owner).values() if isinstance(v, zmq.Socket)}
+    for context in contexts.values():
+        context.destroy(linger=0)
