@@ -26,6 +26,7 @@ from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardError, RewardManager, RewardResult, resolve_reward, unknown_sources
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, backend_mesh
+from trellis.runtime.plan import Plan
 
 log = logging.getLogger("trellis")
 
@@ -152,8 +153,7 @@ def on_policy_update(cfg: DictConfig, estimator, samples: int) -> bool:
     them (the in-reward KL, an estimator using ``sum_sq_probs``, rollout-correction weights)."""
     corrects = any(cfg.actor.policy_loss.get(k) for k in ("rollout_is", "rollout_rs", "log_metrics"))
     return (
-        cfg.actor.ppo_epochs == 1
-        and cfg.actor.mini_batch_samples in (0, samples)
+        Plan.of(cfg.actor).one_update(samples)  # the same rule the actor's worker checks the batch against
         and not cfg.algorithm.use_kl_in_reward
         and "sum_sq_probs" not in needs(estimator)
         and not corrects
