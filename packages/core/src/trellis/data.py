@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
+from trellis.interfaces.rollout import pad_id
 
 logger = logging.getLogger("trellis")
 
@@ -129,7 +130,7 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def _pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     if pad is None:
         raise DataError("the tokenizer has neither a pad token nor an eos token; set tokenizer.pad_token")
     return int(pad)

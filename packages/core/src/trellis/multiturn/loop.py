@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams, rollout_batch
+from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams, pad_id, rollout_batch
 from trellis.multiturn.chat import ChatDeltas
 from trellis.multiturn.environment import AgentSpec, Environment, interaction_name
 from trellis.multiturn.tool_calls import ToolCall
@@ -95,7 +95,7 @@ class AgentLoop:
                 one = dataclasses.replace(params, n=1, seed=seed)
                 jobs.append(self._limited(limit, ids, prompts["raw_prompt"][i], prompts["extra_info"][i], one))
         trajectories = await asyncio.gather(*jobs)
-        return assemble(prompts, params, trajectories, self._pad_id())
+        return assemble(prompts, params, trajectories, pad_id(self.tokenizer))
 
     async def _limited(self, limit: asyncio.Semaphore, *args: Any) -> Trajectory:
         async with limit:
@@ -212,11 +212,6 @@ class AgentLoop:
                 "(later failures are counted, not logged)\n%s",
                 "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)),
             )
-
-    def _pad_id(self) -> int:
-        tok = self.tokenizer
-        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
 
 async def _close(close: Any, instance: str, timeout: float) -> None:
     """Run one ``finalize`` / ``release``; a failure is logged and the others still run."""
