@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,17 +74,21 @@ def test_auto_follows_the_cores_others_leave_free(monkeypatch: pytest.MonkeyPatc
         CpuSample(0.0, 0, 0), CpuSample(1.0, 3 * ticks, 3 * ticks),  # start: we use 3 cores, nobody else
         CpuSample(2.0, 6 * ticks + int(2.6 * ticks), 6 * ticks),  # a neighbour takes 2.6 cores
     ])  # fmt: skip
+    clock = [1.0]  # the time check() sees, matching the readings' walls
     monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: next(readings)))
-    monkeypatch.setattr(threads_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(threads_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: None))
     monkeypatch.setattr(threads_mod, "usable_cores", lambda ranks_here=1: 4)
     old = torch.get_num_threads()
     try:
         governor = Threads("auto")
         assert governor.start() == 4 and torch.get_num_threads() == 4
+        clock[0] = 2.0
         assert governor.check() == 1 and torch.get_num_threads() == 1
         assert governor.others == pytest.approx(2.6, abs=0.02)
-        monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: CpuSample(2.5, 0, 0)))
-        assert governor.check() == 1  # within CHECK_EVERY_S of the last reading: unchanged
+        clock[0] = 2.5
+        monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: pytest.fail("read /proc within CHECK_EVERY_S")))
+        assert governor.check() == 1  # within CHECK_EVERY_S of the last reading: unchanged, /proc not read
+        clock[0] = 3.0
         monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: CpuSample(3.0, 9 * ticks + int(2.6 * ticks), 9 * ticks)))
         assert governor.check() == 4
     finally:

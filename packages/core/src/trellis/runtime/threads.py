@@ -126,9 +126,9 @@ class Threads:
         current = torch.get_num_threads()
         if not self.auto or self._last is None:
             return current
+        if time.monotonic() - self._last.wall < CHECK_EVERY_S:
+            return current  # before reading /proc: most steps end here
         now = CpuSample.now()
-        if now.wall - self._last.wall < CHECK_EVERY_S:
-            return current
         self.others, self._last = others_busy(self._last, now), now
         n = self._choose()
         if n != current:
