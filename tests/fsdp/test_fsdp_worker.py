@@ -275,7 +275,8 @@ def test_checkpointing_and_mixed_precision_update_like_fp32(registry, tiny_model
 
 
 def test_other_architecture_loads_and_trains(registry, tiny_model_path, tmp_path):
-    """Nothing is tied to Qwen2: a Llama folder shards (its own decoder-layer class) and trains."""
+    """Nothing is tied to Qwen2: a Llama folder shards (its own decoder-layer class; one rank
+    shards when it casts, here to bfloat16 compute) and trains."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -286,7 +287,7 @@ def test_other_architecture_loads_and_trains(registry, tiny_model_path, tmp_path
     LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
     tokenizer.save_pretrained(tmp_path / "llama")
     batch = prepared_batch(str(tmp_path / "llama"))
-    worker = build(registry, str(tmp_path / "llama"), "actor", actor_options(registry), OBJECTIVES["actor"])
+    worker = build(registry, str(tmp_path / "llama"), "actor", actor_options(registry), OBJECTIVES["actor"], param_dtype="bfloat16")
     sharded = [type(m).__name__ for m in worker.backend.model.modules() if type(m).__name__.startswith("FSDP")]
     assert "FSDPLlamaDecoderLayer" in sharded and "FSDPLlamaForCausalLM" in sharded
     metrics = worker.update(batch)

@@ -1,5 +1,9 @@
 """FSDP2 backend: any Hugging Face model fully sharded per decoder layer, for every role.
 
+One rank with nothing to cast (the weights' dtype throughout) is a plain module: FSDP2 would
+only add a copy of every weight per forward and DTensor dispatch to every optimizer op, and a
+rollout engine in the same process can generate from the module itself (:meth:`full_module`).
+
 Only the model: build, forwards, backward, optimizer step, checkpoints and weights. Losses come
 from the objective layer through ``trellis.runtime.worker.RoleWorker``.
 
@@ -73,7 +77,8 @@ class FSDPOptions:
 
 
 class FSDPBackend(Backend):
-    """One role's model on one rank, fully sharded over the data-parallel ranks."""
+    """One role's model on one rank, fully sharded over the data-parallel ranks (a plain module
+    on a single rank that casts nothing)."""
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -110,9 +115,14 @@ class FSDPBackend(Backend):
         self.model = empty_hf_model(self.spec.model_path, self.spec.head, dtype)
         if self.opts.activation_checkpointing and self.spec.trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self._shard(MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        # one rank and no cast: FSDP2 would shard nothing and cast nothing
+        self.sharded = self.spec.dist.world_size > 1 or param_dtype not in (None, dtype)
+        if self.sharded:
+            self._shard(MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
         restore_buffers = keep_buffers(self.model)  # rotary inv_freq...: in no checkpoint
         self.model.to_empty(device=self.device)
+        if not self.sharded:
+            self.model.tie_weights()  # to_empty made a parameter per module: share a tied head's again
         restore_buffers()
         # rank 0 reads the folder; every tensor is broadcast and each rank keeps its shard
         full = load_hf_model(self.spec.model_path, self.spec.head, dtype).state_dict() if dist.get_rank() == 0 else {}
@@ -134,9 +144,15 @@ class FSDPBackend(Backend):
                 fully_shard(module, mesh=self.mesh, mp_policy=mp)
         fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
 
+    def _reshard(self) -> None:
+        """Back to the sharded layout, which a no_grad forward leaves behind (FSDP2 keeps the root
+        unsharded after it) and state-dict calls need."""
+        if self.sharded:
+            self.model.reshard()
+
     def _set_full_state(self, state: dict[str, torch.Tensor], broadcast: bool = False) -> None:
         """Full tensors into this rank's shards (``broadcast``: rank 0's ``state``, the others pass {})."""
-        self.model.reshard()  # set_model_state_dict needs the sharded layout, which a no_grad forward leaves behind
+        self._reshard()
         if not broadcast and self.spec.head == "lm" and getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied: the embedding is the head
         options = StateDictOptions(full_state_dict=True, strict=not broadcast or dist.get_rank() == 0, broadcast_from_rank0=broadcast)
@@ -149,9 +165,7 @@ class FSDPBackend(Backend):
     def forward(self, micros: list[Batch], outputs: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
         with torch.no_grad():
             results = [{k: v.cpu() for k, v in self._outputs(m, outputs).items()} for m in micros]
-        # After a no_grad forward FSDP2 leaves the root unsharded; reshard so memory and later
-        # state-dict calls see the sharded layout.
-        self.model.reshard()
+        self._reshard()
         return results
 
     def forward_backward(self, micros: list[Batch], outputs: tuple[str, ...], loss_fn: LossFn) -> list[dict[str, float]]:
@@ -174,7 +188,7 @@ class FSDPBackend(Backend):
         return {name: tuple(t.shape) for name, t in self._state()}
 
     def _state(self) -> Iterable[tuple[str, torch.Tensor]]:
-        self.model.reshard()
+        self._reshard()
         return self.model.state_dict(keep_vars=True).items()  # sharded DTensors under Hugging Face names
 
     def _full_tensors(self, dtype: torch.dtype | None, to_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -206,6 +220,12 @@ class FSDPBackend(Backend):
         """Full tensors (every rank gets all of them) into this rank's shards."""
         self._set_full_state(dict(weights))
 
+    def full_module(self) -> torch.nn.Module | None:
+        """The model itself when this rank holds every weight whole in the dtype it computes in
+        (one rank, nothing cast) and keeps them in place while an engine generates (no
+        ``offload_params``); None otherwise."""
+        return self.model if not self.sharded and self.spec.head == "lm" and not self.opts.offload_params else None
+
     # -- memory while generating -----------------------------------------------------------------------
     def offload(self) -> None:
         """Move what ``offload_optimizer`` / ``offload_params`` name to host memory (a rollout
@@ -214,7 +234,7 @@ class FSDPBackend(Backend):
             return
         tensors: list[torch.Tensor] = []
         if self.opts.offload_params:
-            self.model.reshard()
+            self._reshard()
             tensors += self.params
         if self.opts.offload_optimizer and self.optimizer is not None:
             tensors += [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -229,7 +249,7 @@ class FSDPBackend(Backend):
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def _sharded_state(self) -> dict:
-        self.model.reshard()  # set_model_state_dict needs the sharded layout, which a no_grad forward leaves behind
+        self._reshard()
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.model)}
         model, optim = get_state_dict(self.model, self.optimizer)

@@ -1,5 +1,6 @@
 """Rollout on ``transformers`` generate: n samples per prompt, sampled-token log-probs (recorded
-during generation, one step's log-softmax at a time), in-memory weight updates from the actor."""
+during generation, one step's log-softmax at a time), in-memory weight updates from the actor, or
+generation from the actor's own model when it lives whole in this process (``adopt_module``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from trellis.batch import Batch
 from trellis.config import ranged
@@ -25,11 +26,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class HFRolloutOptions:
     """dtype: weights and compute (None: bfloat16 on a GPU, float32 on CPU). micro_batch_prompts: prompts per generate call (0: all).
-    device: ``auto`` (cuda when available), ``cuda`` or ``cpu``."""
+    device: ``auto`` (cuda when available), ``cuda`` or ``cpu``. share_actor_weights: when the
+    actor's one rank holds its model whole in this process, in this engine's dtype and device,
+    generate from that model (no copy of the weights, no sync after each update); false: keep a
+    copy and sync it."""
 
     dtype: str | None = None
     micro_batch_prompts: int = ranged(0, ge=0)
     device: str = "auto"
+    share_actor_weights: bool = True
 
 
 def make_engine(spec: RolloutSpec) -> RolloutEngine:
@@ -45,12 +50,29 @@ class HFRollout(RolloutEngine):
         use_cuda = self.opts.device == "cuda" or (self.opts.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         self.weight_dtype = DTYPES[engine_dtype(self.opts.dtype, use_cuda)]
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=self.weight_dtype).to(self.device).eval()
+        self.model_path = spec.model_path
+        self._model: torch.nn.Module | None = None  # read from the folder on first use, unless the actor's is adopted
         self.pad_id = pad_id(self.tokenizer)
-        self.eos_ids = stop_ids(spec.model_path, self.tokenizer, self.model.config)
+        self.eos_ids = stop_ids(spec.model_path, self.tokenizer, AutoConfig.from_pretrained(spec.model_path))
         self._queue: list[_Request] = []  # async requests waiting for the next batch
         self._server: asyncio.Task | None = None
         self.batch_sizes: deque[int] = deque(maxlen=256)  # sizes of the latest async batches
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.weight_dtype).to(self.device).eval()
+        return self._model
+
+    def adopt_module(self, module: torch.nn.Module) -> bool:
+        """Generate from the actor's ``module`` (put in eval mode for each generation, its mode
+        restored after) when ``share_actor_weights`` is on and its weights are in this engine's
+        dtype and on its device."""
+        param = next(module.parameters())
+        if not self.opts.share_actor_weights or param.dtype != self.weight_dtype or param.device.type != self.device.type:
+            return False
+        self._model = module
+        return True
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -70,19 +92,25 @@ class HFRollout(RolloutEngine):
         mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0).to(self.device)
         greedy = params.greedy or params.temperature == 0
         recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
-        with torch.no_grad():
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=not greedy,
-                temperature=None if greedy else params.temperature,
-                top_p=None if greedy else params.top_p,
-                top_k=None if greedy or params.top_k <= 0 else params.top_k,
-                max_new_tokens=params.max_new_tokens,
-                eos_token_id=sorted(self.eos_ids | set(params.stop_token_ids)),
-                pad_token_id=self.pad_id,
-                logits_processor=LogitsProcessorList([recorder]),
-            )
+        model, training = self.model, self.model.training
+        model.eval()  # an adopted actor's model is in training mode: no dropout while sampling
+        try:
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=not greedy,
+                    temperature=None if greedy else params.temperature,
+                    top_p=None if greedy else params.top_p,
+                    top_k=None if greedy or params.top_k <= 0 else params.top_k,
+                    max_new_tokens=params.max_new_tokens,
+                    eos_token_id=sorted(self.eos_ids | set(params.stop_token_ids)),
+                    pad_token_id=self.pad_id,
+                    logits_processor=LogitsProcessorList([recorder]),
+                    use_cache=True,  # a trainer's model has the KV cache off in its config
+                )
+        finally:
+            model.train(training)
         return out[:, ids.shape[1] :].cpu(), recorder.result(out).cpu()
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:

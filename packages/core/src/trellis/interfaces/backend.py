@@ -172,6 +172,13 @@ class Backend(ABC):
         sync. Default None (unknown): the engine then reads the whole update before loading it."""
         return None
 
+    def full_module(self) -> torch.nn.Module | None:
+        """The causal LM itself, when this rank holds every weight whole, in the dtype it computes
+        in, and keeps them in place while an engine generates: a rollout engine in the same
+        process may then generate from it (no copy, no weight sync; see
+        ``RolloutEngine.adopt_module``). Default None (sharded, or no such module)."""
+        return None
+
     def offload(self) -> None:
         """A rollout engine is about to generate on this device: move whatever the backend's
         options say (optimizer state, parameters) to host memory. Default: nothing."""

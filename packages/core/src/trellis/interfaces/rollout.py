@@ -206,6 +206,13 @@ class RolloutEngine(ABC):
         (e.g. a list) and is checked before loading. Engines written before the manifest, whose
         ``load_weights`` has no ``shapes``, get the stream alone (:func:`takes_manifest`)."""
 
+    def adopt_module(self, module: torch.nn.Module) -> bool:
+        """Generate from ``module``, the actor's own model in this process (its one rank holds the
+        weights whole), instead of a copy: True if this engine does so from now on (it then sees
+        every update as it happens, and weight syncs are skipped); False (the default) to keep
+        its own weights and take syncs."""
+        return False
+
     def sleep(self) -> None:
         """Free what generation holds (KV cache and weights) between rollouts; a no-op if unsupported."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import pickle
 from collections.abc import Callable
 from itertools import chain
@@ -22,6 +23,8 @@ from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.worker import Worker
 
 PROMPT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a rollout engine reads of a prompt batch
+
+log = logging.getLogger("trellis")
 
 
 def batch_bytes(batch: Batch) -> int:
@@ -183,9 +186,17 @@ class LocalWorkerGroup(WorkerGroup):
 
 
 class LocalRollout(RolloutGroup):
+    """The engine beside the actor's one rank. When the actor lends its whole model
+    (``full_module``) and the engine adopts it, the engine generates from the actor's own
+    weights: no second copy, and nothing to sync."""
+
     def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup) -> None:
         self.engine = engine
         self.actor = actor
+        module = actor.workers[0].full_module()
+        self.shared = module is not None and engine.adopt_module(module)
+        if self.shared:
+            log.info("rollout: %s generates from the actor's own model (one rank): no weight copy, no weight sync", type(engine).__name__)
 
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return self.engine.generate(prompts, params)
@@ -197,7 +208,8 @@ class LocalRollout(RolloutGroup):
         return await self.engine.agenerate(prompt_ids, params)
 
     def _sync(self) -> None:
-        sync_from(self.engine, self.actor.workers[0])
+        if not self.shared:
+            sync_from(self.engine, self.actor.workers[0])
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -61,6 +61,11 @@ class Worker(ABC):
     def close(self) -> None:
         """End of the run (the controller's shutdown). Default: nothing."""
 
+    def full_module(self) -> torch.nn.Module | None:
+        """A whole causal LM a rollout engine in this process may generate from (see
+        ``Backend.full_module``). Default: None."""
+        return None
+
 
 @dataclass
 class WorkerSpec:
@@ -262,6 +267,11 @@ class RoleWorker(Worker):
         """Name -> full shape of every exported tensor in export order, without gathering (checked
         before a sync); None when the backend cannot tell."""
         return self.backend.weight_shapes()
+
+    def full_module(self) -> torch.nn.Module | None:
+        """The backend's whole causal LM for an engine in this process to generate from, or None
+        (``Backend.full_module``)."""
+        return self.backend.full_module()
 
     def offload(self) -> None:
         """Free accelerator memory for generation as the backend's options say (optimizer state,
