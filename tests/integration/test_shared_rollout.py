@@ -20,7 +20,10 @@ def numbers(rows):
     return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
 
 
-@pytest.mark.parametrize("overrides", [[], ["trainer.total_steps=3", "actor.ppo_epochs=2", "actor.mini_batch_samples=8"]], ids=["on-policy", "two-epochs"])
+TWO_EPOCHS = ["trainer.total_steps=3", "actor.ppo_epochs=2", "actor.mini_batch_samples=8"]
+
+
+@pytest.mark.parametrize("overrides", [[], TWO_EPOCHS], ids=["on-policy", "two-epochs"])
 def test_generating_from_the_actors_model_equals_the_synced_copy(run_rl, tmp_path, caplog, monkeypatch, overrides):
     reward = tmp_path / "varied.py"
     reward.write_text(VARIED_REWARD)
