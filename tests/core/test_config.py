@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -42,6 +43,13 @@ def test_defaults_filled_and_types_converted(registry, yaml_file):
     assert cfg.trainer.total_steps == 2 and cfg.data.max_prompt_length == 16
     assert cfg.trainer.lr == 1.0 and isinstance(cfg.trainer.lr, float)
     assert dict(cfg.advantage) == {"name": "example_scaled", "scale": 3.0}
+
+
+def test_a_number_given_for_a_string_becomes_that_string_without_a_warning(registry, yaml_file):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # OmegaConf's FutureWarning on an implicit int -> str
+        cfg = compose(yaml_file(BASE), ["trainer.run_dir=5"], registry)
+    assert cfg.trainer.run_dir == "5"
 
 
 def test_unknown_nested_key_names_path_valid_keys_and_closest(registry, yaml_file):

@@ -242,8 +242,11 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", 
                 node[name] = _validate_list(raw[name], _dataclass_items(hints[name]), registry, sub_path)
         elif name in raw:
             value = raw._get_node(name)._value() if OmegaConf.is_interpolation(raw, name) else raw[name]
-            if type(value) is int and float in (hints[name], *typing.get_args(hints[name])):
+            declared = (hints[name], *typing.get_args(hints[name]))
+            if type(value) is int and float in declared:
                 value = float(value)
+            elif type(value) is int and str in declared:  # e.g. trainer.threads=2 from the command line
+                value = str(value)
             try:
                 node[name] = value
             except OmegaConfBaseException as exc:

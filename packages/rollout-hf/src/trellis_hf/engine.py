@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from trellis.batch import Batch
 from trellis.config import ranged
@@ -53,7 +53,7 @@ class HFRollout(RolloutEngine):
         self.model_path = spec.model_path
         self._model: torch.nn.Module | None = None  # read from the folder on first use, unless the actor's is adopted
         self.pad_id = pad_id(self.tokenizer)
-        self.eos_ids = stop_ids(spec.model_path, self.tokenizer, AutoConfig.from_pretrained(spec.model_path))
+        self.eos_ids = stop_ids(spec.model_path, self.tokenizer)
         self._queue: list[_Request] = []  # async requests waiting for the next batch
         self._server: asyncio.Task | None = None
         self.batch_sizes: deque[int] = deque(maxlen=256)  # sizes of the latest async batches
