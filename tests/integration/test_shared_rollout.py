@@ -20,6 +20,19 @@ def numbers(rows):
     return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
 
 
+def record_sharing(monkeypatch) -> list[bool]:
+    """The list each local rollout group appends to whether its engine adopted the actor's model."""
+    shared = []
+    init = controller.LocalRollout.__init__
+
+    def record(self, *args):
+        init(self, *args)
+        shared.append(self.shared)
+
+    monkeypatch.setattr(controller.LocalRollout, "__init__", record)
+    return shared
+
+
 TWO_EPOCHS = ["trainer.total_steps=3", "actor.ppo_epochs=2", "actor.mini_batch_samples=8"]
 
 
@@ -27,14 +40,7 @@ TWO_EPOCHS = ["trainer.total_steps=3", "actor.ppo_epochs=2", "actor.mini_batch_s
 def test_generating_from_the_actors_model_equals_the_synced_copy(run_rl, tmp_path, caplog, monkeypatch, overrides):
     reward = tmp_path / "varied.py"
     reward.write_text(VARIED_REWARD)
-    shared_groups = []
-    init = controller.LocalRollout.__init__
-
-    def record(self, *args):
-        init(self, *args)
-        shared_groups.append(self.shared)
-
-    monkeypatch.setattr(controller.LocalRollout, "__init__", record)
+    shared_groups = record_sharing(monkeypatch)
     args = ["trainer.threads=1", f"reward.path={reward}", "reward.name=varied", *overrides]
     with caplog.at_level(logging.INFO, logger="trellis"):
         shared_summary, shared = run_rl(*args, run_dir=tmp_path / "shared")
@@ -48,14 +54,7 @@ def test_generating_from_the_actors_model_equals_the_synced_copy(run_rl, tmp_pat
 
 
 def test_an_engine_in_another_dtype_keeps_its_own_copy(run_rl, tmp_path, monkeypatch):
-    shared_groups = []
-    init = controller.LocalRollout.__init__
-
-    def record(self, *args):
-        init(self, *args)
-        shared_groups.append(self.shared)
-
-    monkeypatch.setattr(controller.LocalRollout, "__init__", record)
+    shared_groups = record_sharing(monkeypatch)
     _, rows = run_rl("trainer.threads=1", "trainer.total_steps=1", "rollout.dtype=bfloat16", run_dir=tmp_path / "bf16")
     assert shared_groups == [False]
     assert any("reward/mean" in r for r in rows)
