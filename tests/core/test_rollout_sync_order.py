@@ -41,6 +41,9 @@ class ExportingActor:
     def __init__(self) -> None:
         self.workers = [self]
 
+    def full_module(self):
+        return None  # nothing to lend: the engine keeps its weights and takes syncs
+
     def export_weights(self, all_ranks: bool = False, dtype=None):
         assert all_ranks and dtype is None  # one rank: the tensors stay on the actor's device, as trained (the engine names no dtype)
         yield [("a", torch.zeros(1))]

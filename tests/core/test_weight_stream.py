@@ -156,6 +156,9 @@ class StreamingActor:
         self.calls.append(("weight_shapes",))
         return self.export.shapes
 
+    def full_module(self):
+        return None  # nothing to lend: the engine keeps its weights and takes syncs
+
 
 def test_the_local_sync_exports_in_the_engines_dtype_and_streams_against_the_manifest():
     actor = StreamingActor()

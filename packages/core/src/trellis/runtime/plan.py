@@ -52,9 +52,22 @@ class Plan:
         """Whether a step of ``samples`` samples (over all ranks) gets exactly one optimizer step."""
         return self.epochs == 1 and self.mini_batch_samples in (0, samples)
 
+    def length_order(self, batch: Batch, mask_key: str = "attention_mask") -> torch.Tensor | None:
+        """With a token budget, the order of ``batch``'s samples longest first (by the columns each
+        spans in ``mask_key``), so that cut in this order each micro-batch holds samples of about
+        one length and little padding, as verl's dynamic batching balances them; None without
+        a budget (micro-batches keep the batch's order)."""
+        if self.max_tokens_per_micro_batch <= 0 or mask_key not in batch:
+            return None
+        mask = batch[mask_key].bool()
+        columns = torch.arange(mask.shape[1])
+        span = torch.where(mask, columns, -1).max(-1).values - torch.where(mask, columns, mask.shape[1]).min(-1).values
+        return torch.argsort(span, descending=True, stable=True)
+
     def micro_batches(self, batch: Batch, mask_key: str = "attention_mask") -> list[Batch]:
-        """Micro-batches of ``micro_batch_samples``, or by token budget over ``mask_key``; the
-        columns that are padding in all of a micro-batch's samples are cut (``Batch.trim_padding``)."""
+        """Micro-batches of ``micro_batch_samples``, or by token budget over ``mask_key`` (of
+        consecutive samples: put them in :meth:`length_order` first); the columns that are
+        padding in all of a micro-batch's samples are cut (``Batch.trim_padding``)."""
         if self.max_tokens_per_micro_batch > 0 and mask_key in batch:
             micros = batch.split_by_tokens(self.max_tokens_per_micro_batch, mask_key)
         else:

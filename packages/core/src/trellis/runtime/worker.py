@@ -124,12 +124,15 @@ class RoleWorker(Worker):
         return routes
 
     # -- forwards ------------------------------------------------------------------------------
-    def _micro_batches(self, batch: Batch) -> tuple[list[Batch], int]:
-        """This rank's micro-batches of ``batch`` and how many of them are real. With a token
-        budget each rank cuts its own number, but a sharded backend runs collectives in every
-        forward and backward: all data-parallel ranks are padded to the largest count with
-        zero-weight one-sample micro-batches (marked ``PADDING``), so none waits forever."""
-        micros = self.plan.micro_batches(batch)
+    def _micro_batches(self, batch: Batch) -> tuple[list[Batch], int, torch.Tensor | None]:
+        """This rank's micro-batches of ``batch``, how many of them are real, and the order of
+        ``batch``'s samples in them (None: unchanged). With a token budget the samples go
+        longest first (``Plan.length_order``), and each rank cuts its own number, but a sharded
+        backend runs collectives in every forward and backward: all data-parallel ranks are
+        padded to the largest count with zero-weight one-sample micro-batches (marked
+        ``PADDING``), so none waits forever."""
+        order = self.plan.length_order(batch)
+        micros = self.plan.micro_batches(batch if order is None else batch.reorder(order))
         real = len(micros)
         dist = self.spec.dist
         if self.plan.max_tokens_per_micro_batch > 0 and dist.dp_size > 1 and micros:
@@ -138,18 +141,19 @@ class RoleWorker(Worker):
             pad = micros[-1][[0]]
             pad.meta[PADDING] = True
             micros += [pad] * (int(max(counts)) - real)
-        return micros, real
+        return micros, real, order
 
     def _forward(self, batch: Batch, outputs: tuple[str, ...]) -> Batch:
-        micros, real = self._micro_batches(batch)
+        micros, real, order = self._micro_batches(batch)
         parts = self.backend.forward(micros, outputs)[:real]
+        back = slice(None) if order is None else torch.argsort(order)  # the batch's own order again
         if "responses" not in batch or "attention_mask" not in batch:
-            return Batch({k: torch.cat([p[k] for p in parts]) for k in outputs})
+            return Batch({k: torch.cat([p[k] for p in parts])[back] for k in outputs})
         # micro-batches come back as wide as their trimmed responses: pad to the batch's again,
         # with 0 at every padding position whichever way the micro-batches were cut
         width = batch["responses"].shape[1]
         attended = batch["attention_mask"][:, -width:].bool()
-        out = {k: torch.cat([_right_pad(p[k], width) for p in parts]) for k in outputs}
+        out = {k: torch.cat([_right_pad(p[k], width) for p in parts])[back] for k in outputs}
         return Batch({k: v.masked_fill(~attended, 0) if v.dim() == 2 else v for k, v in out.items()})
 
     def log_prob(self, batch: Batch, with_entropy: bool = False, with_sum_sq_probs: bool = False) -> Batch:
@@ -193,7 +197,7 @@ class RoleWorker(Worker):
         for epoch in range(self.plan.epochs):
             for mini in self.plan.mini_batches(batch, self.spec.dist.dp_size, epoch, seed):
                 agg = self._global_counts(objective, mini)
-                micros, real = self._micro_batches(mini)
+                micros, real, _ = self._micro_batches(mini)  # sums over the micro-batches: their order is free
                 micros = [objective.rows(m) for m in micros]
                 loss_fn = functools.partial(_loss, objective, agg=agg, on_policy=on_policy)
                 per_micro = self.backend.forward_backward(micros, outputs, loss_fn)[:real]
@@ -246,7 +250,7 @@ class RoleWorker(Worker):
         """The objective's loss on ``batch`` without training (held-out loss): ``val/loss``."""
         objective = self._objective("sft_eval")
         agg = self._global_counts(objective, batch)
-        micros, real = self._micro_batches(batch)
+        micros, real, _ = self._micro_batches(batch)
         micros = [objective.rows(m) for m in micros]
         with torch.no_grad():
             outs = self.backend.forward(micros, objective.outputs)
