@@ -4,7 +4,9 @@ Both: the same tiny Qwen2 model and arithmetic prompts (chat template), n sample
 temperature 1 with at most ``--length`` new tokens, verl's GSM8K rule as the reward, group-normalised
 advantages, one optimizer step per batch of fresh samples (TRL ``num_iterations=1``, so it skips
 the old-log-prob pass), no reference model (TRL ``beta=0``), AdamW with grad-norm clip 1.0, HF
-``generate`` as the rollout, the same thread count. Each framework runs in its own process per
+``generate`` as the rollout, the same thread count. Trellis cuts its update into micro-batches of
+at most ``rl_step.TOKEN_BUDGET`` padded tokens, longest samples first; TRL runs the batch in one
+forward padded to its longest completion (its default). Each framework runs in its own process per
 round, alternating which goes first; a cell is the median step time after the warm-up steps.
 
 TRL lives in its own venv (``--venv``, made on first use: torch==2.13.0, trl==1.16.0 and the Trellis

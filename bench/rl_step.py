@@ -4,7 +4,9 @@ The bare step (written here, the floor): one model in one process; HF ``generate
 prompt at temperature 1; verl's GSM8K rule; group-normalised advantages; one forward and backward
 of the clipped policy loss over the response tokens (on-policy: the old log-probs are that
 forward's, detached); grad-norm clip 1.0; AdamW. Trellis runs the ``rl`` recipe on the same model,
-prompts, sampling and optimizer with one update per batch (HF rollout, FSDP backend on one rank).
+prompts, sampling and optimizer with one update per batch (HF rollout, FSDP backend on one rank),
+its micro-batches cut by a token budget of ``TOKEN_BUDGET`` padded tokens, longest samples first
+(the floor runs the batch padded to its longest response in one forward).
 Each (framework, size, length) runs in its own process, interleaved over ``--rounds`` rounds;
 a cell is the median step time after ``--warmup`` steps of every round. Peak RSS is that
 process's. ``--growth-steps`` runs Trellis that many steps on the tiny model and compares RSS
@@ -34,6 +36,7 @@ SIZES = {  # name -> make_tiny_model kwargs
 # (prompts, samples per prompt) by size: the larger models get less work per step so a cell stays short
 WORK = {"tiny": (16, 8), "10M": (8, 8), "50M": (4, 4)}
 LR, CLIP, EPS_CLIP = 1e-5, 1.0, 0.2
+TOKEN_BUDGET = 2048  # Trellis's actor.max_tokens_per_micro_batch
 
 
 def rss_mb() -> float:
@@ -60,7 +63,7 @@ def trellis_steps(
     config = [
         "recipe=rl", f"model.path={model}", f"data.train_path={data}", f"data.train_batch_prompts={prompts}",
         "data.max_prompt_length=64", f"sampling.n={n}", f"sampling.max_new_tokens={length}",
-        f"actor.micro_batch_samples={prompts * n}", f"actor.optim.lr={LR}", f"actor.optim.grad_clip={CLIP}",
+        f"actor.max_tokens_per_micro_batch={TOKEN_BUDGET}", f"actor.optim.lr={LR}", f"actor.optim.grad_clip={CLIP}",
         "validation.before_train=false", "trainer.val_every_steps=0", "trainer.keep_checkpoints=0",
         f"trainer.total_steps={steps}", f"trainer.threads={threads}", "trainer.trackers=[jsonl]", f"trainer.run_dir={run_dir}",
         f"rollout.name={rollout}",
