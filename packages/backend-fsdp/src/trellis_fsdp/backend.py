@@ -189,7 +189,7 @@ class FSDPBackend(Backend):
 
     def _state(self) -> Iterable[tuple[str, torch.Tensor]]:
         self._reshard()
-        return self.model.state_dict(keep_vars=True).items()  # sharded DTensors under Hugging Face names
+        return self.model.state_dict(keep_vars=True).items()  # Hugging Face names; DTensors when sharded
 
     def _full_tensors(self, dtype: torch.dtype | None, to_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor gathered alone, cast to ``dtype`` shard-side first (a bf16 export moves and
