@@ -190,10 +190,10 @@ class LocalRollout(RolloutGroup):
     (``full_module``) and the engine adopts it, the engine generates from the actor's own
     weights: no second copy, and nothing to sync."""
 
-    def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup) -> None:
+    def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup | None) -> None:
         self.engine = engine
-        self.actor = actor
-        module = actor.workers[0].full_module()
+        self.actor = actor  # None: generation alone, nothing to sync from
+        module = actor.workers[0].full_module() if actor is not None else None
         self.shared = module is not None and engine.adopt_module(module)
         if self.shared:
             log.info("rollout: %s generates from the actor's own model (one rank): no weight copy, no weight sync", type(engine).__name__)
