@@ -183,15 +183,19 @@ class Batch:
             tensors[k] = t
         return Batch(tensors, self.non_tensors, self.meta)
 
+    def attended_columns(self, mask_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sample's first and last attended column of ``mask_key``, ``(batch,)`` each (0 and
+        -1 for a sample with none): the columns it spans."""
+        mask = self.tensors[mask_key].bool()
+        columns = torch.arange(mask.shape[1])
+        first = torch.where(mask, columns, mask.shape[1]).min(-1).values.masked_fill(~mask.any(-1), 0)
+        return first, torch.where(mask, columns, -1).max(-1).values
+
     def split_by_tokens(self, max_tokens: int, mask_key: str) -> list[Batch]:
         """Micro-batches of consecutive samples whose padded size (samples x the columns they span
         once :meth:`trim_padding` cuts the all-padding ones) stays within ``max_tokens`` (dynamic
         batching). A sample longer than the budget gets a micro-batch alone."""
-        mask = self.tensors[mask_key].bool()
-        attended = mask.any(-1)
-        columns = torch.arange(mask.shape[1])
-        first = torch.where(mask, columns, mask.shape[1]).min(-1).values.masked_fill(~attended, 0).tolist()
-        last = torch.where(mask, columns, -1).max(-1).values.tolist()
+        first, last = (t.tolist() for t in self.attended_columns(mask_key))
         groups: list[list[int]] = [[]]
         lo, hi = 0, -1
         for i, (a, b) in enumerate(zip(first, last)):

@@ -59,10 +59,8 @@ class Plan:
         a budget (micro-batches keep the batch's order)."""
         if self.max_tokens_per_micro_batch <= 0 or mask_key not in batch:
             return None
-        mask = batch[mask_key].bool()
-        columns = torch.arange(mask.shape[1])
-        span = torch.where(mask, columns, -1).max(-1).values - torch.where(mask, columns, mask.shape[1]).min(-1).values
-        return torch.argsort(span, descending=True, stable=True)
+        first, last = batch.attended_columns(mask_key)
+        return torch.argsort(last - first, descending=True, stable=True)
 
     def micro_batches(self, batch: Batch, mask_key: str = "attention_mask") -> list[Batch]:
         """Micro-batches of ``micro_batch_samples``, or by token budget over ``mask_key`` (of
