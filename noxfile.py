@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from collections.abc import Callable
 
 import nox
@@ -107,11 +110,30 @@ SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str,
 }
 
 
+# Set by `tests`: every venv together takes about 27 GB (SGLang's alone 11 GB), more than a CI
+# runner's disk may have free, and no later run reuses them (`reuse_existing_virtualenvs` is off),
+# so each package session removes its venv when it ends. TRELLIS_KEEP_VENVS=1 keeps them.
+_DISCARD_VENVS = False
+
+
+def _discard_venv(session: nox.Session) -> None:
+    """Removes the session's venv when `tests` asked for it, and says how much disk that freed."""
+    location = session.virtualenv.location
+    if not _DISCARD_VENVS or os.environ.get("TRELLIS_KEEP_VENVS") == "1" or not location or not os.path.isdir(location):
+        return
+    size = subprocess.run(["du", "-sh", location], capture_output=True, text=True).stdout.split("\t")[0]
+    shutil.rmtree(location, ignore_errors=True)
+    session.log(f"removed {location} ({size}) to keep disk free for the next session; TRELLIS_KEEP_VENVS=1 keeps it")
+
+
 def _package_session(name: str, packages: list[str], extra: list[str], folder: str):
     @nox.session(name=name)
     def run(session: nox.Session) -> None:
-        env = SESSION_SETUP.get(name, _install)(session, packages, extra)
-        session.run("pytest", folder, "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
+        try:
+            env = SESSION_SETUP.get(name, _install)(session, packages, extra)
+            session.run("pytest", folder, "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
+        finally:
+            _discard_venv(session)
 
     run.__doc__ = f"Install {', '.join(packages)} alone and run {folder}."
     return run
@@ -130,7 +152,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package session and lint, each in its own venv."""
+    """Every package session and lint, each in its own venv, removed when its session ends."""
+    global _DISCARD_VENVS
+    _DISCARD_VENVS = True
     for name in ["lint", *PACKAGE_SESSIONS]:
         session.notify(name)
 
