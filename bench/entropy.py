@@ -1,7 +1,7 @@
 """GRPO vs Clip-Cov vs KL-Cov: policy entropy and held-out reward over training, same task, start,
 seeds and steps; then R = -a * exp(H) + b fitted on GRPO's (entropy, held-out reward) points.
 
-The start is the demo's SFT model (tiny Qwen2, addition, half of the taught answers wrong), trained
+The start is the demo's SFT model (tiny Qwen2, addition, a quarter of the taught answers wrong), trained
 once. Each method then runs the demo's RL stage (GRPO advantages, 16 prompts x 8 samples) with its
 policy loss (``vanilla``, ``clip_cov``, ``kl_cov``) for each seed, validating every
 ``--val-every`` steps. Prints a table (final entropy and held-out sampled reward, mean and spread
