@@ -31,6 +31,7 @@ NOISY_ANSWER = 0.25  # share of SFT answers taught wrong: the SFT model samples 
 # (at 0.5 the right answer was too weak a signal for 2000 SFT steps: greedy accuracy 0.31-0.43 over
 # seeds 0-1 and RL gains of +0.09-0.12; at 0.25, 0.48-0.96 and +0.18-0.26 over seeds 0-2, one thread)
 FEEDBACK = "Wrong, try again."
+FEEDBACK_NOISY_ANSWER = 0.5  # with --multiturn: each wrong SFT answer also teaches the second try after feedback
 MULTI_TURN = [  # a wrong first answer is told so and may try once more
     "multi_turn.enable=true",
     "multi_turn.max_assistant_turns=2",
@@ -50,7 +51,7 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
     times: dict[str, float] = {}
     start = time.perf_counter()
     data = out / "data"
-    sft_rows = make_arithmetic_split(SFT_ROWS, seed, noisy_answer=NOISY_ANSWER, **TASK)
+    sft_rows = make_arithmetic_split(SFT_ROWS, seed, noisy_answer=FEEDBACK_NOISY_ANSWER if multiturn else NOISY_ANSWER, **TASK)
     write_rows(feedback_conversations(sft_rows) if multiturn else sft_rows, data / "sft_train.parquet")
     interaction = "gsm8k" if multiturn else None
     write_rows(make_arithmetic_split(RL_ROWS, seed + 1, interaction=interaction, **TASK), data / "rl_train.parquet")
