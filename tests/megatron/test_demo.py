@@ -36,4 +36,4 @@ def test_demo_rl_stage_on_megatron_tp2_learns(tmp_path):
     first, last = sum(reward[:WINDOW]) / WINDOW, sum(reward[-WINDOW:]) / WINDOW
     summary = json.loads((out / "summary.json").read_text())
     print(f"train reward first {WINDOW} steps {first:.3f}, last {WINDOW} {last:.3f}; held-out {summary['after_sft']} -> {summary['after_rl']}")
-    assert last > first + 0.02  # measured: 0.143 -> 0.186 (10-step means 0.144, 0.141, 0.157, 0.176, 0.159, 0.174, 0.186, 0.185)
+    assert last > first + 0.02  # measured: 0.266 -> 0.304 (held-out 0.210 / 0.480 -> 0.385 / 0.465); 0.143 -> 0.186 with half the SFT answers wrong
