@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_fsdp_worker import OBJECTIVES, actor_options, free_port, make_worker, prepared_batch
+from test_fsdp_worker import OBJECTIVES, actor_options, end_rank, free_port, make_worker, prepared_batch
 
 from trellis.interfaces.backend import DistInfo
 from trellis.plugins import load_plugins
@@ -40,7 +40,7 @@ def _resume_on_two_ranks(rank: int, world: int, port: int, path: str, batch, pla
     weights = exported(worker)
     if rank == 0:
         torch.save(weights, out)
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def test_checkpoints_move_between_one_plain_rank_and_two_sharded_ranks(registry, tiny_model_path, tmp_path):
