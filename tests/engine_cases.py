@@ -236,7 +236,7 @@ class RolloutCases:
         out = engine.generate(prompts, params)
         out["old_log_probs"] = actor.log_prob(out)["log_probs"]
         out["advantages"] = torch.linspace(-1, 1, len(out))[:, None] * out["response_mask"]
-        actor.update(out)
+        actor.train("update", out)
         stale = engine.generate(prompts, params)
         assert (actor.log_prob(stale)["log_probs"] * stale["response_mask"] - stale["rollout_log_probs"]).abs().max() > 1e-3
         restore(engine)

@@ -24,7 +24,7 @@ def test_local_controller_builds_and_dispatches():
     assert backend.built and backend.spec.dist.world_size == 1
     out = group.log_prob(Batch({"responses": torch.ones(4, 3, dtype=torch.long), "unread": torch.zeros(4)}))
     assert out["log_probs"].shape == (4, 3) and backend.calls == 1
-    with pytest.raises(AttributeError, match="role 'actor' has no dispatched method 'logprob'"):
+    with pytest.raises(AttributeError, match="role 'actor' has no dispatched verb 'logprob'"):
         group.logprob  # noqa: B018 - the attribute access itself must fail
 
 

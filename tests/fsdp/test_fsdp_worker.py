@@ -29,7 +29,7 @@ from trellis_fsdp.backend import FSDPBackend, FSDPOptions
 from trellis_plain import PlainBackend
 
 # role -> the objectives its training verbs use
-OBJECTIVES = {"actor": {"update": "policy"}, "critic": {"update": "value"}, "sft": {"sft_update": "sft", "sft_eval": "sft"}}
+OBJECTIVES = {"actor": {"update": "policy"}, "critic": {"update": "value"}, "sft": {"sft_update": "sft"}}
 
 
 def end_rank() -> None:
@@ -51,10 +51,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_worker(registry, path, role, role_options=None, objectives=None, dist=None, backend=FSDPBackend, total_steps=0, **opts):
+def make_worker(registry, path, role, role_options=None, objectives=None, dist=None, backend=FSDPBackend, total_steps=0, head="lm", **opts):
     """A built role worker on ``backend`` (FSDP unless said otherwise)."""
     options = FSDPOptions(**opts) if backend is FSDPBackend else None
-    spec = WorkerSpec(role, path, backend, options, role_options, objectives or {}, dist or DistInfo(), registry, total_steps=total_steps)
+    spec = WorkerSpec(role, path, backend, options, role_options, objectives or {}, dist or DistInfo(), registry, total_steps=total_steps, head=head)
     worker = RoleWorker(spec)
     worker.build()
     return worker
@@ -128,7 +128,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
     torch.set_num_threads(1)
     registry = load_plugins().registry
     worker = make_worker(registry, path, "actor", actor_options(registry), OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
-    metrics = worker.update(batch.chunk(world)[rank])
+    metrics = worker.train("update", batch.chunk(world)[rank])
     weights = dict(b for bucket in worker.export_weights() for b in bucket)
     if rank == 0:
         torch.save({"metrics": metrics, "weights": weights}, out)
@@ -196,18 +196,18 @@ def test_export_weights_in_buckets_with_hf_names(registry, tiny_untied_model_pat
 
 def test_critic_learns_returns(registry, tiny_model_path):
     opts = validate(OmegaConf.create({"micro_batch_samples": 4, "optim": {"lr": 3e-3}, "cliprange_value": 100.0}), CriticConfig, registry)
-    critic = build(registry, tiny_model_path, "critic", opts, OBJECTIVES["critic"])
+    critic = build(registry, tiny_model_path, "critic", opts, OBJECTIVES["critic"], head="value")
     batch = prepared_batch(tiny_model_path)
     batch["returns"] = torch.full((SAMPLES, RESPONSE), 2.0) * batch["response_mask"]
     losses = []
     for _ in range(15):
         batch["values"] = critic.values(batch)["values"]
-        losses.append(critic.update(batch)["critic/vf_loss"])
+        losses.append(critic.train("update", batch)["critic/vf_loss"])
     assert losses[-1] < 0.2 * losses[0], losses
 
 
 def test_reward_model_scores_last_token(registry, tiny_model_path):
-    rm = build(registry, tiny_model_path, "reward_model")
+    rm = build(registry, tiny_model_path, "reward_model", head="value")
     batch = prepared_batch(tiny_model_path)
     scores = rm.score(batch)["scores"]
     assert scores.shape == (SAMPLES,)
@@ -228,10 +228,10 @@ def test_sft_steps_lower_the_loss(registry, tiny_model_path, tmp_path):
     worker = build(registry, tiny_model_path, "actor", opts, OBJECTIVES["sft"])
     batch = prepared_batch(tiny_model_path)
     batch["loss_mask"] = torch.cat([torch.zeros(SAMPLES, PROMPT, dtype=torch.long), batch["response_mask"]], 1)
-    first = worker.sft_eval(batch)["val/loss"]
+    first = worker.evaluate("sft_update", batch)["val/loss"]
     for _ in range(10):
-        worker.sft_update(batch)
-    assert worker.sft_eval(batch)["val/loss"] < 0.5 * first
+        worker.train("sft_update", batch)
+    assert worker.evaluate("sft_update", batch)["val/loss"] < 0.5 * first
     (tmp_path / "ok.json").write_text(json.dumps(first))
 
 
@@ -239,7 +239,7 @@ def _save_main(rank: int, world: int, port: int, path: str, batch: Batch, out: s
     torch.set_num_threads(1)
     registry = load_plugins().registry
     worker = make_worker(registry, path, "actor", actor_options(registry), OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
-    worker.update(batch.chunk(world)[rank])
+    worker.train("update", batch.chunk(world)[rank])
     worker.log_prob(batch)  # a no_grad forward just before saving (leaves the root unsharded)
     worker.save(f"{out}/ckpt")
     weights = dict(b for bucket in worker.export_weights() for b in bucket)
@@ -253,14 +253,14 @@ def test_checkpoint_resumes_training_exactly(registry, tiny_model_path, tmp_path
     batch = prepared_batch(tiny_model_path)
     opts = actor_options(registry, optim={"lr": LR, "lr_schedule": "cosine", "warmup_steps": 1}, shuffle=True, mini_batch_samples=4)
     straight = make_worker(registry, tiny_model_path, "actor", opts, OBJECTIVES["actor"], total_steps=4)
-    straight.update(batch)
+    straight.train("update", batch)
     straight.log_prob(batch)
     straight.save(tmp_path / "ckpt")
-    expected = straight.update(batch)
+    expected = straight.train("update", batch)
     resumed = make_worker(registry, tiny_model_path, "actor", opts, OBJECTIVES["actor"], total_steps=4)
     resumed.log_prob(batch)  # the pitfall: a no_grad forward before loading
     resumed.load(tmp_path / "ckpt")
-    assert resumed.update(batch) == expected  # same loss, grad norm and LR to the last bit
+    assert resumed.train("update", batch) == expected  # same loss, grad norm and LR to the last bit
     for (name, a), (_, b) in zip(*(chain.from_iterable(w.export_weights()) for w in (straight, resumed))):
         assert torch.equal(a, b), name
 
@@ -281,8 +281,8 @@ def test_checkpointing_and_mixed_precision_update_like_fp32(registry, tiny_model
     """Activation checkpointing recomputes the same forward (same result to fp32 precision);
     bf16 compute stays close to the fp32 update (loose tolerance: bf16 has 8 bits of mantissa)."""
     batch = prepared_batch(tiny_model_path)
-    plain = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"]).update(batch)
-    other = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"], **opts).update(batch)
+    plain = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"]).train("update", batch)
+    other = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"], **opts).train("update", batch)
     tol = 1e-5 if "activation_checkpointing" in opts else 5e-2
     assert other["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], abs=tol)
     assert other["actor/grad_norm"] == pytest.approx(plain["actor/grad_norm"], rel=tol * 10)
@@ -304,7 +304,7 @@ def test_other_architecture_loads_and_trains(registry, tiny_model_path, tmp_path
     worker = build(registry, str(tmp_path / "llama"), "actor", actor_options(registry), OBJECTIVES["actor"], param_dtype="bfloat16")
     sharded = [type(m).__name__ for m in worker.backend.model.modules() if type(m).__name__.startswith("FSDP")]
     assert "FSDPLlamaDecoderLayer" in sharded and "FSDPLlamaForCausalLM" in sharded
-    metrics = worker.update(batch)
+    metrics = worker.train("update", batch)
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
 
 
@@ -316,10 +316,10 @@ def test_plain_backend_trains_exactly_like_fsdp_on_one_rank(registry, tiny_model
     if role == "sft":
         batch["loss_mask"] = torch.cat([torch.zeros(SAMPLES, PROMPT, dtype=torch.long), batch["response_mask"]], 1)
         opts = validate(OmegaConf.create({"micro_batch_samples": 4, "optim": {"lr": LR}}), SFTTrainConfig, registry)
-        step, loss_key = (lambda w: w.sft_update(batch)), "sft/loss"
+        step, loss_key = (lambda w: w.train("sft_update", batch)), "sft/loss"
     else:
         opts = actor_options(registry, entropy_coeff=0.01)
-        step, loss_key = (lambda w: w.update(batch)), "actor/pg_loss"
+        step, loss_key = (lambda w: w.train("update", batch)), "actor/pg_loss"
     objectives = OBJECTIVES[role]
     fsdp, plain = (make_worker(registry, tiny_model_path, "actor", opts, objectives, backend=b) for b in (FSDPBackend, PlainBackend))
     got, expected = step(plain), step(fsdp)
@@ -334,7 +334,7 @@ def test_ref_takes_the_actors_weights_in_memory(registry, tiny_model_path):
     batch = prepared_batch(tiny_model_path)
     actor = build(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"])
     ref = build(registry, tiny_model_path, "ref")
-    actor.update(batch)
+    actor.train("update", batch)
     before = ref.log_prob(batch)["log_probs"]
     assert not torch.allclose(before, actor.log_prob(batch)["log_probs"], atol=1e-4)  # the update moved the actor
     ref.load_weights(chain.from_iterable(actor.export_weights()))
@@ -358,7 +358,7 @@ def test_preference_step_starts_at_log2_and_raises_the_margin(registry, tiny_mod
     for micro in (1, 4):
         opts = validate(OmegaConf.create({"micro_batch_samples": micro, "optim": {"lr": 1e-2}}), PreferenceTrainConfig, registry)
         worker = build(registry, tiny_model_path, "actor", opts, {"preference_update": "preference"})
-        metrics = worker.preference_update(pairs)
+        metrics = worker.train("preference_update", pairs)
         losses.append(metrics["actor/loss"])
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[1] == pytest.approx(math.log(2), abs=1e-6)
     seq = (worker.log_prob(prepared_batch(tiny_model_path))["log_probs"] * prepared_batch(tiny_model_path)["response_mask"]).sum(-1)

@@ -150,7 +150,7 @@ def _budget_main(rank: int, world: int, port: int, path: str, batch: Batch, out:
     share = batch[torch.arange(rank, len(batch), world)]  # the strided deal of the controllers
     log_probs = worker.log_prob(share)["log_probs"]
     share["old_log_probs"] = log_probs
-    metrics = worker.update(share)
+    metrics = worker.train("update", share)
     micros = len(worker.plan.micro_batches(share))
     weights = dict(chain.from_iterable(worker.export_weights()))
     torch.save({"metrics": metrics, "weights": weights, "log_probs": log_probs, "micros": micros}, f"{out}/rank{rank}.pt")

@@ -35,7 +35,7 @@ def _resume_on_two_ranks(rank: int, world: int, port: int, path: str, batch, pla
     worker = make_worker(registry, path, "actor", options(registry), OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
     assert worker.backend.sharded and worker.full_module() is None
     worker.load(plain_ckpt)
-    worker.update(batch.chunk(world)[rank])
+    worker.train("update", batch.chunk(world)[rank])
     worker.save(sharded_ckpt)
     weights = exported(worker)
     if rank == 0:
@@ -47,9 +47,9 @@ def test_checkpoints_move_between_one_plain_rank_and_two_sharded_ranks(registry,
     batch = prepared_batch(tiny_model_path)
     one = make_worker(registry, tiny_model_path, "actor", options(registry), OBJECTIVES["actor"])
     assert not one.backend.sharded and one.full_module() is one.backend.model
-    one.update(batch)
+    one.train("update", batch)
     one.save(tmp_path / "plain")
-    one.update(batch)  # the second step, uninterrupted: Adam's moments from the first matter
+    one.train("update", batch)  # the second step, uninterrupted: Adam's moments from the first matter
     expected = exported(one)
 
     out = str(tmp_path / "weights.pt")

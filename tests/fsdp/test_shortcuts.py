@@ -50,8 +50,8 @@ def test_on_policy_update_equals_log_prob_pass_then_update(registry, tiny_model_
     old = slow.log_prob(batch, with_entropy=True)
     with_old = batch.select(*batch.keys())
     with_old["old_log_probs"] = old["log_probs"]
-    expected = slow.update(with_old)
-    got = fast.update(batch)
+    expected = slow.train("update", with_old)
+    got = fast.train("update", batch)
     mask = batch["response_mask"].float()
     assert got.pop("actor/entropy") == pytest.approx(float((old["entropy"] * mask).sum() / mask.sum()), rel=1e-6)
     assert got == expected
@@ -62,8 +62,8 @@ def test_on_policy_update_refuses_several_optimizer_steps(registry, tiny_model_p
     batch = prepared_batch(tiny_model_path)
     del batch.tensors["old_log_probs"]
     worker = make_worker(registry, tiny_model_path, "actor", actor_options(registry, mini_batch_samples=4), OBJECTIVES["actor"])
-    with pytest.raises(ValueError, match=r"mini_batch_samples=4 for 8 samples; run log_prob first"):
-        worker.update(batch)
+    with pytest.raises(ValueError, match=r"mini_batch_samples=4 for 8 samples; compute them first"):
+        worker.train("update", batch)
 
 
 @pytest.mark.parametrize("backend", [FSDPBackend, PlainBackend], ids=["fsdp", "plain"])
@@ -88,12 +88,13 @@ def test_padding_free_forwards_equal_padded_ones(registry, tiny_model_path, back
     for pack in (False, True):
         opts = {"padding_free": pack} if backend is FSDPBackend else {}
         actor = make_worker(registry, tiny_model_path, "actor", actor_options(registry, optim=optim), OBJECTIVES["actor"], backend=backend, **opts)
-        critic = make_worker(registry, tiny_model_path, "critic", critic_opts, OBJECTIVES["critic"], backend=backend, **opts)
+        critic = make_worker(registry, tiny_model_path, "critic", critic_opts, OBJECTIVES["critic"], backend=backend, head="value", **opts)
         sft = make_worker(registry, tiny_model_path, "actor", sft_opts, OBJECTIVES["sft"], backend=backend, **opts)
         results.append({
             "log_prob": actor.log_prob(batch, with_entropy=True, with_sum_sq_probs=True),
             "values": critic.values(batch)["values"],
-            "actor": actor.update(batch), "critic": critic.update(batch), "sft": sft.sft_update(batch), "sft_eval": sft.sft_eval(batch),
+            "actor": actor.train("update", batch), "critic": critic.train("update", batch),
+            "sft": sft.train("sft_update", batch), "sft_eval": sft.evaluate("sft_update", batch),
             "workers": (actor, critic, sft),
         })  # fmt: skip
     padded, packed = results
@@ -128,7 +129,7 @@ def test_foreach_adamw_equals_the_per_tensor_loop(registry, tiny_model_path):
     )
     assert foreach.backend.optimizer.defaults["foreach"] and not loop.backend.optimizer.defaults["foreach"]
     for _ in range(3):
-        assert foreach.update(batch) == loop.update(batch)
+        assert foreach.train("update", batch) == loop.train("update", batch)
     assert_same_weights(foreach, loop)
 
 
@@ -145,7 +146,7 @@ def test_offloaded_optimizer_and_params_come_back_bit_for_bit(registry, tiny_mod
     moved = make_worker(registry, tiny_model_path, "actor", opts, OBJECTIVES["actor"], offload_optimizer=True, offload_params=True)
     still = make_worker(registry, tiny_model_path, "actor", opts, OBJECTIVES["actor"])
     for _ in range(2):
-        assert moved.update(batch) == still.update(batch)
+        assert moved.train("update", batch) == still.train("update", batch)
         moved.offload()
         optim = [v for s in moved.backend.optimizer.state.values() for v in s.values() if v.dim() > 0]
         assert optim and all(_local(v).untyped_storage().nbytes() == 0 for v in optim)

@@ -129,7 +129,7 @@ def test_rollout_follows_actor_after_update_and_sync(actor_and_rollout):
     out = rollout.generate(prompts, params)
     out["old_log_probs"] = actor.log_prob(out)["log_probs"]
     out["advantages"] = torch.linspace(-1, 1, len(out))[:, None] * out["response_mask"]
-    actor.update(out)
+    actor.train("update", out)
     before_sync = rollout.generate(prompts, params)
     new_lp = actor.log_prob(before_sync)["log_probs"] * before_sync["response_mask"]
     assert (new_lp - before_sync["rollout_log_probs"]).abs().max() > 1e-3  # the actor moved, the rollout did not

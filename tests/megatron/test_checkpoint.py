@@ -43,7 +43,7 @@ def _run(info, path: str, folder: str, mode: str):
     vocab = worker.backend.hf_config.vocab_size
     out = {}
     if mode == "straight":
-        out["step1"] = worker.update(batch_of_step(1, vocab))
+        out["step1"] = worker.train("update", batch_of_step(1, vocab))
         worker.save(f"{folder}/actor")
         out["saved_weights"] = dict(chain.from_iterable(worker.export_weights(all_ranks=True)))
         # the RNG after the save: a resumed run must draw the same numbers
@@ -52,7 +52,7 @@ def _run(info, path: str, folder: str, mode: str):
         worker.load(f"{folder}/actor")
         out["rng"] = torch.rand(3)
     if mode != "export":
-        out["step2"] = worker.update(batch_of_step(2, vocab))
+        out["step2"] = worker.train("update", batch_of_step(2, vocab))
     out["weights"] = dict(chain.from_iterable(worker.export_weights(all_ranks=True)))
     return out
 

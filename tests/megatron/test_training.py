@@ -68,10 +68,11 @@ def _update(info, backend: str, path: str, role: str, tp: int, pp: int):
     registry = load_plugins().registry
     options = MegatronOptions(tensor_parallel=tp, pipeline_parallel=pp) if backend == "megatron" else None
     objectives = {"update": "policy" if role == "actor" else "value"}
-    worker = build_worker(registry, backend, role, path, role_options(registry, role), objectives, options=options, dist=info)
+    head = "value" if role == "critic" else "lm"
+    worker = build_worker(registry, backend, role, path, role_options(registry, role), objectives, options=options, dist=info, head=head)
     batch = rl_batch(worker.backend.hf_config.vocab_size if backend == "megatron" else worker.backend.model.config.vocab_size)
     mine = DP_SPLIT.scatter((batch,), info.mesh)[info.rank][0]
-    metrics = worker.update(mine)
+    metrics = worker.train("update", mine)
     weights = dict(chain.from_iterable(worker.export_weights(all_ranks=True)))
     return {"metrics": metrics, "weights": weights}
 
@@ -116,7 +117,7 @@ def _forwards(info, path: str, tp: int, pp: int):
     worker = build_worker(registry, "megatron", "actor", path, role_options(registry, "actor"), {"update": "policy"}, options=options, dist=info)
     batch = rl_batch(worker.backend.hf_config.vocab_size)
     before = worker.log_prob(batch, with_entropy=True, with_sum_sq_probs=True)
-    metrics = worker.update(batch)
+    metrics = worker.train("update", batch)
     after = worker.log_prob(batch, with_entropy=True)
     exported = [(name, tuple(t.shape)) for name, t in chain.from_iterable(worker.export_weights(all_ranks=True))]
     shapes = worker.weight_shapes()
@@ -155,14 +156,16 @@ def _critic(info, path: str, tp: int):
     results = {}
     for backend in ("fsdp", "megatron"):
         options = MegatronOptions(tensor_parallel=tp) if backend == "megatron" else None
-        worker = build_worker(registry, backend, "critic", path, role_options(registry, "critic"), {"update": "value"}, options=options, dist=info)
+        worker = build_worker(
+            registry, backend, "critic", path, role_options(registry, "critic"), {"update": "value"}, options=options, dist=info, head="value"
+        )
         if backend == "fsdp":
             # cloned: on one rank FSDP's full state dict shares storage with the live parameters
             initial = {k: v.clone() for k, v in chain.from_iterable(worker.export_weights(all_ranks=True))}
         else:
             worker.load_weights(initial.items())
         values = worker.values(batch)["values"]
-        metrics = worker.update(batch)
+        metrics = worker.train("update", batch)
         results[backend] = {"values": values, "metrics": metrics, "weights": dict(chain.from_iterable(worker.export_weights(all_ranks=True)))}
     return results
 

@@ -304,4 +304,7 @@ ESTIMATORS = {
 # greedy rollout, so a plugin's estimator can ask for the same.
 gae.needs = ("values",)
 remax.needs = ("greedy_baseline",)
-gdpo.needs = ("reward_components",)
+gdpo.needs = ("reward_components", "groups")
+for _grouped in (grpo, grpo_passk, rloo, reinforce_plus_plus_baseline, gpg):
+    _grouped.needs = ("groups",)
+opo.needs = ("groups", "on_policy_only")

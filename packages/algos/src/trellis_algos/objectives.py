@@ -45,6 +45,9 @@ class PolicyObjective:
         self.inputs = ("responses", "response_mask", "old_log_probs", "advantages", "rollout_log_probs") + (
             ("ref_log_probs",) if self.kl else ()
         )
+        # without rollout correction, a one-step update may take the old log-probs from its own first
+        # forward; the correction's weights and rejections need them before any forward (``counts``)
+        self.first_forward = "old_log_probs" if self.correction is None else None
 
     def rows(self, batch: Batch) -> Batch:
         return batch
@@ -136,6 +139,7 @@ class SFTObjective:
     summed = frozenset({"loss"})
     outputs = ("label_log_probs",)
     inputs = ("loss_mask",)
+    prefix = "sft"
 
     def __init__(self, options: Any, registry: Any) -> None:
         self.options = options

@@ -9,6 +9,7 @@ actor's weights, in memory, every ``ref_update_every`` steps (the paper's iterat
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +20,10 @@ from transformers import AutoTokenizer
 from trellis import (
     Batch,
     ConfigError,
-    ModelConfig,
     PreferenceTrainConfig,
     PromptData,
     PromptDataset,
+    RecipeConfig,
     RegistryError,
     RewardConfig,
     RewardError,
@@ -32,7 +33,6 @@ from trellis import (
     SamplingConfig,
     SamplingParams,
     TrainerConfig,
-    backend_field,
     check_inputs,
     component,
     encode_response,
@@ -49,12 +49,9 @@ PAIR_SOURCES = ("reference", "ranked")
 
 
 @dataclass
-class SPINConfig:
+class SPINConfig(RecipeConfig):
     recipe: str = "spin"
-    seed: int = ranged(0, ge=0)
-    model: ModelConfig = field(default_factory=ModelConfig)
     data: PromptData = field(default_factory=PromptData)  # with pairs: reference, each row's answer in extra_info.answer
-    backend: dict = backend_field()
     rollout: dict = component("rollout", "hf")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     pairs: str = "reference"  # reference (dataset answer vs each sample) | ranked (best vs worst sample by reward)
@@ -123,22 +120,17 @@ class SPINRecipe:
             actor = run.spawn("actor", cfg.model.path, cfg.train, objectives={"preference_update": "preference"})
             ref = run.spawn("ref", cfg.model.path, cfg.train)
             rollout = run.spawn_rollout(actor, tokenizer, max_len=cfg.data.max_prompt_length + cfg.sampling.max_new_tokens)
-            start = run.start(roles={"actor": actor, "ref": ref}, state={"data": train})
-            if start:
-                rollout.sync_weights(version=start)
+            validate = functools.partial(self.validate, rollout, val, reward, cfg) if val is not None else None
+            start = run.start(roles={"actor": actor, "ref": ref}, state={"data": train}, rollout=rollout, validate=validate)
             sampling = SamplingParams(**cfg.sampling)
-            summary: dict[str, Any] = {}
-            if val is not None and not start:
-                summary["val_before"] = self.validate(rollout, val, reward, cfg)
-                run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
             for step in run.steps(start):
                 prompts = train.next_batch()
                 params = sampling.at_step(step, cfg.data.train_batch_prompts * sampling.n)
-                with run.timer("gen"):
-                    samples = rollout.generate(prompts, params)
-                rollout.sleep()  # the engine's memory goes to training until the weight sync wakes it
-                with run.timer("pairs"):
-                    chosen, rejected, metrics = self.pairs(cfg, prompts, samples, reward, tokenizer, params, actor.mesh.dp)
+                with run.generating(rollout):
+                    with run.timer("gen"):
+                        samples = rollout.generate(prompts, params)
+                    with run.timer("pairs"):
+                        chosen, rejected, metrics = self.pairs(cfg, prompts, samples, reward, tokenizer, params, actor.mesh.dp)
                 if len(chosen):
                     with run.timer("ref"):
                         ref_chosen, ref_rejected = summed_log_probs(ref, chosen), summed_log_probs(ref, rejected)
@@ -151,13 +143,8 @@ class SPINRecipe:
                 if cfg.ref_update_every and step % cfg.ref_update_every == 0:
                     with run.timer("ref_update"):
                         run.controller.copy_weights(actor, ref)
-                if val is not None and run.due(step) and step < cfg.trainer.total_steps:
-                    metrics.update({f"val/{k}": v for k, v in self.validate(rollout, val, reward, cfg).items()})
                 run.end_step(step, metrics)
-            if val is not None:
-                summary["val_after"] = self.validate(rollout, val, reward, cfg)
-                run.log(cfg.trainer.total_steps, {f"val/{k}": v for k, v in summary["val_after"].items()})
-        return summary
+        return run.summary
 
     @staticmethod
     def pairs(cfg: DictConfig, prompts: Batch, samples: Batch, reward: RewardManager, tokenizer: Any, params: SamplingParams, dp: int):

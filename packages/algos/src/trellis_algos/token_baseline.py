@@ -38,7 +38,7 @@ def _path_terms(data: AdvantageInputs, name: str) -> tuple[torch.Tensor, torch.T
         if getattr(data, field) is None:
             raise ValueError(
                 f"advantage {name!r} needs AdvantageInputs.{field}, which is None; the rl recipe fills "
-                "it when the estimator's needs include 'sum_sq_probs' (a custom recipe must pass it)"
+                "it from the estimator's needs ('old_log_probs', 'sum_sq_probs'); a custom recipe must pass it"
             )
     valid = data.response_mask.bool()
     zero = torch.zeros((), dtype=data.token_rewards.dtype, device=data.token_rewards.device)
@@ -123,5 +123,5 @@ ESTIMATORS = {
     "tir_optimal_token_baseline": (tir_optimal_token_baseline, TokenBaselineOptions),
 }
 
-optimal_token_baseline.needs = ("sum_sq_probs",)
-tir_optimal_token_baseline.needs = ("sum_sq_probs",)
+optimal_token_baseline.needs = ("old_log_probs", "sum_sq_probs", "groups")
+tir_optimal_token_baseline.needs = ("old_log_probs", "sum_sq_probs", "groups")

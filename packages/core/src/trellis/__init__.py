@@ -79,6 +79,7 @@ _API = {
     "Recipe": "trellis.recipes.train",
     "train": "trellis.recipes.train",
     "ModelConfig": "trellis.recipes.options",
+    "RecipeConfig": "trellis.recipes.options",
     "TrainerConfig": "trellis.recipes.options",
     "OptimConfig": "trellis.recipes.options",
     "BatchingConfig": "trellis.recipes.options",

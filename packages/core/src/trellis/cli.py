@@ -13,7 +13,7 @@ from pluggy import PluginValidationError
 from trellis import config as config_mod
 from trellis.data import DataError
 from trellis.plugins import load_plugins
-from trellis.registry import KINDS, RegistryError
+from trellis.registry import RegistryError
 from trellis.rewards import RewardError
 
 
@@ -25,7 +25,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         by_kind: dict[str, list[str]] = {}
         for kind, name in info.registered:
             by_kind.setdefault(kind, []).append(name)
-        for kind in KINDS:
+        for kind in plugins.registry.kinds():
             if kind in by_kind:
                 print(f"    {kind}: {', '.join(by_kind[kind])}")
     for option in config_mod.unranged_options(plugins.registry):

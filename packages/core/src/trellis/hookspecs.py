@@ -14,11 +14,20 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
+def trellis_add_kinds(registry):
+    """Add kinds of component of this plugin's own with ``registry.add_kind(name)`` (as pytest's
+    ``pytest_addhooks`` adds hooks): e.g. a recipe that looks up ``teacher_loss`` components by
+    name. Called for every plugin before any ``trellis_register``, so any plugin may register
+    components of any kind; a kind that exists already is an error naming both plugins.
+    """
+
+
+@hookspec
 def trellis_register(registry):
     """Add this plugin's named components to ``registry`` with ``registry.add(kind, name, obj)``.
 
     Called once per plugin when the plugin manager starts. ``kind`` is one of
-    :data:`trellis.registry.KINDS`; adding a name that another plugin already added is an error.
+    :data:`trellis.registry.KINDS` or one a plugin added; adding a name that another plugin already added is an error.
     """
 
 

@@ -64,6 +64,7 @@ def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bo
     for name, obj in extra or []:
         candidates.append((PluginInfo(name, "<in-process>", "-"), obj))
 
+    loaded: list[tuple[PluginInfo, object]] = []
     for info, obj in candidates:
         infos.append(info)
         if obj is None:
@@ -75,23 +76,37 @@ def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bo
                 "uninstall one, or pass an in-process plugin under another name"
             )
         pm.register(obj, name=info.name)
+        loaded.append((info, obj))
+    # every plugin's kinds first, so that any plugin may register components of any kind
+    loaded = [(info, obj) for info, obj in loaded if not _call(pm, registry, info, obj, "trellis_add_kinds")]
+    for info, obj in loaded:
         before = {(e.kind, e.name) for e in registry.entries()}
-        registry.adding_for(info.name)
-        register = getattr(obj, "trellis_register", None)
-        if register is not None:
-            try:
-                register(registry=registry)
-            except RegistryError:
-                raise  # a duplicate or a bad kind is a conflict to fix, not a plugin to skip
-            except Exception as exc:  # noqa: BLE001
-                registry.remove_plugin(info.name)
-                info.error = _describe(exc)
-                registry.note_load_error(info.distribution, f"plugin {info.name!r} ({info.distribution}) failed to register: {info.error}")
-                pm.unregister(obj)
+        _call(pm, registry, info, obj, "trellis_register")
         info.registered = sorted({(e.kind, e.name) for e in registry.entries()} - before)
     registry.adding_for("<direct>")
     pm.check_pending()
     return Plugins(pm, registry, infos)
+
+
+def _call(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo, obj: object, hook: str) -> bool:
+    """Call ``obj``'s implementation of ``hook`` (if any) with the registry, its additions
+    attributed to the plugin. A plugin that fails is recorded, its entries dropped and it is
+    unregistered (returns True); a duplicate or a bad kind is a conflict to fix, raised."""
+    impl = getattr(obj, hook, None)
+    if impl is None:
+        return False
+    registry.adding_for(info.name)
+    try:
+        impl(registry=registry)
+    except RegistryError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        registry.remove_plugin(info.name)
+        info.error = _describe(exc)
+        registry.note_load_error(info.distribution, f"plugin {info.name!r} ({info.distribution}) failed to register: {info.error}")
+        pm.unregister(obj)
+        return True
+    return False
 
 
 def _distribution(ep: md.EntryPoint) -> str:

@@ -8,6 +8,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
+# the kinds core defines; a plugin adds its own through ``trellis_add_kinds``
 KINDS = (
     "backend",
     "rollout",
@@ -69,10 +70,25 @@ class Registry:
         self._entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
         self._plugin = "<direct>"
         self._load_errors: dict[str, str] = {}  # distribution -> "plugin 'x' failed: ..."
+        self._kind_owners: dict[str, str] = {}  # kind a plugin added -> that plugin
 
     def adding_for(self, plugin: str) -> None:
         """Attribute the following ``add`` calls to ``plugin`` (set by the plugin manager)."""
         self._plugin = plugin
+
+    def add_kind(self, kind: str) -> None:
+        """A new kind of component that plugins may register (from ``trellis_add_kinds``)."""
+        if not kind.isidentifier():
+            raise RegistryError(f"plugin {self._plugin!r} adds kind {kind!r}; a kind is a lowercase identifier such as 'teacher_loss'")
+        if kind in self._entries:
+            owner = self._kind_owners.get(kind, "trellis-core")
+            raise RegistryError(f"plugin {self._plugin!r} adds kind {kind!r}, which {owner!r} already defines; rename it")
+        self._entries[kind] = {}
+        self._kind_owners[kind] = self._plugin
+
+    def kinds(self) -> list[str]:
+        """Core's kinds, then those plugins added, in order."""
+        return list(self._entries)
 
     def note_load_error(self, distribution: str, message: str) -> None:
         self._load_errors[distribution] = message
@@ -86,7 +102,7 @@ class Registry:
         if kind not in self._entries:
             raise RegistryError(
                 f"plugin {self._plugin!r} registers unknown kind {kind!r}; "
-                f"valid kinds: {', '.join(KINDS)}"
+                f"valid kinds: {', '.join(self._entries)} (a plugin adds a kind through the trellis_add_kinds hook)"
             )
         if options is None:
             options = getattr(obj, "Options", None)
@@ -101,15 +117,17 @@ class Registry:
         self._entries[kind][name] = Entry(kind, name, obj, options, self._plugin)
 
     def remove_plugin(self, plugin: str) -> None:
-        """Drop every entry that ``plugin`` added (used when its registration fails midway)."""
+        """Drop every entry and kind that ``plugin`` added (used when its registration fails midway)."""
         for by_name in self._entries.values():
             for name in [n for n, e in by_name.items() if e.plugin == plugin]:
                 del by_name[name]
+        for kind in [k for k, owner in self._kind_owners.items() if owner == plugin]:
+            del self._entries[kind], self._kind_owners[kind]
 
     def get(self, kind: str, name: str) -> Entry:
         """The entry for ``kind``/``name``, or an error listing what is installed and how to get it."""
         if kind not in self._entries:
-            raise RegistryError(f"unknown component kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+            raise RegistryError(f"unknown component kind {kind!r}; valid kinds: {', '.join(self._entries)}")
         entry = self._entries[kind].get(name)
         if entry is not None:
             return entry
@@ -123,7 +141,7 @@ class Registry:
         return sorted(self._entries[kind])
 
     def entries(self) -> list[Entry]:
-        return [e for kind in KINDS for e in self._entries[kind].values()]
+        return [e for by_name in self._entries.values() for e in by_name.values()]
 
     def _missing_message(self, kind: str, name: str) -> str:
         installed = self.names(kind)

@@ -46,15 +46,18 @@ def weight_buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
 # micro-batch's share of the global mini-batch loss (a scalar with gradient).
 LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
-# What a forward can return (``outputs`` names), each for the micro-batch's samples:
+# What the built-in backends' forwards return (``outputs`` names), each for the micro-batch's samples:
 #   log_probs      (batch, response_len)  log p(response token) at the sampling temperature
 #   entropy        (batch, response_len)  entropy of the next-token distribution there
 #   sum_sq_probs   (batch, response_len)  sum over the vocabulary of p^2 of that distribution
 #   values         (batch, response_len)  the value head at the positions predicting each response token
 #   label_log_probs (batch, seq_len - 1)  log p(input_ids[:, 1:]) (supervised losses)
 #   scores         (batch,)               the value head at the last attended token (reward models)
+# A backend declares its own set in ``Backend.outputs`` (e.g. adding auxiliary outputs such as
+# router logits); objectives and forwards asking for one it lacks are refused by name.
 OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", "scores")
-# Batch fields every forward reads; log_probs/entropy/sum_sq_probs/values also read ``responses``.
+# Batch fields the built-in backends' forwards read (``Backend.model_inputs``);
+# log_probs/entropy/sum_sq_probs/values also read ``responses``.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -108,8 +111,10 @@ class DistInfo:
 class BackendSpec:
     """Everything a backend needs to build one role's model on one rank.
 
-    trainable: the role trains (actor, critic): build an optimizer from ``optim``.
-    head: ``lm`` (a causal LM: actor, ref) or ``value`` (one scalar per token: critic, reward model).
+    role: the role's name (any: ``actor``, ``critic``, ``teacher``...), for messages and file names.
+    trainable: the role trains (it has objectives): build an optimizer from ``optim``.
+    head: ``lm`` (a causal LM: actor, ref, teacher) or ``value`` (one scalar per token: critic,
+        reward model); a backend refuses a head it cannot build.
     options: the backend's options dataclass instance. optim: the role's ``OptimConfig`` section.
     total_steps: trainer steps of the run (for LR schedules).
     """
@@ -127,7 +132,14 @@ class BackendSpec:
 
 class Backend(ABC):
     """One role's model on one rank. Tensors in and out are on CPU. ``build`` and ``forward`` are
-    required; a backend that only scores or only serves a reference may leave the rest out."""
+    required; a backend that only scores or only serves a reference may leave the rest out.
+
+    outputs: the forward outputs it can return (default :data:`OUTPUTS`).
+    model_inputs: the ``Batch`` fields its forwards read (default :data:`MODEL_INPUTS`);
+    controllers ship these (and what the objective reads) to the ranks, nothing more."""
+
+    outputs: tuple[str, ...] = OUTPUTS
+    model_inputs: tuple[str, ...] = MODEL_INPUTS
 
     @abstractmethod
     def build(self) -> None:
@@ -136,7 +148,7 @@ class Backend(ABC):
     @abstractmethod
     def forward(self, micros: list[Batch], outputs: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
         """Forwards without gradient, one per micro-batch, each returning the named ``outputs``
-        (see :data:`OUTPUTS`). Every data-parallel rank gets the same number of micro-batches."""
+        (among :attr:`outputs`). Every data-parallel rank gets the same number of micro-batches."""
 
     def forward_backward(self, micros: list[Batch], outputs: tuple[str, ...], loss_fn: LossFn) -> list[dict[str, float]]:
         """For each micro-batch: forward (with gradient), ``loss_fn(micro, outputs)``, backward,

@@ -103,7 +103,7 @@ class _Rank0(_All):
 
 
 class DataParallel:
-    """Deal the leading ``Batch`` argument over the data-parallel groups.
+    """Deal the first ``Batch`` among the positional arguments over the data-parallel groups.
 
     ``strided``: group g takes samples g, g+D, g+2D, ... (D data-parallel groups), so the k-th
     mini-batch of all groups together is exactly the k-th mini-batch one rank would take and D
@@ -128,9 +128,11 @@ class DataParallel:
         return [torch.arange(min(g * size, n), min((g + 1) * size, n)) for g in range(groups)]
 
     def scatter(self, args: tuple, mesh: Mesh) -> list[tuple]:
-        batch, rest = args[0], args[1:]
-        parts = [batch[i] for i in self.indices(len(batch), mesh.dp)]
-        return [(parts[mesh.coords(r)["dp"]], *rest) for r in range(mesh.world_size)]
+        at = batch_position(args)
+        if at is None:
+            raise ValueError("a data-parallel call needs a Batch argument; none was given")
+        parts = [args[at][i] for i in self.indices(len(args[at]), mesh.dp)]
+        return [(*args[:at], parts[mesh.coords(r)["dp"]], *args[at + 1 :]) for r in range(mesh.world_size)]
 
     def gather(self, results: list[Any], mesh: Mesh) -> Any:
         collected = collect(results, mesh)
@@ -143,6 +145,12 @@ class DataParallel:
 
     def __repr__(self) -> str:
         return "DP_SPLIT" if self.strided else "DP_CHUNKS"
+
+
+def batch_position(args: tuple) -> int | None:
+    """Where the first ``Batch`` is among a call's positional arguments (the one a route deals
+    and selects the inputs of), or None."""
+    return next((i for i, arg in enumerate(args) if isinstance(arg, Batch)), None)
 
 
 def collect(results: Sequence[Any], mesh: Mesh) -> list[Any]:
@@ -166,8 +174,13 @@ DP_CHUNKS: DispatchMode = DataParallel(strided=False)
 
 @dataclass(frozen=True)
 class Route:
-    """How a worker method is called: its dispatch mode and the ``Batch`` fields it reads
-    (``None``: the batch as given). Controllers send ``batch.select(*inputs)``, nothing more."""
+    """How a worker verb is called: its dispatch mode and the ``Batch`` fields it reads
+    (``None``: the batch as given). Controllers send ``batch.select(*inputs)``, nothing more.
+
+    method: the worker method that serves the verb, called with the verb's name first (a role
+    worker's training verbs are all served by ``train(verb, batch)``); None: the method named
+    like the verb."""
 
     mode: DispatchMode
     inputs: tuple[str, ...] | None = None
+    method: str | None = None

@@ -48,11 +48,19 @@ class AdvantageInputs:
 
 
 class AdvantageEstimator(Protocol):
-    """An estimator may carry a ``needs`` attribute: what it asks for beyond rewards, among
-    ``"values"`` (the ``rl`` recipe builds a critic and fills ``values``),
-    ``"greedy_baseline"`` (a greedy rollout per prompt fills ``baseline_rewards``),
-    ``"sum_sq_probs"`` (the old-log-prob forward also returns ``sum_sq_probs``) and
-    ``"reward_components"`` (the reward's per-sample components fill ``reward_components``)."""
+    """An estimator declares in a ``needs`` attribute what it reads or requires beyond
+    ``token_rewards``, ``response_mask`` and ``group_ids``; a recipe fills only the declared
+    ``AdvantageInputs`` fields (the others are None) and sets up what they take:
+
+    - ``"values"``: a critic; fills ``values``.
+    - ``"greedy_baseline"``: a greedy rollout per prompt; fills ``baseline_rewards``.
+    - ``"old_log_probs"``: the behaviour policy's log-probs, before the update; fills ``old_log_probs``.
+    - ``"sum_sq_probs"``: the old-log-prob forward also returns them; fills ``sum_sq_probs``.
+    - ``"reward_components"``: the reward's per-sample components; fills ``reward_components``.
+    - ``"groups"``: it compares samples of one prompt (with one sample per prompt every
+      advantage is 0: the recipe warns).
+    - ``"on_policy_only"``: exact on-policy, one update per batch of fresh samples (the recipe
+      refuses settings that update more than once)."""
 
     def __call__(self, data: AdvantageInputs, options: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(advantages, returns)``, each ``(batch, response_len)``, zero where masked."""
@@ -162,10 +170,14 @@ class Objective(Protocol):
     ``preference``), computed from what a backend's forward returns. A registered objective is a
     factory ``make(role_options, registry) -> Objective``.
 
-    outputs: the forward outputs it needs (``trellis.interfaces.backend.OUTPUTS``).
+    outputs: the forward outputs it needs (among the backend's ``Backend.outputs``).
     inputs: the ``Batch`` fields it reads (controllers ship only these, plus the model inputs).
     summed: metric names that are a micro-batch's share of the mini-batch (losses): summed over
         micro-batches and ranks. Every other metric is averaged.
+    prefix (optional): its metrics' prefix (``sft`` -> ``sft/loss``); default the role's name.
+    first_forward (optional): the field of the sampling policy's log-probs it reads (e.g.
+        ``old_log_probs``) that, when a batch lacks it, may be the update's own first forward of
+        ``log_probs``, detached (exact with one optimizer step per batch); None or absent: never.
     """
 
     outputs: tuple[str, ...]

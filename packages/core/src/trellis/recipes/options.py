@@ -98,6 +98,18 @@ def backend_field() -> Any:
 
 
 @dataclass
+class RecipeConfig:
+    """The header every recipe's config starts with: which recipe, the seed, the model and the
+    backend that runs its roles. A recipe's config adds its own sections after these (and
+    restates ``recipe`` with its own name as the default)."""
+
+    recipe: str = MISSING
+    seed: int = ranged(0, ge=0)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    backend: dict = backend_field()
+
+
+@dataclass
 class OptimConfig:
     """AdamW with warm-up then a constant or cosine schedule; the scheduler steps once per
     trainer step (as verl does), so ``warmup_steps`` counts trainer steps."""

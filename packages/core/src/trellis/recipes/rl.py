@@ -3,6 +3,7 @@ critic update -> actor update -> weight sync, with any registered estimator and 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from itertools import chain
@@ -21,7 +22,7 @@ from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import AgentSpec, agent_spec, check_interaction_names
 from trellis.multiturn.scoring import score_multiturn
-from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, PromptData, SamplingConfig, TrainerConfig, backend_field, check_inputs
+from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardError, RewardManager, RewardResult, resolve_reward, unknown_sources
 from trellis.runtime.controller import RolloutGroup
@@ -33,13 +34,18 @@ log = logging.getLogger("trellis")
 
 # batch fields holding the reward's per-sample components, for estimators that need them (gdpo)
 COMPONENT = "reward_component_"
+# an estimator's need -> the AdvantageInputs field it fills and the batch field that holds it
+ADVANTAGE_FIELDS = {
+    "values": ("values", "values"),
+    "greedy_baseline": ("baseline_rewards", "baseline_rewards"),
+    "old_log_probs": ("old_log_probs", "old_log_probs"),
+    "sum_sq_probs": ("sum_sq_probs", "sum_sq_probs"),
+}
 
 
 def needs(estimator) -> tuple[str, ...]:
-    """What a registered advantage estimator asks for beyond rewards: ``values`` (a critic),
-    ``greedy_baseline`` (a greedy rollout per prompt), ``sum_sq_probs`` (from the old-log-prob
-    forward) and/or ``reward_components`` (the reward's per-sample components), from its ``needs``
-    attribute."""
+    """What a registered advantage estimator declares in its ``needs`` attribute
+    (``trellis.interfaces.signatures.AdvantageEstimator``)."""
     return tuple(getattr(estimator, "needs", ()))
 
 
@@ -67,12 +73,9 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RLConfig:
+class RLConfig(RecipeConfig):
     recipe: str = "rl"
-    seed: int = ranged(0, ge=0)
-    model: ModelConfig = field(default_factory=ModelConfig)
     data: PromptData = field(default_factory=PromptData)
-    backend: dict = backend_field()
     rollout: dict = component("rollout", "hf")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -128,9 +131,10 @@ def check(cfg: DictConfig, registry) -> None:
         train_rows, val_rows = load_prompt_rows(cfg.data)
         check_interaction_names(train_rows, names, f"data.train_path {cfg.data.train_path!r}")
         check_interaction_names(val_rows, names, f"data.val_path {cfg.data.val_path!r}")
-    if cfg.algorithm.advantage.name == "opo":
+    declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
+    if "on_policy_only" in declared:
         check_on_policy(cfg, samples)
-    if cfg.algorithm.advantage.name in ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline") and cfg.sampling.n < 2:
+    if "groups" in declared and cfg.sampling.n < 2:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
 
 
@@ -147,16 +151,17 @@ def check_rollout_placement(cfg: DictConfig, registry) -> None:
         )
 
 
-def on_policy_update(cfg: DictConfig, estimator, samples: int) -> bool:
+def on_policy_update(cfg: DictConfig, registry, estimator, samples: int) -> bool:
     """Whether the actor's update can take the old log-probs from its own first forward instead of
-    a separate pass (exact): one optimizer step per batch, and nothing before the update reads
-    them (the in-reward KL, an estimator using ``sum_sq_probs``, rollout-correction weights)."""
-    corrects = any(cfg.actor.policy_loss.get(k) for k in ("rollout_is", "rollout_rs", "log_metrics"))
+    a separate pass (exact): the policy objective declares it can (``first_forward``), one
+    optimizer step per batch, and nothing before the update reads them (the in-reward KL, an
+    estimator that needs them)."""
+    objective = registry.get("objective", "policy").obj(cfg.actor, registry)
     return (
-        Plan.of(cfg.actor).one_update(samples)  # the same rule the actor's worker checks the batch against
+        getattr(objective, "first_forward", None) == "old_log_probs"
+        and Plan.of(cfg.actor).one_update(samples)  # the same rule the actor's worker checks the batch against
         and not cfg.algorithm.use_kl_in_reward
-        and "sum_sq_probs" not in needs(estimator)
-        and not corrects
+        and not {"old_log_probs", "sum_sq_probs"} & set(needs(estimator))
     )
 
 
@@ -220,44 +225,41 @@ class RLRecipe:
 
             actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
             ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref else None  # the actor's micro-batching, no optimizer
-            critic = run.spawn("critic", cfg.critic.model_path or cfg.model.path, cfg.critic, objectives={"update": "value"}) if use_critic else None
+            critic_path = cfg.critic.model_path or cfg.model.path
+            critic = run.spawn("critic", critic_path, cfg.critic, head="value", objectives={"update": "value"}) if use_critic else None
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
             samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
-            on_policy = on_policy_update(cfg, estimator, samples_per_step)
-            roles = [r for r in (actor, ref, critic) if r is not None]
-            start = run.start(roles={"actor": actor, "critic": critic}, state={"data": train, "kl": kl_in_reward})
-            if start:
-                rollout.sync_weights(version=start)
+            on_policy = on_policy_update(cfg, registry, estimator, samples_per_step)
+            validate = functools.partial(self.validate, rollout, val, reward_fn, cfg, agent) if val is not None else None
+            start = run.start(
+                roles={"actor": actor, "critic": critic},
+                state={"data": train, "kl": kl_in_reward},
+                rollout=rollout,
+                validate=validate,
+                validate_before=cfg.validation.before_train,
+            )
             timer = run.timer
-            summary: dict[str, Any] = {}
-            if val is not None and cfg.validation.before_train and not start and cfg.trainer.total_steps:  # else val_after alone
-                summary["val_before"] = self.validate(rollout, val, reward_fn, cfg, agent)
-                run.log(0, {f"val/{k}": v for k, v in summary["val_before"].items()})
             for step in run.steps(start):
                 prompts = train.next_batch()
                 params = sampling.at_step(step, samples_per_step)
 
-                with timer("gen"):
-                    for role in roles:  # optimizer state / params to host memory if the backend is asked to
-                        role.offload()
-                    batch = sample(rollout, prompts, params, agent)
-                    batch.meta["step"] = step
-                with timer("reward"):
-                    scored = score(batch, reward_fn, agent)
-                    batch["token_scores"], reward_metrics = scored.token_scores, scored.metrics
-                    if "reward_components" in needs(estimator):
-                        for key, values in (scored.components or {}).items():
-                            batch[COMPONENT + key] = values
-                run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
-                if "greedy_baseline" in needs(estimator):
-                    with timer("gen_greedy"):
-                        greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
-                        by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
-                        batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
-                rollout.sleep()  # the engines' memory goes to training until the weight sync wakes them
-                for role in roles:
-                    role.onload()
+                with run.generating(rollout):
+                    with timer("gen"):
+                        batch = sample(rollout, prompts, params, agent)
+                        batch.meta["step"] = step
+                    with timer("reward"):
+                        scored = score(batch, reward_fn, agent)
+                        batch["token_scores"], reward_metrics = scored.token_scores, scored.metrics
+                        if "reward_components" in needs(estimator):
+                            for key, values in (scored.components or {}).items():
+                                batch[COMPONENT + key] = values
+                    run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
+                    if "greedy_baseline" in needs(estimator):
+                        with timer("gen_greedy"):
+                            greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
+                            by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
+                            batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
                 old = None  # on-policy: the actor's update computes them in its first forward
                 if not on_policy:
                     with timer("old_log_prob"):
@@ -283,7 +285,7 @@ class RLRecipe:
                     rollout.sync_weights(version=step)
 
                 mask = batch["response_mask"].float()
-                metrics = {
+                run.end_step(step, {
                     **reward_metrics,
                     **update_metrics,
                     **kl_metrics,
@@ -292,17 +294,10 @@ class RLRecipe:
                     "response/length_mean": float(mask.sum(-1).mean()),
                     "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                     "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
-                }
-                if val is not None and run.due(step) and step < cfg.trainer.total_steps:
-                    metrics.update({f"val/{k}": v for k, v in self.validate(rollout, val, reward_fn, cfg, agent).items()})
-                run.end_step(step, metrics)
-            if val is not None:
-                summary["val_after"] = self.validate(rollout, val, reward_fn, cfg, agent)
-                run.metrics.update({f"val/{k}": v for k, v in summary["val_after"].items()})
-                run.log(cfg.trainer.total_steps, {f"val/{k}": v for k, v in summary["val_after"].items()})
+                })
             if cfg.trainer.save_hf_model:
                 save_hf_folder(cfg.model.path, chain.from_iterable(actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")
-        return summary
+        return run.summary
 
     def evaluate(self, cfg: DictConfig, ctx: RunContext) -> dict[str, float]:
         """Validation alone, once (``trellis eval``): the actor from ``model.path`` and its rollout,
@@ -319,18 +314,14 @@ class RLRecipe:
     @staticmethod
     def compute_advantages(batch: Batch, estimator, options, kl_in_reward) -> dict[str, float]:
         """Token rewards (minus the in-reward KL penalty when ``kl_in_reward`` is given), then the
-        estimator's advantages and returns into ``batch``; samples are grouped by prompt ``uid``."""
+        estimator's advantages and returns into ``batch``; samples are grouped by prompt ``uid``.
+        The estimator gets the inputs it declares in ``needs`` and no others."""
         token_rewards, metrics = kl_in_reward(batch) if kl_in_reward is not None else (batch["token_scores"], {})
-        data = AdvantageInputs(
-            token_rewards=token_rewards,
-            response_mask=batch["response_mask"],
-            group_ids=batch.group_index("uid"),
-            values=batch.get("values"),
-            baseline_rewards=batch.get("baseline_rewards"),
-            old_log_probs=batch.get("old_log_probs"),
-            sum_sq_probs=batch.get("sum_sq_probs"),
-            reward_components={k.removeprefix(COMPONENT): batch[k] for k in batch.keys() if k.startswith(COMPONENT)} or None,
-        )
+        declared = needs(estimator)
+        fields = {field: batch.get(key) for need, (field, key) in ADVANTAGE_FIELDS.items() if need in declared}
+        if "reward_components" in declared:
+            fields["reward_components"] = {k.removeprefix(COMPONENT): batch[k] for k in batch.keys() if k.startswith(COMPONENT)} or None
+        data = AdvantageInputs(token_rewards, batch["response_mask"], batch.group_index("uid"), **fields)
         advantages, returns = estimator(data, options)
         batch["advantages"] = advantages
         batch["returns"] = returns

@@ -13,7 +13,7 @@ from trellis.config import ConfigError, ranged
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.export import save_hf_folder
 from trellis.interfaces.signatures import AGG_MODES
-from trellis.recipes.options import ModelConfig, SFTTrainConfig, TrainerConfig, backend_field, check_inputs
+from trellis.recipes.options import RecipeConfig, SFTTrainConfig, TrainerConfig, check_inputs
 from trellis.runtime.harness import Run, RunContext
 
 
@@ -31,12 +31,9 @@ class SFTData:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(RecipeConfig):
     recipe: str = "sft"
-    seed: int = ranged(0, ge=0)
-    model: ModelConfig = field(default_factory=ModelConfig)
     data: SFTData = field(default_factory=SFTData)
-    backend: dict = backend_field()
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -80,7 +77,7 @@ class SFTRecipe:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
             train, val_set = load_data(cfg, tokenizer)
             val = sft_batches(val_set, cfg.data.batch_samples) if val_set is not None else None
-            model = run.spawn("actor", cfg.model.path, cfg.train, objectives={"sft_update": "sft", "sft_eval": "sft"})
+            model = run.spawn("actor", cfg.model.path, cfg.train, objectives={"sft_update": "sft"})
             start = run.start(roles={"actor": model}, state={"data": train})
             for step in run.steps(start):
                 batch = train.next_batch()
@@ -100,6 +97,6 @@ def _held_out_loss(model, batches) -> dict[str, float]:
     total = tokens = 0.0
     for batch in batches:
         n = float(batch["loss_mask"][:, 1:].sum())
-        total += model.sft_eval(batch)["val/loss"] * n
+        total += model.evaluate("sft_update", batch)["val/loss"] * n
         tokens += n
     return {"val/loss": total / max(tokens, 1.0)}

@@ -16,7 +16,7 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.backend import DistInfo
-from trellis.interfaces.dispatch import Mesh, Route
+from trellis.interfaces.dispatch import Mesh, Route, batch_position
 from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine, takes_manifest
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
@@ -47,7 +47,8 @@ class WorkerGroup:
     dealt over the role's mesh and which fields of its ``Batch`` argument travel:
     ``group.log_prob(batch)`` sends ``batch.select(<what log_prob reads>)`` to the data-parallel
     groups (strided) and gathers the results back in the original order; ``group.export_weights()``
-    returns rank 0's result. Subclasses say how a call reaches the ranks (``_execute``)."""
+    returns rank 0's result; a role's training verbs are called alike (``group.update(batch)``, or
+    ``group.train("update", batch)``). Subclasses say how a call reaches the ranks (``_execute``)."""
 
     ships = False  # calls cross processes: count the bytes they carry
 
@@ -62,21 +63,41 @@ class WorkerGroup:
     def world_size(self) -> int:
         return self.mesh.world_size
 
-    def __getattr__(self, method: str) -> Callable[..., Any]:
+    def __getattr__(self, verb: str) -> Callable[..., Any]:
         table = self.__dict__.get("routes", {})
-        if method not in table:
-            raise AttributeError(f"role {self.__dict__.get('role')!r} has no dispatched method {method!r}; known: {sorted(table)}")
-        return lambda *args, **kwargs: self.call(method, *args, **kwargs)
+        if verb not in table:
+            raise AttributeError(f"role {self.__dict__.get('role')!r} has no dispatched verb {verb!r}; known: {sorted(table)}")
+        return lambda *args, **kwargs: self.call(verb, *args, **kwargs)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        route = self.routes[method]
-        if args and isinstance(args[0], Batch) and route.inputs is not None:
-            given = args[0]
+    def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """``verb`` on every rank as its route says (a route with a ``method`` gets the verb first)."""
+        route = self._route(verb)
+        if route.method is not None:
+            return self._dispatch(route.method, route, (verb, *args), kwargs)
+        return self._dispatch(verb, route, args, kwargs)
+
+    def train(self, verb: str, batch: Batch) -> dict[str, float]:
+        """One training verb (its objective's loss minimised) on ``batch``; the metrics."""
+        return self._dispatch("train", self._route(verb), (verb, batch), {})
+
+    def evaluate(self, verb: str, batch: Batch) -> dict[str, float]:
+        """A training verb's loss on ``batch`` without training (held-out loss)."""
+        return self._dispatch("evaluate", self._route(verb), (verb, batch), {})
+
+    def _route(self, verb: str) -> Route:
+        if verb not in self.routes:
+            raise AttributeError(f"role {self.role!r} has no dispatched verb {verb!r}; known: {sorted(self.routes)}")
+        return self.routes[verb]
+
+    def _dispatch(self, method: str, route: Route, args: tuple, kwargs: dict[str, Any]) -> Any:
+        at = batch_position(args)
+        if at is not None and route.inputs is not None:
+            given = args[at]
             shipped = given.select(*[k for k in route.inputs if k in given])
             if self.ships:
                 self.bytes_given += batch_bytes(given)
                 self.bytes_sent += batch_bytes(shipped)
-            args = (shipped, *args[1:])
+            args = (*args[:at], shipped, *args[at + 1 :])
         results = self._execute(method, route.mode.scatter(args, self.mesh), kwargs)
         return route.mode.gather(results, self.mesh)
 
@@ -98,6 +119,7 @@ class RolloutGroup:
     weights into the engines in memory. Every sample carries the ``weight_version`` it came from."""
 
     version = 0
+    asleep = False  # the engines slept and nothing has woken them since
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """The engines get the prompts' token ids only; the other fields (data source, ground
@@ -127,13 +149,23 @@ class RolloutGroup:
         ``version``."""
         self._sync()
         self.version = version
+        self.asleep = False
 
     def sleep(self) -> None:
         """Every engine frees its KV cache and weights until the next ``sync_weights`` or ``wake``."""
-        raise NotImplementedError
+        self._sleep()
+        self.asleep = True
 
     def wake(self, tags=ALL_MEMORY) -> None:
         """Every engine takes back the memory ``tags`` name (``weights``, ``kv_cache``)."""
+        self._wake(tags)
+        if set(ALL_MEMORY) <= set(tags):
+            self.asleep = False
+
+    def _sleep(self) -> None:
+        raise NotImplementedError
+
+    def _wake(self, tags) -> None:
         raise NotImplementedError
 
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -211,10 +243,10 @@ class LocalRollout(RolloutGroup):
         if not self.shared:
             sync_from(self.engine, self.actor.workers[0])
 
-    def sleep(self) -> None:
+    def _sleep(self) -> None:
         self.engine.sleep()
 
-    def wake(self, tags=ALL_MEMORY) -> None:
+    def _wake(self, tags) -> None:
         self.engine.wake(tags)
 
 

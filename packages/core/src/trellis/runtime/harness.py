@@ -7,11 +7,22 @@ A recipe's ``run`` reads as its loop::
         if run.finished:
             return run.finished_summary()
         actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
-        start = run.start(roles={"actor": actor}, state={"data": loader})
+        rollout = run.spawn_rollout(actor, tokenizer)
+        start = run.start(roles={"actor": actor}, state={"data": loader}, rollout=rollout, validate=held_out)
         for step in run.steps(start):
+            with run.generating(rollout):
+                batch = rollout.generate(loader.next_batch(), params)
             with run.timer("update"):
-                metrics = actor.update(loader.next_batch())
+                metrics = actor.update(batch)
+            rollout.sync_weights(version=step)
             run.end_step(step, metrics)
+        return run.summary
+
+The harness owns the choreography every generating recipe shares, so recipes cannot drift apart:
+roles offloaded and engines awake while generating, engines asleep and roles back for training
+(``generating``), the engines synced on resume, and validation before the first step, every
+``trainer.val_every_steps`` and after the last (``start(validate=...)``), logged, in
+``run.metrics`` and in ``run.summary``.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,14 +124,24 @@ def spawn_worker(
     model_path: str,
     role_options: Any,
     objectives: dict[str, str] | None = None,
+    head: str = "lm",
 ) -> WorkerGroup:
     """``role`` on the controller's ranks: the backend ``cfg.backend`` names, laid out as its
-    options' mesh, driven by the named objectives."""
+    options' mesh, with ``head``, driven by the named objectives."""
     make_backend, options = resolve_component(registry, "backend", cfg.backend)
     mesh = Mesh.for_options(options, controller.world_size())
     total_steps = cfg.trainer.total_steps if "trainer" in cfg else 0
     spec = WorkerSpec(
-        role, model_path, make_backend, options, role_options, dict(objectives or {}), registry=registry, seed=cfg.seed, total_steps=total_steps
+        role,
+        model_path,
+        make_backend,
+        options,
+        role_options,
+        dict(objectives or {}),
+        registry=registry,
+        seed=cfg.seed,
+        total_steps=total_steps,
+        head=head,
     )
     return controller.spawn(role, functools.partial(_role_worker, spec), mesh)
 
@@ -178,6 +199,9 @@ class Run:
         self._samples: StepRows | None = None
         self._step_start = 0.0
         self.threads = make_threads(cfg.trainer)
+        self.summary: dict[str, Any] = {}  # what the recipe returns: val_before / val_after, ...
+        self._rollout: RolloutGroup | None = None
+        self._validate: Callable[[], dict[str, float]] | None = None
 
     # -- set-up ------------------------------------------------------------------------------------
     @property
@@ -200,9 +224,10 @@ class Run:
             self._controller = make_controller(self.cfg.trainer)
         return self._controller
 
-    def spawn(self, role: str, model_path: str, role_options: Any, objectives: dict[str, str] | None = None) -> WorkerGroup:
-        """``role`` on every rank (see :func:`spawn_worker`)."""
-        group = spawn_worker(self.controller, self.registry, self.cfg, role, model_path, role_options, objectives)
+    def spawn(self, role: str, model_path: str, role_options: Any, *, head: str = "lm", objectives: dict[str, str] | None = None) -> WorkerGroup:
+        """Any named role on every rank (see :func:`spawn_worker`): a model from ``model_path``
+        with ``head`` (``lm``, ``value``), trained by ``objectives`` ({verb: objective}) if given."""
+        group = spawn_worker(self.controller, self.registry, self.cfg, role, model_path, role_options, objectives, head)
         self._groups.append(group)
         return group
 
@@ -214,26 +239,70 @@ class Run:
         mesh = Mesh.for_options(options, self.controller.world_size())
         return self.controller.spawn_rollout(functools.partial(make_engine, spec), actor, mesh)
 
-    def start(self, roles: dict[str, WorkerGroup | None], state: dict[str, Any]) -> int:
+    def start(
+        self,
+        roles: dict[str, WorkerGroup | None],
+        state: dict[str, Any],
+        rollout: RolloutGroup | None = None,
+        validate: Callable[[], dict[str, float]] | None = None,
+        validate_before: bool = True,
+    ) -> int:
         """Load the checkpoint being resumed (roles' shards, stateful objects' ``state_dict``,
         RNG states) and remember what to save; open the trackers. Returns the step the run
-        continues after (0 for a fresh run)."""
+        continues after (0 for a fresh run).
+
+        rollout: the engines the recipe generates with: on resume they take the restored weights.
+        validate: held-out figures ``{name: value}`` (generating on ``rollout``), run before the
+            first step of a fresh run (``validate_before``), after every ``trainer.val_every_steps``
+            and after the last step; logged as ``val/<name>`` and kept in :attr:`summary`
+            (``val_before``, ``val_after``)."""
         self.ctx.write_config()
         start = self.checkpointer.restore(roles, state)
+        self._rollout, self._validate = rollout, validate
+        if start and rollout is not None:
+            rollout.sync_weights(version=start)
         trainer = self.cfg.trainer
         self._trackers = Trackers(trainer.trackers, self.registry, self.ctx.run_dir, trainer.total_steps, start_step=start)
         if trainer.get("log_samples"):
             self._samples = StepRows(self.ctx.run_dir / "samples.jsonl")
             self._samples.rewind(start)
         self.ctx.hook.trellis_train_start(config=self.cfg, run_dir=self.ctx.run_dir)
+        if validate is not None and validate_before and not start and trainer.total_steps:  # else val_after alone
+            self.summary["val_before"] = self._validation()
+            self.log(0, _prefixed(self.summary["val_before"]))
         return start
+
+    @contextlib.contextmanager
+    def generating(self, rollout: RolloutGroup) -> Iterator[None]:
+        """The engines generate inside the block: on entry every role offloads (optimizer state,
+        parameters to host memory as its backend's options say) and engines a step left asleep
+        (no weight sync since) wake; on exit the engines sleep (their memory goes to training
+        until the next weight sync wakes them) and the roles onload."""
+        for role in self._groups:
+            role.offload()
+        if rollout.asleep:
+            rollout.wake()
+        yield
+        rollout.sleep()
+        for role in self._groups:
+            role.onload()
+
+    def _validation(self) -> dict[str, float]:
+        with self.generating(self._rollout):
+            return self._validate()
 
     # -- the loop ----------------------------------------------------------------------------------
     def steps(self, start: int) -> Iterator[int]:
-        """Steps ``start + 1 .. trainer.total_steps``, each timed from here to ``end_step``."""
-        for step in range(start + 1, self.cfg.trainer.total_steps + 1):
+        """Steps ``start + 1 .. trainer.total_steps``, each timed from here to ``end_step``; after
+        the last, the validation ``start`` was given (``val_after``, logged at the last step)."""
+        total = self.cfg.trainer.total_steps
+        for step in range(start + 1, total + 1):
             self._step_start = time.perf_counter()
             yield step
+        if self._validate is not None:
+            self.summary["val_after"] = self._validation()
+            self.metrics.update(_prefixed(self.summary["val_after"]))
+            self.log(total, _prefixed(self.summary["val_after"]))
 
     def due(self, step: int) -> bool:
         """Whether ``trainer.val_every_steps`` asks for a validation after ``step``."""
@@ -241,8 +310,13 @@ class Run:
         return bool(every) and step % every == 0
 
     def end_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
-        """Add the stage timings, dispatch cost and ``timing/step_s``; log; fire
-        ``trellis_step_end``; checkpoint when due. Returns the logged metrics."""
+        """Validate when ``trainer.val_every_steps`` says so (not after the last step: the
+        validation after training does); add the stage timings, dispatch cost and
+        ``timing/step_s``; log; fire ``trellis_step_end``; checkpoint when due. Returns the
+        logged metrics."""
+        if self._validate is not None and self.due(step) and step < self.cfg.trainer.total_steps:
+            with self.timer("val"):
+                metrics = {**metrics, **_prefixed(self._validation())}
         metrics = {**metrics, **self.timer.metrics(), **self._dispatch_metrics()}
         metrics["timing/step_s"] = time.perf_counter() - self._step_start
         metrics["timing/threads"] = float(self.threads.check())
@@ -298,6 +372,10 @@ class Run:
                 self._controller.shutdown()
             if self._trackers is not None:
                 self.ctx.hook.trellis_train_end(run_dir=self.ctx.run_dir, metrics=self.metrics)
+
+
+def _prefixed(figures: dict[str, float]) -> dict[str, float]:
+    return {f"val/{k}": v for k, v in figures.items()}
 
 
 def _plain(value: Any) -> Any:

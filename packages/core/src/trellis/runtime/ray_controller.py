@@ -23,7 +23,7 @@ from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
-from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams
+from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, sync_from
@@ -291,10 +291,10 @@ class RayRollout(RolloutGroup):
     def _sync(self) -> None:
         self.pool.timed([r.sync_rollout.remote(self.actor_role) for r in self.pool.ranks], "weight sync", self.actor_role)
 
-    def sleep(self) -> None:
+    def _sleep(self) -> None:
         self.pool.timed([r.sleep_rollout.remote() for r in self.pool.ranks], "rollout.sleep", "rollout")
 
-    def wake(self, tags=ALL_MEMORY) -> None:
+    def _wake(self, tags) -> None:
         self.pool.timed([r.wake_rollout.remote(tuple(tags)) for r in self.pool.ranks], "rollout.wake", "rollout")
 
 

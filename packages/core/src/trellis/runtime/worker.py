@@ -22,20 +22,16 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.interfaces.backend import MODEL_INPUTS, Backend, BackendSpec, DistInfo, WeightBucket
+from trellis.interfaces.backend import Backend, BackendSpec, DistInfo, WeightBucket
 from trellis.interfaces.dispatch import ALL, DP_SPLIT, RANK0, Route
 from trellis.runtime.plan import Plan
 
-# role -> its model's head: a causal LM, or one value per token
-ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "value"}
 # a micro-batch's meta key marking a zero-weight copy that keeps the ranks' collectives in step
 PADDING = "zero_weight_padding"
-# training verbs: the objective's loss is minimised (update) or only reported (sft_eval)
-TRAINING_VERBS = ("update", "sft_update", "sft_eval", "preference_update")
-FORWARD_ROUTES = {
-    "log_prob": Route(DP_SPLIT, (*MODEL_INPUTS, "responses")),
-    "values": Route(DP_SPLIT, (*MODEL_INPUTS, "responses")),
-    "score": Route(DP_SPLIT, MODEL_INPUTS),
+# verbs whose Batch argument is a forward's input: they ship the backend's model inputs and ``responses``
+FORWARD_VERBS = ("forward", "log_prob", "values", "score")
+# every other verb a worker serves, and how it is dealt over the ranks
+STATE_ROUTES = {
     "export_weights": Route(RANK0),
     "weight_shapes": Route(RANK0),
     "load_weights": Route(ALL),
@@ -56,7 +52,7 @@ class Worker(ABC):
 
     def routes(self) -> dict[str, Route]:
         """Verb -> how it is dealt over the ranks and what it reads."""
-        return dict(FORWARD_ROUTES)
+        return dict(STATE_ROUTES)
 
     def close(self) -> None:
         """End of the run (the controller's shutdown). Default: nothing."""
@@ -69,14 +65,17 @@ class Worker(ABC):
 
 @dataclass
 class WorkerSpec:
-    """Everything a role worker needs.
+    """Everything a role worker needs. A role is data: any name, a model, a head and the
+    objectives of its training verbs.
 
     make_backend: the registered backend factory; options: its options instance.
+    head: the model's head, ``lm`` (a causal LM) or ``value`` (one value per token), or any other
+        head the backend builds.
     role_options: the role's config section (``ActorConfig``, ``CriticConfig``, ``SFTTrainConfig``...):
         the optimizer (``optim``) and the batch plan.
     objectives: training verb -> registered ``objective`` name, e.g. ``{"update": "policy"}``;
-        the worker offers only the training verbs named here, and only a worker with objectives
-        trains (gets an optimizer).
+        any verb name a recipe chooses (not one of the worker's other verbs); the worker trains
+        (gets an optimizer) only when it has objectives.
     registry: where objectives (and the components they name) are looked up.
     """
 
@@ -90,17 +89,16 @@ class WorkerSpec:
     registry: Any = None
     seed: int = 0
     total_steps: int = 0
+    head: str = "lm"
 
 
 class RoleWorker(Worker):
     """One role on one rank: a backend's model driven by objectives and the batch plan."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        if spec.role not in ROLE_HEADS:
-            raise ValueError(f"unknown role {spec.role!r}; roles: {', '.join(ROLE_HEADS)}")
-        unknown = sorted(set(spec.objectives) - set(TRAINING_VERBS))
-        if unknown:
-            raise ValueError(f"objectives given for {unknown}, which are not training verbs ({', '.join(TRAINING_VERBS)})")
+        taken = sorted(set(spec.objectives) & {*FORWARD_VERBS, *STATE_ROUTES, "train", "evaluate"})
+        if taken:
+            raise ValueError(f"role {spec.role!r}: training verbs {taken} are names of the worker's other verbs; name them otherwise")
         self.spec = spec
         self.plan = Plan.of(spec.role_options)
         self.objectives: dict[str, Any] = {}
@@ -113,15 +111,27 @@ class RoleWorker(Worker):
         trainable = bool(self.objectives)  # a role with objectives trains: it gets an optimizer
         optim = spec.role_options.optim if trainable else None
         self.backend = spec.make_backend(
-            BackendSpec(spec.role, spec.model_path, spec.options, trainable, ROLE_HEADS[spec.role], optim, spec.dist, spec.seed, spec.total_steps)
+            BackendSpec(spec.role, spec.model_path, spec.options, trainable, spec.head, optim, spec.dist, spec.seed, spec.total_steps)
         )
+        for verb, objective in self.objectives.items():
+            self._check_outputs(objective.outputs, f"objective {spec.objectives[verb]!r} of verb {verb!r}")
         self.backend.build()
 
     def routes(self) -> dict[str, Route]:
         routes = super().routes()
+        reads = (*self.backend.model_inputs, "responses")
+        routes.update({verb: Route(DP_SPLIT, reads) for verb in FORWARD_VERBS})
         for verb, objective in self.objectives.items():
-            routes[verb] = Route(DP_SPLIT, (*MODEL_INPUTS, *objective.inputs))
+            routes[verb] = Route(DP_SPLIT, (*self.backend.model_inputs, *objective.inputs), method="train")
         return routes
+
+    def _check_outputs(self, outputs: Iterable[str], who: str) -> None:
+        missing = [o for o in outputs if o not in self.backend.outputs]
+        if missing:
+            raise ValueError(
+                f"{who} needs forward outputs {missing}, which backend {type(self.backend).__name__} (role {self.spec.role!r}, "
+                f"head {self.spec.head!r}) does not provide; it provides {', '.join(self.backend.outputs)}"
+            )
 
     # -- forwards ------------------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> tuple[list[Batch], int, torch.Tensor | None]:
@@ -143,9 +153,13 @@ class RoleWorker(Worker):
             micros += [pad] * (int(max(counts)) - real)
         return micros, real, order
 
-    def _forward(self, batch: Batch, outputs: tuple[str, ...]) -> Batch:
+    def forward(self, batch: Batch, outputs: tuple[str, ...]) -> Batch:
+        """The named forward ``outputs`` (any the backend declares in ``Backend.outputs``) for
+        ``batch``, in its order; response-length outputs are ``(batch, response_len)`` with 0 at
+        padding positions."""
+        self._check_outputs(outputs, f"forward of role {self.spec.role!r}")
         micros, real, order = self._micro_batches(batch)
-        parts = self.backend.forward(micros, outputs)[:real]
+        parts = self.backend.forward(micros, tuple(outputs))[:real]
         back = slice(None) if order is None else torch.argsort(order)  # the batch's own order again
         if "responses" not in batch or "attention_mask" not in batch:
             return Batch({k: torch.cat([p[k] for p in parts])[back] for k in outputs})
@@ -161,15 +175,15 @@ class RoleWorker(Worker):
         response tokens at ``batch.meta["temperature"]``; reads ``input_ids``, ``attention_mask``,
         ``position_ids`` ``(batch, seq_len)`` and ``responses`` ``(batch, response_len)``."""
         extra = ("entropy",) * with_entropy + ("sum_sq_probs",) * with_sum_sq_probs
-        return self._forward(batch, ("log_probs", *extra))
+        return self.forward(batch, ("log_probs", *extra))
 
     def values(self, batch: Batch) -> Batch:
-        """Critic: ``values`` ``(batch, response_len)`` for the same inputs as ``log_prob``."""
-        return self._forward(batch, ("values",))
+        """A value head's ``values`` ``(batch, response_len)`` for the same inputs as ``log_prob``."""
+        return self.forward(batch, ("values",))
 
     def score(self, batch: Batch) -> Batch:
-        """Reward model: ``scores`` ``(batch,)``, the head at each sequence's last attended token."""
-        return self._forward(batch, ("scores",))
+        """A value head's ``scores`` ``(batch,)`` at each sequence's last attended token."""
+        return self.forward(batch, ("scores",))
 
     # -- training ------------------------------------------------------------------------------
     def _objective(self, verb: str) -> Any:
@@ -185,13 +199,21 @@ class RoleWorker(Worker):
         names = [n for n in ("global_tokens", "global_seqs") if getattr(local, n) is not None]
         return dataclasses.replace(local, **dict(zip(names, self.backend.all_reduce_sum([getattr(local, n) for n in names]))))
 
-    def _train(self, verb: str, batch: Batch, prefix: str) -> dict[str, float]:
-        """Epochs over mini-batches (one optimizer step each) of micro-batches; the LR schedule
-        steps once per call. Summed metrics (the objective's losses) add up the micro-batches'
-        shares over ranks; the others are averaged."""
+    def train(self, verb: str, batch: Batch) -> dict[str, float]:
+        """Train ``verb``'s objective on this rank's share of the step (``batch.meta["step"]``
+        seeds the shuffle): epochs over mini-batches (one optimizer step each) of micro-batches;
+        the LR schedule steps once per call. Metrics ``<prefix>/...`` (the objective's
+        ``prefix``, else the role's name): summed metrics (the objective's losses) add up the
+        micro-batches' shares over ranks; the others are averaged.
+
+        An objective that declares ``first_forward`` (the field of the sampling policy's
+        log-probs, e.g. ``old_log_probs``) gets it from the update's own first forward, detached,
+        when the batch has none (one optimizer step per batch only); ``<prefix>/entropy`` is then
+        that forward's token-mean entropy."""
         objective = self._objective(verb)
-        on_policy = self._on_policy(objective, batch)
-        outputs = objective.outputs + ("entropy",) * (on_policy and "entropy" not in objective.outputs)
+        first_forward = self._first_forward(verb, objective, batch)
+        prefix = getattr(objective, "prefix", None) or self.spec.role
+        outputs = objective.outputs + ("entropy",) * (first_forward is not None and "entropy" not in objective.outputs)
         seed = self.spec.seed * 1000003 + 7919 * (int(batch.meta.get("step", 1)) - 1)
         metrics: dict[str, list[float]] = defaultdict(list)
         for epoch in range(self.plan.epochs):
@@ -199,9 +221,9 @@ class RoleWorker(Worker):
                 agg = self._global_counts(objective, mini)
                 micros, real, _ = self._micro_batches(mini)  # sums over the micro-batches: their order is free
                 micros = [objective.rows(m) for m in micros]
-                loss_fn = functools.partial(_loss, objective, agg=agg, on_policy=on_policy)
+                loss_fn = functools.partial(_loss, objective, agg=agg, first_forward=first_forward)
                 per_micro = self.backend.forward_backward(micros, outputs, loss_fn)[:real]
-                if on_policy:  # the entropy of the policy that sampled, as the old-log-prob pass would report it
+                if first_forward is not None:  # the entropy of the policy that sampled, as the old-log-prob pass would report it
                     total, tokens = self.backend.all_reduce_sum([sum(m.pop(k) for m in per_micro) for k in ENTROPY_SUMS])
                     metrics["entropy"].append(total / max(tokens, 1.0))
                 summed = sorted({k for m in per_micro for k in m} & objective.summed)
@@ -215,40 +237,25 @@ class RoleWorker(Worker):
         metrics["lr"].append(self.backend.lr_step())
         return {f"{prefix}/{k}": sum(v) / len(v) for k, v in metrics.items()}
 
-    def _on_policy(self, objective: Any, batch: Batch) -> bool:
-        """Whether this update takes its old log-probs from its own first forward (the batch has
-        none, and the objective needs them): exact only with one optimizer step per batch, when
-        that forward runs on the weights that would have computed them."""
-        if "old_log_probs" not in objective.inputs or "old_log_probs" in batch:
-            return False
+    def _first_forward(self, verb: str, objective: Any, batch: Batch) -> str | None:
+        """The field this update fills from its own first forward (see :meth:`train`), or None
+        when the objective declares none or the batch has it. Exact only with one optimizer
+        step per batch, when that forward runs on the weights that would have computed it."""
+        name = getattr(objective, "first_forward", None)
+        if name is None or name in batch:
+            return None
         samples = len(batch) * self.spec.dist.dp_size
         if not self.plan.one_update(samples):
             raise ValueError(
-                f"{self.spec.role}.update got no old_log_probs: they can come from the update's own forward only with one "
+                f"{self.spec.role}.{verb} got no {name}: they can come from the update's own forward only with one "
                 f"optimizer step per batch, but ppo_epochs={self.plan.epochs} and mini_batch_samples={self.plan.mini_batch_samples} "
-                f"for {samples} samples; run log_prob first (the recipe does when it updates more than once)"
+                f"for {samples} samples; compute them first (the rl recipe runs log_prob when it updates more than once)"
             )
-        return True
+        return name
 
-    def update(self, batch: Batch) -> dict[str, float]:
-        """Train on this rank's share of the step (``batch.meta["step"]`` seeds the shuffle);
-        metrics ``<role>/...``. Without ``old_log_probs`` in the batch (one optimizer step per
-        batch only) they are the update's own first forward, detached, and ``<role>/entropy`` is
-        that forward's token-mean entropy."""
-        return self._train("update", batch, self.spec.role)
-
-    def sft_update(self, batch: Batch) -> dict[str, float]:
-        """Supervised steps on ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask``
-        ``(batch, seq_len)`` (loss on label tokens where the mask is 1); metrics ``sft/...``."""
-        return self._train("sft_update", batch, "sft")
-
-    def preference_update(self, batch: Batch) -> dict[str, float]:
-        """Preference steps on a pair batch (``trellis.interfaces.signatures.pair_batch``)."""
-        return self._train("preference_update", batch, self.spec.role)
-
-    def sft_eval(self, batch: Batch) -> dict[str, float]:
-        """The objective's loss on ``batch`` without training (held-out loss): ``val/loss``."""
-        objective = self._objective("sft_eval")
+    def evaluate(self, verb: str, batch: Batch) -> dict[str, float]:
+        """``verb``'s objective loss on ``batch`` without training (held-out loss): ``val/loss``."""
+        objective = self._objective(verb)
         agg = self._global_counts(objective, batch)
         micros, real, _ = self._micro_batches(batch)
         micros = [objective.rows(m) for m in micros]
@@ -304,13 +311,15 @@ class RoleWorker(Worker):
 ENTROPY_SUMS = ("_entropy_sum", "_entropy_tokens")
 
 
-def _loss(objective: Any, micro: Batch, outputs: dict[str, torch.Tensor], agg: Any, on_policy: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+def _loss(
+    objective: Any, micro: Batch, outputs: dict[str, torch.Tensor], agg: Any, first_forward: str | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     if micro.meta.get(PADDING):
         # no weight, but a graph through every parameter, so the backward's collectives still run
         return sum(v.sum() for v in outputs.values()) * 0.0, {}
     extra: dict[str, float] = {}
-    if on_policy:
-        micro["old_log_probs"] = outputs["log_probs"].detach()
+    if first_forward is not None:
+        micro[first_forward] = outputs["log_probs"].detach()
         mask = micro["response_mask"].to(outputs["entropy"].device)
         extra = dict(zip(ENTROPY_SUMS, (float((outputs["entropy"].detach() * mask).sum()), float(mask.sum()))))
         outputs = {k: outputs[k] for k in objective.outputs}
@@ -337,6 +346,7 @@ def build_worker(
     dist: DistInfo | None = None,
     seed: int = 0,
     total_steps: int = 0,
+    head: str = "lm",
 ) -> RoleWorker:
     """A built role worker in this process on the registered ``backend`` (its default options
     unless ``options`` is given; one rank unless ``dist`` says otherwise): for scripts, notebooks
@@ -344,7 +354,8 @@ def build_worker(
     entry = registry.get("backend", backend)
     if options is None and entry.options is not None:
         options = entry.options()
-    spec = WorkerSpec(role, model_path, entry.obj, options, role_options, dict(objectives or {}), dist or DistInfo(), registry, seed, total_steps)
+    objectives = dict(objectives or {})
+    spec = WorkerSpec(role, model_path, entry.obj, options, role_options, objectives, dist or DistInfo(), registry, seed, total_steps, head)
     worker = RoleWorker(spec)
     worker.build()
     return worker
