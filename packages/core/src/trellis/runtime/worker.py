@@ -1,4 +1,4 @@
-"""Role workers: one role (actor, critic, ref, reward_model) on one rank, hosted by a controller.
+"""Role workers: one named role (actor, critic, ref, a teacher, ...) on one rank, hosted by a controller.
 
 ``RoleWorker`` drives a backend's model (``trellis.interfaces.backend``) with the batch plan
 (``trellis.runtime.plan``) and the objectives the recipe names (kind ``objective``): the backend
