@@ -20,7 +20,9 @@ from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolRe
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names
-from trellis.multiturn.loop import AgentLoop, environment_scores
+from trellis.multiturn.loop import ToolAgentLoop
+from trellis.multiturn.rollout import AgentRollout
+from trellis.multiturn.scoring import environment_scores
 from trellis.plugins import load_plugins
 
 EVENTS: list[tuple[str, str]] = []  # (what, instance) from the recording components below
@@ -150,8 +152,13 @@ def row(question="12+34=", **extra_info):
     return {"prompt": prompt, "data_source": "arithmetic", "reward_model": {"ground_truth": "46"}, "extra_info": extra_info}
 
 
+def tool_agent(agent):
+    """The rollout function with core's default loop alone."""
+    return AgentRollout(agent, {"tool_agent": ToolAgentLoop})
+
+
 def run(engine, agent, batch, n=1, max_new_tokens=16):
-    return asyncio.run(AgentLoop(engine, agent).run(batch, SamplingParams(n=n, max_new_tokens=max_new_tokens)))
+    return asyncio.run(tool_agent(agent)(engine, batch, SamplingParams(n=n, max_new_tokens=max_new_tokens)))
 
 
 def test_feedback_turn_is_token_exact_and_masked(registry, tokenizer):
@@ -220,7 +227,7 @@ def test_cancelled_rollout_finalizes_and_releases(registry, tokenizer):
 
     async def cancel_midway():
         engine = ScriptedEngine(tokenizer, ["#### 45"], block=asyncio.Event())  # never set: generation hangs
-        task = asyncio.create_task(AgentLoop(engine, agent).run(prompts(tokenizer, [row()]), SamplingParams(n=3)))
+        task = asyncio.create_task(tool_agent(agent)(engine, prompts(tokenizer, [row()]), SamplingParams(n=3)))
         while len(engine.prompts) < 3:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -326,7 +333,7 @@ def test_many_samples_are_in_flight_at_once(registry, tokenizer):
     engine = ScriptedEngine(tokenizer, ["#### 46"], block=gate)
 
     async def go():
-        task = asyncio.create_task(AgentLoop(engine, agent).run(prompts(tokenizer, [row()]), SamplingParams(n=8)))
+        task = asyncio.create_task(tool_agent(agent)(engine, prompts(tokenizer, [row()]), SamplingParams(n=8)))
         while len(engine.prompts) < 8 and not task.done():
             await asyncio.sleep(0.01)
         in_flight = len(engine.prompts)

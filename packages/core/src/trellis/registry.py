@@ -21,6 +21,7 @@ KINDS = (
     "interaction",
     "tool",
     "tool_parser",
+    "agent_loop",
     "tracker",
     "recipe",
     "dataset",
