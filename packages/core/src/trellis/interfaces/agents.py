@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
-    from trellis.multiturn.environment import AgentSpec, Environment
 
 
 @dataclass
@@ -103,14 +102,15 @@ class AgentLoop:
 
     A row of the data picks its loop by name in its ``agent_name`` column (verl's), else
     ``multi_turn.agent_loop``. Built as ``cls(engine, spec, env)`` once per rollout call beside each
-    engine: ``engine`` to await ``agenerate`` on, ``spec`` the resolved ``multi_turn`` section
-    (settings, tokenizer, chat-template kwargs), ``env`` the interactions, tools and tool-call
-    parser built in this process, shared by every loop of the call. Many ``sample`` calls run at
-    once on one loop object. Core's ``tool_agent`` (``trellis.multiturn.loop.ToolAgentLoop``) is
-    the default; ``trellis.multiturn.chat.ChatDeltas`` renders environment turns token-exactly.
+    engine: ``engine`` to await ``agenerate`` on; ``spec`` the resolved ``multi_turn`` section
+    (``trellis.multiturn.environment.AgentSpec``: ``settings``, ``tokenizer``,
+    ``template_kwargs``); ``env`` its interactions, tools and tool-call parser built in this process
+    (``Environment``), shared by every loop of the call. Many ``sample`` calls run at once on one
+    loop object. Core's ``tool_agent`` (``trellis.multiturn.loop.ToolAgentLoop``) is the default;
+    ``trellis.multiturn.chat.ChatDeltas`` renders environment turns token-exactly.
     """
 
-    def __init__(self, engine: RolloutEngine, spec: AgentSpec, env: Environment) -> None:
+    def __init__(self, engine: RolloutEngine, spec: Any, env: Any) -> None:
         self.engine = engine
         self.spec = spec
         self.env = env
