@@ -93,7 +93,7 @@ def measure(name: str, engine, tokenizer, args) -> dict:
     from trellis.interfaces.rollout import SamplingParams
     from trellis.multiturn.config import MultiTurnConfig
     from trellis.multiturn.environment import agent_spec
-    from trellis.multiturn.loop import AgentLoop
+    from trellis.multiturn.rollout import agent_rollout
     from trellis.plugins import load_plugins
 
     class AlwaysWrong(Interaction):
@@ -106,7 +106,7 @@ def measure(name: str, engine, tokenizer, args) -> dict:
         registry.add("interaction", "bench_always_wrong", AlwaysWrong)
     section = {"enable": True, "max_assistant_turns": args.turns, "max_user_turns": args.turns, "max_response_tokens": 4096,
                "max_concurrent_samples": args.prompts * args.n, "interactions": [{"name": "w", "component": "bench_always_wrong"}]}  # fmt: skip
-    agent = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
+    agent = agent_rollout(agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer), registry)
     prompts = PromptDataset(make_arithmetic_split(args.prompts, 0), tokenizer, 64).as_batch()
 
     def single():
@@ -114,7 +114,7 @@ def measure(name: str, engine, tokenizer, args) -> dict:
         return int(out["response_mask"].sum())
 
     def multi():
-        out = asyncio.run(AgentLoop(engine, agent).run(prompts, SamplingParams(n=args.n, max_new_tokens=args.tokens, seed=0)))
+        out = asyncio.run(agent(engine, prompts, SamplingParams(n=args.n, max_new_tokens=args.tokens, seed=0)))
         return int(out["response_mask"].sum())
 
     result = {"engine": name}

@@ -352,13 +352,15 @@ class RolloutCases:
 
 
 def always_wrong_agent(tokenizer, max_assistant_turns: int, max_user_turns: int, max_response_tokens: int):
-    """The agent of a conversation whose every answer is called wrong, within these limits."""
+    """The rollout function (core's default agent loop) of conversations whose every answer is
+    called wrong, within these limits: ``asyncio.run(agent(engine, prompts, params))``."""
     from omegaconf import OmegaConf
 
     from trellis.config import validate
     from trellis.interfaces.agents import Interaction, InteractionTurn
     from trellis.multiturn.config import MultiTurnConfig
     from trellis.multiturn.environment import agent_spec
+    from trellis.multiturn.rollout import agent_rollout
     from trellis.plugins import load_plugins
 
     class Wrong(Interaction):
@@ -370,7 +372,7 @@ def always_wrong_agent(tokenizer, max_assistant_turns: int, max_user_turns: int,
     registry.add("interaction", "always_wrong", Wrong)
     section = {"enable": True, "max_assistant_turns": max_assistant_turns, "max_user_turns": max_user_turns,
                "max_response_tokens": max_response_tokens, "interactions": [{"name": "w", "component": "always_wrong"}]}  # fmt: skip
-    return agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
+    return agent_rollout(agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer), registry)
 
 
 class MultiTurnCases:
@@ -385,14 +387,12 @@ class MultiTurnCases:
         model's tokens equal a forward pass over the whole conversation."""
         from trellis.data import PromptDataset
         from trellis.examples.tasks import make_arithmetic_split
-        from trellis.multiturn.loop import AgentLoop
-
         engine = build(self.ENGINE, tiny_model_path, **{self.CONTEXT: 256})
         tokenizer = engine.tokenizer
         agent = always_wrong_agent(tokenizer, max_assistant_turns=3, max_user_turns=2, max_response_tokens=120)
         prompts = PromptDataset(make_arithmetic_split(3, 0, max_value=30), tokenizer, 64).as_batch()
         try:
-            out = asyncio.run(AgentLoop(engine, agent).run(prompts, SamplingParams(n=2, max_new_tokens=6)))
+            out = asyncio.run(agent(engine, prompts, SamplingParams(n=2, max_new_tokens=6)))
         finally:
             engine.close()
 

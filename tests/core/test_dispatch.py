@@ -3,11 +3,14 @@ whose results come back, in which order; modes a backend declares itself."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.dispatch import ALL, DP_CHUNKS, DP_SPLIT, RANK0, Mesh, Route
+from trellis.interfaces.rollout import SamplingParams
 from trellis.runtime.controller import LocalController, WorkerGroup
 
 
@@ -103,3 +106,39 @@ def test_mesh_from_options_and_the_local_controller_refuses_more_than_one_rank()
         Mesh.for_options(TPOptions(), 3)
     with pytest.raises(ValueError, match="the local controller runs one rank; role 'actor' asks for a mesh of 2"):
         LocalController().spawn("actor", lambda dist: None, Mesh(tp=2))
+
+
+class Doubling:
+    """A rollout function: ``n`` samples per prompt, each the prompt's ids doubled; records the
+    engine and the fields it was given."""
+
+    inputs = ("input_ids", "tag")
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, engine, prompts, params):
+        self.seen.append((engine, prompts.keys()))
+        return Batch({"responses": (prompts["input_ids"] * 2).repeat_interleave(params.n, 0)})
+
+
+class AsyncDoubling(Doubling):
+    async def __call__(self, engine, prompts, params):
+        await asyncio.sleep(0)
+        return Doubling.__call__(self, engine, prompts, params)
+
+
+@pytest.mark.parametrize("fn", [Doubling(), AsyncDoubling()], ids=["sync", "async"])
+def test_rollout_runs_the_callers_function_beside_the_engine(fn):
+    """The function gets the engine and the fields it names; the other fields stay with the caller
+    and are repeated onto each prompt's samples, which carry the weight version."""
+    engine = object()
+    rollout = LocalController().spawn_rollout(lambda: engine, None)
+    rollout.version = 3
+    prompts = Batch({"input_ids": torch.tensor([[1, 2], [3, 4]]), "attention_mask": torch.ones(2, 2, dtype=torch.long)},
+                    {"tag": ["a", "b"], "uid": ["u0", "u1"]})  # fmt: skip
+    out = rollout.rollout(prompts, SamplingParams(n=2), fn)
+    assert fn.seen == [(engine, ["input_ids", "tag"])]
+    assert out["responses"].tolist() == [[2, 4], [2, 4], [6, 8], [6, 8]]
+    assert list(out["uid"]) == ["u0", "u0", "u1", "u1"] and out["attention_mask"].shape == (4, 2)
+    assert out["weight_version"].tolist() == [3] * 4 and "tag" not in out

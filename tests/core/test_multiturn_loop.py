@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import agent_loops
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -20,7 +21,9 @@ from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolRe
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names
-from trellis.multiturn.loop import AgentLoop, environment_scores
+from trellis.multiturn.loop import ToolAgentLoop
+from trellis.multiturn.rollout import AgentRollout, agent_rollout
+from trellis.multiturn.scoring import environment_scores
 from trellis.plugins import load_plugins
 
 EVENTS: list[tuple[str, str]] = []  # (what, instance) from the recording components below
@@ -126,7 +129,7 @@ class Broken(Adder):
 
 @pytest.fixture(scope="module")
 def registry():
-    reg = load_plugins().registry
+    reg = load_plugins(extra=[("agent_loops", agent_loops)]).registry  # the loop observation_first
     reg.adding_for("test_multiturn_loop")
     for name, cls in (("checker", Checker), ("raising", Raising), ("slow", Slow)):
         reg.add("interaction", name, cls)
@@ -150,8 +153,13 @@ def row(question="12+34=", **extra_info):
     return {"prompt": prompt, "data_source": "arithmetic", "reward_model": {"ground_truth": "46"}, "extra_info": extra_info}
 
 
+def tool_agent(agent):
+    """The rollout function with core's default loop alone."""
+    return AgentRollout(agent, {"tool_agent": ToolAgentLoop})
+
+
 def run(engine, agent, batch, n=1, max_new_tokens=16):
-    return asyncio.run(AgentLoop(engine, agent).run(batch, SamplingParams(n=n, max_new_tokens=max_new_tokens)))
+    return asyncio.run(tool_agent(agent)(engine, batch, SamplingParams(n=n, max_new_tokens=max_new_tokens)))
 
 
 def test_feedback_turn_is_token_exact_and_masked(registry, tokenizer):
@@ -220,7 +228,7 @@ def test_cancelled_rollout_finalizes_and_releases(registry, tokenizer):
 
     async def cancel_midway():
         engine = ScriptedEngine(tokenizer, ["#### 45"], block=asyncio.Event())  # never set: generation hangs
-        task = asyncio.create_task(AgentLoop(engine, agent).run(prompts(tokenizer, [row()]), SamplingParams(n=3)))
+        task = asyncio.create_task(tool_agent(agent)(engine, prompts(tokenizer, [row()]), SamplingParams(n=3)))
         while len(engine.prompts) < 3:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -326,7 +334,7 @@ def test_many_samples_are_in_flight_at_once(registry, tokenizer):
     engine = ScriptedEngine(tokenizer, ["#### 46"], block=gate)
 
     async def go():
-        task = asyncio.create_task(AgentLoop(engine, agent).run(prompts(tokenizer, [row()]), SamplingParams(n=8)))
+        task = asyncio.create_task(tool_agent(agent)(engine, prompts(tokenizer, [row()]), SamplingParams(n=8)))
         while len(engine.prompts) < 8 and not task.done():
             await asyncio.sleep(0.01)
         in_flight = len(engine.prompts)
@@ -357,3 +365,42 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
     assert result.scores.tolist() == [2.0, 2.0, 2.0, 2.0]
     assert result.components["feedback"].tolist() == [1.0, 1.0, 1.0, 1.0]
     assert "multiturn/num_turns_mean" in result.metrics
+
+
+def test_rows_pick_their_agent_loop_and_the_environment_may_speak_first(registry, tokenizer):
+    """One batch, two loops by the ``agent_name`` column: the row without one runs the default
+    (``tool_agent``: answer, feedback, answer); the other runs ``observation_first``, where the
+    environment's observation comes before the model's only turn, masked 0."""
+    agent = spec(registry, tokenizer, interactions=[{"name": "check", "component": "checker"}], max_response_tokens=200)
+    observed = {**row("1+2=", observation="wrong"), "agent_name": "observation_first"}
+    batch = prompts(tokenizer, [row(), observed])
+    fn = agent_rollout(agent, registry, {"data": [(0, None), (1, "observation_first")]})
+    assert set(fn.loops) == {"tool_agent", "observation_first"}
+    engine = ScriptedEngine(tokenizer, ["#### 45", "#### 46"])
+    out = asyncio.run(fn(engine, batch, SamplingParams(n=1, max_new_tokens=16)))
+
+    assert list(out["agent_name"]) == ["tool_agent", "observation_first"]
+    assert list(out["finish_reason"]) == ["done", "answered"] and out["num_turns"].tolist() == [2, 1]
+    prompt = batch["input_ids"][1][batch["attention_mask"][1].bool()].tolist()
+    env = encode_text(tokenizer, "<|im_end|>\n<|im_start|>user\nwrong<|im_end|>\n<|im_start|>assistant\n")
+    answer = encode_text(tokenizer, "#### 46") + [tokenizer.eos_token_id]  # the script's second turn: it saw two generation prompts
+    assert prompt + env in engine.prompts and prompt not in engine.prompts  # the model's first turn came after the observation
+    length = len(env) + len(answer)
+    assert out["responses"][1, :length].tolist() == env + answer
+    assert out["response_mask"][1].tolist() == [0] * len(env) + [1] * len(answer) + [0] * (out["responses"].shape[1] - length)
+    assert out["rollout_log_probs"][1, :length].tolist() == [0.0] * len(env) + [-0.25] * len(answer)
+    conversation = [*observed["prompt"], {"role": "assistant", "content": ""}, {"role": "user", "content": "wrong"},
+                    {"role": "assistant", "content": "#### 46"}]  # fmt: skip
+    sequence = out["input_ids"][1][out["attention_mask"][1].bool()].tolist()
+    assert tokenizer.decode(sequence) == render_chat(tokenizer, conversation, False, {}).rstrip("\n")
+    assert list(out["turn_scores"]) == [[0.0, 1.0], [1.0]] and out["user_turns"].tolist() == [1, 1]
+
+
+def test_unknown_agent_loop_is_named_with_the_row_and_the_installed_loops(registry, tokenizer):
+    agent = spec(registry, tokenizer, interactions=[{"name": "check", "component": "checker"}])
+    with pytest.raises(ConfigError, match=r"data.train_path 'x.parquet': row 2 has agent_name='react', which is not an installed agent "
+                                          r"loop \(installed: example_one_turn, observation_first, tool_agent\)"):  # fmt: skip
+        agent_rollout(agent, registry, {"data.train_path 'x.parquet'": [(0, None), (1, "tool_agent"), (2, "react")]})
+    agent.settings.agent_loop = "tool_agnet"
+    with pytest.raises(ConfigError, match=r"config key 'multi_turn.agent_loop': agent_loop 'tool_agnet' is not installed.*did you mean 'tool_agent'"):
+        agent_rollout(agent, registry)

@@ -316,9 +316,11 @@ def test_spin_recipe_on_two_ray_ranks_refreshes_the_reference_in_memory(ray_clus
     assert all(s["actor/reward_margin"] == pytest.approx(0.0, abs=1e-5) and s["actor/grad_norm"] > 0 for s in steps)
 
 
-def test_multiturn_rollout_runs_the_loop_next_to_each_engine(ray_cluster, tiny_model_path):
-    """Conversations with the gsm8k interaction, dealt over two ranks' engines, come back as the
-    same trajectories (greedy) as on one local engine."""
+def test_agent_loops_run_next_to_each_engine(ray_cluster, tiny_model_path):
+    """Conversations dealt over two ranks' engines, each row through the agent loop it names (the
+    default ``tool_agent`` with the gsm8k interaction, or the test-only ``observation_first``,
+    pickled to the ranks), come back as the same trajectories (greedy) as on one local engine."""
+    import agent_loops
     from transformers import AutoTokenizer
 
     from trellis.data import PromptDataset
@@ -326,24 +328,32 @@ def test_multiturn_rollout_runs_the_loop_next_to_each_engine(ray_cluster, tiny_m
     from trellis.interfaces.rollout import RolloutSpec, SamplingParams
     from trellis.multiturn.config import MultiTurnConfig
     from trellis.multiturn.environment import agent_spec
+    from trellis.multiturn.rollout import agent_rollout
     from trellis.runtime.controller import LocalRollout
     from trellis_hf.engine import make_engine
 
-    registry = load_plugins().registry
+    ray.cloudpickle.register_pickle_by_value(agent_loops)
+    registry = load_plugins(extra=[("agent_loops", agent_loops)]).registry
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     section = {"enable": True, "max_assistant_turns": 2, "max_response_tokens": 40, "interactions": [{"name": "gsm8k", "component": "gsm8k"}]}
-    agent = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
-    prompts = PromptDataset(make_arithmetic_split(4, 0, max_value=30, interaction="gsm8k"), tokenizer, 64).as_batch()
+    spec = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
+    rows = make_arithmetic_split(4, 0, max_value=30, interaction="gsm8k")
+    for row in rows[1::2]:
+        row["agent_name"] = "observation_first"
+    agent = agent_rollout(spec, registry, {"rows": enumerate(r.get("agent_name") for r in rows)})
+    prompts = PromptDataset(rows, tokenizer, 64).as_batch()
     params = SamplingParams(n=2, greedy=True, max_new_tokens=5)
-    local = LocalRollout(make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), None).generate_multiturn(prompts, params, agent)
+    local = LocalRollout(make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), None).rollout(prompts, params, agent)
     ctrl = controller(2)
     try:
         actor = ctrl.spawn("actor", actor_factory(tiny_model_path))
         rollout = ctrl.spawn_rollout(lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
-        dealt = rollout.generate_multiturn(prompts, params, agent)
+        dealt = rollout.rollout(prompts, params, agent)
     finally:
         ctrl.shutdown()
-    assert len(dealt) == 8 and dealt["num_turns"].tolist() == local["num_turns"].tolist() == [2] * 8
+    assert len(dealt) == 8 and dealt["num_turns"].tolist() == local["num_turns"].tolist() == [2, 2, 1, 1] * 2
+    assert list(dealt["agent_name"]) == list(local["agent_name"]) == (["tool_agent"] * 2 + ["observation_first"] * 2) * 2
+    assert list(dealt["finish_reason"])[2:4] == ["answered"] * 2 and dealt["response_mask"][2, 0].item() == 0  # the environment spoke first
     width = local["responses"].shape[1]
     for key in ("responses", "response_mask", "attention_mask"):
         assert torch.equal(dealt[key][:, : local[key].shape[1]], local[key]), key

@@ -11,7 +11,6 @@ from engine_cases import MultiTurnCases, always_wrong_agent, build
 from trellis.data import PromptDataset
 from trellis.examples.tasks import make_arithmetic_split
 from trellis.interfaces.rollout import SamplingParams
-from trellis.multiturn.loop import AgentLoop
 
 
 class TestVLLMMultiTurn(MultiTurnCases):
@@ -27,7 +26,7 @@ def test_many_seeded_conversations_at_once_are_reproducible(tiny_model_path):
     prompts = PromptDataset(make_arithmetic_split(16, 1, max_value=30), engine.tokenizer, 64).as_batch()
 
     def run():
-        return asyncio.run(AgentLoop(engine, agent).run(prompts, SamplingParams(n=4, max_new_tokens=8, seed=3)))
+        return asyncio.run(agent(engine, prompts, SamplingParams(n=4, max_new_tokens=8, seed=3)))
 
     first, second = run(), run()
     engine.close()

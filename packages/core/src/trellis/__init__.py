@@ -68,7 +68,8 @@ _API = {
     "ToolCall": "trellis.multiturn.tool_calls",
     "ToolCallParser": "trellis.multiturn.tool_calls",
     "MultiTurnConfig": "trellis.multiturn.config",
-    "AgentLoop": "trellis.multiturn.loop",
+    "AgentLoop": "trellis.interfaces.agents",
+    "Trajectory": "trellis.interfaces.agents",
     # runtime: the harness recipes compose, controllers, trackers
     "Run": "trellis.runtime.harness",
     "RunContext": "trellis.runtime.harness",

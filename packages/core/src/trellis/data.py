@@ -1,7 +1,8 @@
 """Data in verl's schema (parquet or JSONL): prompt datasets for RL, SFT datasets, resumable loaders.
 
 A row of a prompt file has ``prompt`` (chat messages), ``data_source``, ``reward_model.ground_truth``
-and optionally ``ability`` and ``extra_info``, so existing verl data runs unchanged. Loaders give
+and optionally ``ability``, ``extra_info`` and ``agent_name`` (the agent loop of a multi-turn row),
+so existing verl data runs unchanged. Loaders give
 a deterministic order per epoch from ``(seed, epoch)`` and resume at the next batch from
 ``state_dict()``.
 """
@@ -179,6 +180,7 @@ class PromptDataset:
                     "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
                     "extra_info": row.get("extra_info") or {},
                     "ability": row.get("ability"),
+                    "agent_name": row.get("agent_name"),
                     "index": i,
                 }
             )
@@ -204,11 +206,12 @@ class PromptDataset:
     def collate(self, indices: Sequence[int]) -> Batch:
         """A left-padded Batch of items ``indices``: ``input_ids``, ``attention_mask``, ``position_ids``
         ``(batch, longest_prompt)`` plus ``data_source``, ``ground_truth``, ``extra_info``,
-        ``raw_prompt``, ``ability``, ``index`` and ``uid``: a fresh id per prompt row, which every
-        sample generated from it keeps (estimators group samples by it, never by position)."""
+        ``raw_prompt``, ``ability``, ``agent_name`` (None where the row has none), ``index`` and
+        ``uid``: a fresh id per prompt row, which every sample generated from it keeps (estimators
+        group samples by it, never by position)."""
         items = [self.items[i] for i in indices]
         input_ids, attention_mask, position_ids = left_pad([it["input_ids"] for it in items], self.pad_token_id)
-        fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "index")
+        fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "agent_name", "index")
         return Batch(
             {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
             {**{k: [it[k] for it in items] for k in fields}, "uid": [uuid.uuid4().hex for _ in items]},

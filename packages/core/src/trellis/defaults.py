@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
+from trellis.multiturn.loop import ToolAgentLoop
 from trellis.multiturn.tool_calls import HermesParser
 from trellis.recipes.rl import RLRecipe
 from trellis.recipes.sft import SFTRecipe
@@ -21,5 +22,6 @@ def trellis_register(registry):
     registry.add("reward", "math", math_score)
     registry.add("reward", "auto", auto_score)
     registry.add("tool_parser", "hermes", HermesParser)
+    registry.add("agent_loop", "tool_agent", ToolAgentLoop)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
     registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)

@@ -22,6 +22,7 @@ KINDS = (
     "interaction",
     "tool",
     "tool_parser",
+    "agent_loop",
     "tracker",
     "recipe",
     "dataset",

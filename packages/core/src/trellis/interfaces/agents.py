@@ -1,13 +1,17 @@
-"""Base classes for multi-turn environments: interactions (kind ``interaction``) and tools (``tool``).
+"""Base classes for multi-turn rollouts: interactions (kind ``interaction``), tools (``tool``) and
+agent loops (``agent_loop``), with the ``Trajectory`` a loop returns.
 
-Both follow verl's shape so verl users recognise them; every method is async so the agent loop
-runs many samples at once. The loop always calls ``finalize``/``release`` in ``finally``.
+Interactions and tools follow verl's shape so verl users recognise them; every method is async so
+the agent loop runs many samples at once. A loop always calls ``finalize``/``release`` in ``finally``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 
 
 @dataclass
@@ -60,3 +64,62 @@ class Tool:
 
     async def release(self, instance_id: str) -> None:
         """Release per-sample state; always called."""
+
+
+@dataclass
+class Trajectory:
+    """One conversation after the prompt: every token (model and environment), which are the
+    model's (mask 1, with their rollout log-probs), the interaction's turn scores and counters."""
+
+    interaction: str = ""
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    turn_scores: list[float] = field(default_factory=list)
+    tool_reward: float = 0.0
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    malformed_calls: int = 0
+    finish: str = ""
+    error: str = ""
+
+    def add_model(self, gen: Generation) -> None:
+        self.response_ids += gen.token_ids
+        self.response_mask += [1] * len(gen.token_ids)
+        self.log_probs += gen.log_probs
+        self.assistant_turns += 1
+
+    def add_environment(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.response_mask += [0] * len(ids)
+        self.log_probs += [0.0] * len(ids)
+
+
+class AgentLoop:
+    """How one sample's turns go (kind ``agent_loop``): which side speaks when, what ends it.
+
+    A row of the data picks its loop by name in its ``agent_name`` column (verl's), else
+    ``multi_turn.agent_loop``. Built as ``cls(engine, spec, env)`` once per rollout call beside each
+    engine: ``engine`` to await ``agenerate`` on; ``spec`` the resolved ``multi_turn`` section
+    (``trellis.multiturn.environment.AgentSpec``: ``settings``, ``tokenizer``,
+    ``template_kwargs``); ``env`` its interactions, tools and tool-call parser built in this process
+    (``Environment``), shared by every loop of the call. Many ``sample`` calls run at once on one
+    loop object. Core's ``tool_agent`` (``trellis.multiturn.loop.ToolAgentLoop``) is the default;
+    ``trellis.multiturn.chat.ChatDeltas`` renders environment turns token-exactly.
+    """
+
+    def __init__(self, engine: RolloutEngine, spec: Any, env: Any) -> None:
+        self.engine = engine
+        self.spec = spec
+        self.env = env
+        self.settings = spec.settings
+        self.tokenizer = spec.tokenizer
+
+    async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
+        """One conversation after ``prompt_ids`` (the rendered ``raw_prompt`` chat messages, ending
+        in the generation prompt); ``extra_info`` is the row's (``{}`` when it has none), ``params``
+        one sample's (``n`` 1, its own seed). Every token the model did not sample is the
+        environment's (``Trajectory.add_environment``: mask 0)."""
+        raise NotImplementedError

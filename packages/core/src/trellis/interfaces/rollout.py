@@ -7,10 +7,10 @@ import dataclasses
 import inspect
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -55,6 +55,9 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+PROMPT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a rollout engine reads of a prompt batch
+
+
 @dataclass
 class SamplingParams:
     """n samples per prompt; temperature 0 (or ``greedy``) means argmax decoding."""
@@ -82,6 +85,23 @@ class Generation:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
+
+
+class RolloutFn(Protocol):
+    """A rollout of a kind of its own, run by ``RolloutGroup.rollout`` next to each engine on its
+    share of the prompts (the multi-turn recipe's is ``trellis.multiturn.rollout.AgentRollout``).
+    It must pickle: the Ray controller sends it to every rank.
+
+    inputs: the prompt fields it reads (e.g. ``PROMPT_INPUTS`` plus ``raw_prompt``); the other
+        fields stay with the caller and are repeated onto each prompt's samples.
+    ``__call__(engine, prompts, params)``: ``params.n`` samples per prompt in the ``rollout_batch``
+        layout (prompt i's at rows i*n .. i*n+n-1), or an awaitable of them; an async function runs
+        on the engine's event loop, where ``engine.agenerate`` may be awaited.
+    """
+
+    inputs: tuple[str, ...]
+
+    def __call__(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch | Awaitable[Batch]: ...
 
 
 @dataclass

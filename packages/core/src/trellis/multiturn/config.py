@@ -64,9 +64,12 @@ class MultiTurnConfig:
         turn) or ``sum`` (of every turn), plus tool rewards; or ``reward`` (the ``reward`` section's
         function on the whole trajectory).
     max_concurrent_samples: conversations in flight at once per engine.
+    agent_loop: the registered agent loop (kind ``agent_loop``) of rows without an ``agent_name``
+        column; a row's ``agent_name`` picks another one for its samples.
     """
 
     enable: bool = False
+    agent_loop: str = "tool_agent"
     max_assistant_turns: int = ranged(2, ge=1)
     max_user_turns: int = ranged(1, ge=0)
     max_response_tokens: int = ranged(0, ge=0)

@@ -1,5 +1,5 @@
-"""The agent loop: each sample a conversation of model turns (the engine's async generation) and
-environment turns (an interaction's reply or tool results), many samples in flight at once."""
+"""Core's agent loop ``tool_agent`` (the default of kind ``agent_loop``): model turns (the engine's
+async generation) answered by an interaction's reply or tool results until one side ends it."""
 
 from __future__ import annotations
 
@@ -8,59 +8,23 @@ import dataclasses
 import logging
 import traceback
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from trellis.batch import Batch
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams, pad_id, rollout_batch
+from trellis.interfaces.agents import AgentLoop, Trajectory
+from trellis.interfaces.rollout import RolloutEngine, SamplingParams
 from trellis.multiturn.chat import ChatDeltas
 from trellis.multiturn.environment import AgentSpec, Environment, interaction_name
 from trellis.multiturn.tool_calls import ToolCall
 
 log = logging.getLogger("trellis")
 
-FINISH_REASONS = ("done", "stop", "max_assistant_turns", "max_user_turns", "max_response_tokens", "error")
-
 
 class EnvironmentFailure(RuntimeError):
     """An interaction failed or timed out: the sample ends (its turns so far are kept)."""
 
 
-@dataclass
-class Trajectory:
-    """One conversation after the prompt: every token (model and environment), which are the
-    model's (mask 1, with their rollout log-probs), the interaction's turn scores and counters."""
-
-    interaction: str = ""
-    response_ids: list[int] = field(default_factory=list)
-    response_mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    turn_scores: list[float] = field(default_factory=list)
-    tool_reward: float = 0.0
-    assistant_turns: int = 0
-    user_turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    malformed_calls: int = 0
-    finish: str = ""
-    error: str = ""
-
-    def add_model(self, gen: Generation) -> None:
-        self.response_ids += gen.token_ids
-        self.response_mask += [1] * len(gen.token_ids)
-        self.log_probs += gen.log_probs
-        self.assistant_turns += 1
-
-    def add_environment(self, ids: list[int]) -> None:
-        self.response_ids += ids
-        self.response_mask += [0] * len(ids)
-        self.log_probs += [0.0] * len(ids)
-
-
-class AgentLoop:
-    """Runs conversations on ``engine`` with the environment ``spec`` describes.
+class ToolAgentLoop(AgentLoop):
+    """Conversations with the configured interactions and tools (registered as ``tool_agent``).
 
     A sample ends when the interaction says it is done, when a model turn neither calls a tool
     nor has an interaction to answer it (``stop``), or at ``max_assistant_turns``,
@@ -69,42 +33,13 @@ class AgentLoop:
     turns. ``finalize`` and ``release`` always run: on success, error, timeout and cancellation.
     """
 
-    def __init__(self, engine: RolloutEngine, spec: AgentSpec) -> None:
-        self.engine = engine
-        self.spec = spec
-        self.settings = spec.settings
-        self.tokenizer = spec.tokenizer
+    def __init__(self, engine: RolloutEngine, spec: AgentSpec, env: Environment) -> None:
+        super().__init__(engine, spec, env)
         self.chat = ChatDeltas(spec.tokenizer, spec.template_kwargs)
-        self.env = Environment(spec)
         self._logged_error = False
 
-    async def run(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """``params.n`` conversations per prompt; the ``rollout_batch`` layout (response attention
-        1 on every token, ``response_mask`` 1 on the model's) plus per-sample ``num_turns``,
-        ``user_turns``, ``tool_calls``, ``tool_errors``, ``malformed_calls``, ``tool_rewards``,
-        ``env_errors``, and ``turn_scores``, ``interaction``, ``finish_reason`` (Python fields).
-
-        prompts: left-padded ``input_ids`` / ``attention_mask`` ``(batch, prompt_len)`` with
-        ``raw_prompt`` (chat messages) and ``extra_info`` per prompt."""
-        limit = asyncio.Semaphore(self.settings.max_concurrent_samples)
-        jobs = []
-        for i in range(len(prompts)):
-            ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
-            for j in range(params.n):
-                seed = None if params.seed is None else params.seed + i * params.n + j
-                one = dataclasses.replace(params, n=1, seed=seed)
-                jobs.append(self._limited(limit, ids, prompts["raw_prompt"][i], prompts["extra_info"][i], one))
-        trajectories = await asyncio.gather(*jobs)
-        return assemble(prompts, params, trajectories, pad_id(self.tokenizer))
-
-    async def _limited(self, limit: asyncio.Semaphore, *args: Any) -> Trajectory:
-        async with limit:
-            return await self.sample(*args)
-
-    async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict | None, params: SamplingParams) -> Trajectory:
-        """One conversation from ``prompt_ids`` (the rendered ``raw_prompt``)."""
+    async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
         s = self.settings
-        extra_info = extra_info or {}
         traj = Trajectory(interaction=interaction_name(extra_info, list(self.env.interactions)) or "")
         interaction = self.env.interactions.get(traj.interaction)
         timeout = self._interaction_timeout(traj.interaction)
@@ -226,59 +161,3 @@ def truncate(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}\n...[truncated {len(text) - limit} characters]"
-
-
-def assemble(prompts: Batch, params: SamplingParams, trajectories: list[Trajectory], pad_id: int) -> Batch:
-    """The ``rollout_batch`` layout from ``trajectories`` (prompt i's at rows i*n .. i*n+n-1)."""
-    width = max((len(t.response_ids) for t in trajectories), default=0)
-    n = len(trajectories)
-    responses = torch.full((n, width), pad_id, dtype=prompts["input_ids"].dtype)
-    mask = torch.zeros(n, width, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)
-    log_probs = torch.zeros(n, width, dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        length = len(t.response_ids)
-        responses[i, :length] = torch.tensor(t.response_ids, dtype=responses.dtype)
-        mask[i, :length] = torch.tensor(t.response_mask)
-        attention[i, :length] = 1
-        log_probs[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
-    out = rollout_batch(prompts, params, responses, mask, log_probs, response_attention=attention)
-
-    def counts(attr: str) -> torch.Tensor:
-        return torch.tensor([getattr(t, attr) for t in trajectories], dtype=torch.long)
-
-    out["num_turns"] = counts("assistant_turns")
-    for key in ("user_turns", "tool_calls", "tool_errors", "malformed_calls"):
-        out[key] = counts(key)
-    out["env_errors"] = torch.tensor([t.finish == "error" for t in trajectories], dtype=torch.long)
-    out["tool_rewards"] = torch.tensor([t.tool_reward for t in trajectories], dtype=torch.float32)
-    out["turn_scores"] = [list(t.turn_scores) for t in trajectories]
-    out["interaction"] = [t.interaction for t in trajectories]
-    out["finish_reason"] = [t.finish for t in trajectories]
-    return out
-
-
-def environment_scores(batch: Batch, score: str) -> torch.Tensor:
-    """Per-sample scores ``(batch,)`` from the environment: the last interaction turn's score
-    (``last``) or their sum (``sum``), plus the sample's tool rewards."""
-    turns = [list(s) for s in batch["turn_scores"]]
-    base = [(s[-1] if s else 0.0) if score == "last" else sum(s) for s in turns]
-    return torch.tensor(base, dtype=torch.float32) + batch["tool_rewards"]
-
-
-def multiturn_metrics(batch: Batch) -> dict[str, float]:
-    """``multiturn/...``: turns per sample, tool calls and failures, interaction errors, and the
-    fraction of samples that ended for each reason."""
-    n = max(len(batch), 1)
-    out = {
-        "multiturn/num_turns_mean": float(batch["num_turns"].float().mean()),
-        "multiturn/num_turns_max": float(batch["num_turns"].max()) if len(batch) else 0.0,
-        "multiturn/user_turns_mean": float(batch["user_turns"].float().mean()),
-        "multiturn/tool_calls": float(batch["tool_calls"].sum()),
-        "multiturn/tool_errors": float(batch["tool_errors"].sum()),
-        "multiturn/malformed_calls": float(batch["malformed_calls"].sum()),
-        "multiturn/env_errors": float(batch["env_errors"].sum()),
-    }
-    reasons = list(batch["finish_reason"])
-    out.update({f"multiturn/finish_{r}": reasons.count(r) / n for r in FINISH_REASONS if r in reasons})
-    return out

@@ -7,7 +7,6 @@ import torch
 
 from trellis.batch import Batch
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.multiturn.loop import environment_scores, multiturn_metrics
 from trellis.rewards import RewardManager, RewardResult
 
 
@@ -40,4 +39,30 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
     last = counts.argmax(-1)  # the first position holding the row's total: its last 1
     has = counts[:, -1] > 0
     out[has, last[has]] = scores[has].float()
+    return out
+
+
+def environment_scores(batch: Batch, score: str) -> torch.Tensor:
+    """Per-sample scores ``(batch,)`` from the environment: the last interaction turn's score
+    (``last``) or their sum (``sum``), plus the sample's tool rewards."""
+    turns = [list(s) for s in batch["turn_scores"]]
+    base = [(s[-1] if s else 0.0) if score == "last" else sum(s) for s in turns]
+    return torch.tensor(base, dtype=torch.float32) + batch["tool_rewards"]
+
+
+def multiturn_metrics(batch: Batch) -> dict[str, float]:
+    """``multiturn/...``: turns per sample, tool calls and failures, interaction errors, and the
+    fraction of samples that ended for each reason."""
+    n = max(len(batch), 1)
+    out = {
+        "multiturn/num_turns_mean": float(batch["num_turns"].float().mean()),
+        "multiturn/num_turns_max": float(batch["num_turns"].max()) if len(batch) else 0.0,
+        "multiturn/user_turns_mean": float(batch["user_turns"].float().mean()),
+        "multiturn/tool_calls": float(batch["tool_calls"].sum()),
+        "multiturn/tool_errors": float(batch["tool_errors"].sum()),
+        "multiturn/malformed_calls": float(batch["malformed_calls"].sum()),
+        "multiturn/env_errors": float(batch["env_errors"].sum()),
+    }
+    reasons = list(batch["finish_reason"])
+    out.update({f"multiturn/finish_{r}": reasons.count(r) / n for r in sorted(set(reasons))})
     return out

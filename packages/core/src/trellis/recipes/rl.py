@@ -20,7 +20,8 @@ from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.multiturn.environment import AgentSpec, agent_spec, check_interaction_names
+from trellis.multiturn.environment import agent_spec, check_interaction_names
+from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
 from trellis.registry import RegistryError
@@ -127,10 +128,11 @@ def check(cfg: DictConfig, registry) -> None:
                     f"(in data.{key} {cfg.data[key]!r}); name a reward, or give reward.path and reward.name of your own function"
                 )
     if cfg.multi_turn.enable:
-        names = agent_spec(cfg.multi_turn, registry, tokenizer=None).interaction_names
-        train_rows, val_rows = load_prompt_rows(cfg.data)
-        check_interaction_names(train_rows, names, f"data.train_path {cfg.data.train_path!r}")
-        check_interaction_names(val_rows, names, f"data.val_path {cfg.data.val_path!r}")
+        spec = agent_spec(cfg.multi_turn, registry, tokenizer=None)
+        rows = dict(zip((f"data.train_path {cfg.data.train_path!r}", f"data.val_path {cfg.data.val_path!r}"), load_prompt_rows(cfg.data)))
+        for where, file_rows in rows.items():
+            check_interaction_names(file_rows, spec.interaction_names, where)
+        agent_rollout(spec, registry, {where: enumerate(row.get(AGENT_COLUMN) for row in file_rows) for where, file_rows in rows.items()})
     declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
     if "on_policy_only" in declared:
         check_on_policy(cfg, samples)
@@ -187,11 +189,19 @@ def _lookup(registry, kind: str, name: str, key: str):
         raise ConfigError(f"config key {key!r}: {exc}") from None
 
 
-def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentSpec | None, PromptLoader, PromptDataset | None]:
-    """The agent (multi-turn runs), the training prompt loader and the held-out prompts."""
-    agent = agent_spec(cfg.multi_turn, registry, tokenizer) if cfg.multi_turn.enable else None
-    train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, agent.template_kwargs if agent else None)
-    return agent, train, val
+def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None, PromptLoader, PromptDataset | None]:
+    """The rollout function of conversations (multi-turn runs: the agent loops the rows pick), the
+    training prompt loader and the held-out prompts."""
+    if not cfg.multi_turn.enable:
+        return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed))
+    spec = agent_spec(cfg.multi_turn, registry, tokenizer)
+    train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs)
+    names = {
+        f"data.{key} {cfg.data[key]!r}": [(item["index"], item[AGENT_COLUMN]) for item in dataset.items]
+        for key, dataset in (("train_path", train.dataset), ("val_path", val))
+        if dataset is not None
+    }
+    return agent_rollout(spec, registry, names), train, val
 
 
 def check_data(cfg: DictConfig, registry) -> str:
@@ -329,7 +339,7 @@ class RLRecipe:
 
     @staticmethod
     def validate(
-        rollout: RolloutGroup, val: PromptDataset, reward_fn: RewardManager, cfg: DictConfig, agent: AgentSpec | None = None
+        rollout: RolloutGroup, val: PromptDataset, reward_fn: RewardManager, cfg: DictConfig, agent: AgentRollout | None = None
     ) -> dict[str, float]:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
         multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
@@ -353,13 +363,13 @@ def longest_sequence(cfg: DictConfig) -> int:
     return cfg.data.max_prompt_length + response
 
 
-def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: AgentSpec | None) -> Batch:
-    """Single-turn generation, or conversations with the environment when ``agent`` is given."""
-    return rollout.generate(prompts, params) if agent is None else rollout.generate_multiturn(prompts, params, agent)
+def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: AgentRollout | None) -> Batch:
+    """Single-turn generation, or conversations through the agent loops when ``agent`` is given."""
+    return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
 
 
-def score(batch: Batch, reward_fn: RewardManager, agent: AgentSpec | None) -> RewardResult:
-    return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.settings, reward_fn)
+def score(batch: Batch, reward_fn: RewardManager, agent: AgentRollout | None) -> RewardResult:
+    return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
 
 
 def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import pickle
 from collections.abc import Callable
@@ -17,12 +18,17 @@ import torch
 from trellis.batch import Batch
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import Mesh, Route, batch_position
-from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine, takes_manifest
-from trellis.multiturn.environment import AgentSpec
-from trellis.multiturn.loop import AgentLoop
+from trellis.interfaces.rollout import (
+    ALL_MEMORY,
+    PROMPT_INPUTS,
+    Generation,
+    RolloutEngine,
+    RolloutFn,
+    SamplingParams,
+    sync_engine,
+    takes_manifest,
+)
 from trellis.runtime.worker import Worker
-
-PROMPT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a rollout engine reads of a prompt batch
 
 log = logging.getLogger("trellis")
 
@@ -40,6 +46,12 @@ def sync_from(engine: RolloutEngine, worker: Worker) -> None:
     reads the export one tensor at a time as the backend gathers it."""
     shapes = worker.weight_shapes() if takes_manifest(engine) else None
     sync_engine(engine, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=engine.weight_dtype)), shapes)
+
+
+async def run_rollout_fn(fn: RolloutFn, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
+    """``fn``'s samples of ``prompts`` on ``engine`` (awaited when it is async)."""
+    out = fn(engine, prompts, params)
+    return await out if inspect.isawaitable(out) else out
 
 
 class WorkerGroup:
@@ -113,10 +125,11 @@ class WorkerGroup:
 
 class RolloutGroup:
     """The rollout engine(s), colocated with the actor's ranks (hybrid engine): ``generate`` deals
-    the prompts over the engines' data-parallel groups; ``generate_multiturn`` runs the agent loop
-    next to each engine on its share of the prompts; ``agenerate`` runs one sample on an engine
-    (the multi-turn loop's entry, on the engine's own thread); ``sync_weights`` moves the actor's
-    weights into the engines in memory. Every sample carries the ``weight_version`` it came from."""
+    the prompts over the engines' data-parallel groups; ``rollout`` runs a function of the caller's
+    next to each engine on its share of the prompts (the multi-turn recipe's conversations);
+    ``agenerate`` runs one sample on an engine (on the engine's own thread); ``sync_weights`` moves
+    the actor's weights into the engines in memory. Every sample carries the ``weight_version`` it
+    came from."""
 
     version = 0
     asleep = False  # the engines slept and nothing has woken them since
@@ -126,10 +139,12 @@ class RolloutGroup:
         truth, ``uid``...) stay here and are repeated onto each prompt's samples."""
         return self._sample(prompts, params, PROMPT_INPUTS, self._generate)
 
-    def generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
-        """Conversations with the environment ``agent`` describes (:class:`AgentLoop`), run next to
-        each engine; the engines also get each prompt's chat messages and ``extra_info``."""
-        return self._sample(prompts, params, (*PROMPT_INPUTS, "raw_prompt", "extra_info"), functools.partial(self._generate_multiturn, agent=agent))
+    def rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
+        """``fn(engine, prompts, params)`` next to each engine, on the engine's share of the
+        prompts (the Ray controller pickles ``fn`` to every rank; an async ``fn`` runs on the
+        engine's event loop). The engines get the fields ``fn.inputs`` names; the others stay
+        here and are repeated onto each prompt's samples, as for ``generate``."""
+        return self._sample(prompts, params, fn.inputs, functools.partial(self._rollout, fn=fn))
 
     def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...], run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
         shipped = prompts.select(*[k for k in inputs if k in prompts])
@@ -171,7 +186,7 @@ class RolloutGroup:
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         raise NotImplementedError
 
-    def _generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
+    def _rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
         raise NotImplementedError
 
     def _sync(self) -> None:
@@ -233,8 +248,8 @@ class LocalRollout(RolloutGroup):
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return self.engine.generate(prompts, params)
 
-    def _generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
-        return asyncio.run(AgentLoop(self.engine, agent).run(prompts, params))
+    def _rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
+        return asyncio.run(run_rollout_fn(fn, self.engine, prompts, params))
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return await self.engine.agenerate(prompt_ids, params)

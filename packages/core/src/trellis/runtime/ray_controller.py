@@ -23,10 +23,8 @@ from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
-from trellis.multiturn.environment import AgentSpec
-from trellis.multiturn.loop import AgentLoop
-from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, sync_from
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams
+from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, run_rollout_fn, sync_from
 from trellis.runtime.worker import Worker
 
 log = logging.getLogger("trellis")
@@ -125,11 +123,11 @@ class RankProcess:
             return Batch(), 0.0
         return _timed(self.engine.generate, prompts, params)
 
-    async def generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> tuple[Batch, float]:
+    async def rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> tuple[Batch, float]:
         if not len(prompts):
             return Batch(), 0.0
         start = time.perf_counter()
-        out = await AgentLoop(self.engine, agent).run(prompts, params)
+        out = await run_rollout_fn(fn, self.engine, prompts, params)
         return out, time.perf_counter() - start
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -265,8 +263,8 @@ class RayRollout(RolloutGroup):
     def _generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return self._deal("generate", prompts, params)
 
-    def _generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
-        return self._deal("generate_multiturn", prompts, params, agent)
+    def _rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
+        return self._deal("rollout", prompts, params, fn)
 
     def _deal(self, method: str, prompts: Batch, params: SamplingParams, *extra: Any) -> Batch:
         per_rank = DP_CHUNKS.scatter((prompts,), self.mesh)

@@ -126,6 +126,16 @@ class CallLineParser(trellis.ToolCallParser):
         return calls
 
 
+class OneTurnLoop(trellis.AgentLoop):
+    """One model turn and no environment: a single-turn sample through the agent loop."""
+
+    async def sample(self, prompt_ids, raw_prompt, extra_info, params):
+        traj = trellis.Trajectory()
+        traj.add_model(await self.engine.agenerate(prompt_ids, params))
+        traj.finish = "stop"
+        return traj
+
+
 class ListTracker(Tracker):
     logged: list = []
 
@@ -195,6 +205,7 @@ def trellis_register(registry):
     registry.add("interaction", "example_echo", EchoInteraction)
     registry.add("tool", "example_add", AddTool)
     registry.add("tool_parser", "example_call_line", CallLineParser)
+    registry.add("agent_loop", "example_one_turn", OneTurnLoop)
     registry.add("tracker", "example_list", ListTracker)
     registry.add("recipe", "example_echo", EchoRecipe(), options=EchoConfig)
     registry.add("dataset", "example_jsonl", json_lines_dataset)

@@ -1,0 +1,125 @@
+"""The rollout function of multi-turn runs: each prompt's samples run through the agent loop its
+row picks (``agent_name`` column, else ``multi_turn.agent_loop``), next to an engine, many at once."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trellis.batch import Batch
+from trellis.config import ConfigError
+from trellis.interfaces.agents import AgentLoop, Trajectory
+from trellis.interfaces.rollout import PROMPT_INPUTS, RolloutEngine, SamplingParams, pad_id, rollout_batch
+from trellis.multiturn.environment import AgentSpec, Environment
+from trellis.registry import Registry, RegistryError
+
+AGENT_COLUMN = "agent_name"  # verl's column: the agent loop of a row
+
+
+@dataclass
+class AgentRollout:
+    """``RolloutGroup.rollout``'s function for conversations (picklable: factories and classes).
+
+    spec: the resolved ``multi_turn`` section. loops: the agent loop classes the data uses, by
+    name (``spec.settings.agent_loop`` among them), from :func:`agent_rollout`.
+    """
+
+    spec: AgentSpec
+    loops: dict[str, type[AgentLoop]]
+    inputs = (*PROMPT_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
+
+    async def __call__(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
+        """``params.n`` conversations per prompt, every loop's samples in flight together (up to
+        ``max_concurrent_samples``); the ``rollout_batch`` layout (response attention 1 on every
+        token, ``response_mask`` 1 on the model's) plus per-sample ``num_turns``, ``user_turns``,
+        ``tool_calls``, ``tool_errors``, ``malformed_calls``, ``tool_rewards``, ``env_errors``, and
+        ``turn_scores``, ``interaction``, ``finish_reason``, ``agent_name`` (Python fields).
+
+        prompts: left-padded ``input_ids`` / ``attention_mask`` ``(batch, prompt_len)`` with
+        ``raw_prompt`` (chat messages), ``extra_info`` and, if the data has it, ``agent_name`` per
+        prompt."""
+        env = Environment(self.spec)
+        built = {name: cls(engine, self.spec, env) for name, cls in self.loops.items()}
+        names = self.loop_names(prompts)
+        limit = asyncio.Semaphore(self.spec.settings.max_concurrent_samples)
+
+        async def one(loop: AgentLoop, *args: Any) -> Trajectory:
+            async with limit:
+                return await loop.sample(*args)
+
+        jobs = []
+        for i in range(len(prompts)):
+            ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
+            for j in range(params.n):
+                seed = None if params.seed is None else params.seed + i * params.n + j
+                args = (ids, prompts["raw_prompt"][i], prompts["extra_info"][i] or {}, dataclasses.replace(params, n=1, seed=seed))
+                jobs.append(one(built[names[i]], *args))
+        out = assemble(prompts, params, await asyncio.gather(*jobs), pad_id(self.spec.tokenizer))
+        out[AGENT_COLUMN] = [name for name in names for _ in range(params.n)]
+        return out
+
+    def loop_names(self, prompts: Batch) -> list[str]:
+        """Each prompt's loop: its ``agent_name``, or ``multi_turn.agent_loop`` where it has none."""
+        given = prompts[AGENT_COLUMN] if AGENT_COLUMN in prompts else [None] * len(prompts)
+        return [self.spec.settings.agent_loop if name is None else name for name in given]
+
+
+def agent_rollout(spec: AgentSpec, registry: Registry, data: Mapping[str, Iterable[tuple[int, Any]]] | None = None) -> AgentRollout:
+    """The rollout function for ``data``'s rows: per data file (named as in errors, e.g.
+    ``data.train_path 'x.parquet'``), each row's ``(row number, agent_name)``. Every name, and
+    ``multi_turn.agent_loop``, must be an installed agent loop; the error names the row, the name
+    and the installed loops (checked before any model is built)."""
+    default = spec.settings.agent_loop
+    try:
+        used = {default: registry.get("agent_loop", default).obj}
+    except RegistryError as exc:
+        raise ConfigError(f"config key 'multi_turn.agent_loop': {exc}") from None
+    installed = registry.names("agent_loop")
+    for where, rows in (data or {}).items():
+        for i, name in rows:
+            if name is None:
+                continue
+            if name not in installed:
+                raise ConfigError(
+                    f"{where}: row {i} has {AGENT_COLUMN}={name!r}, which is not an installed agent loop (installed: "
+                    f"{', '.join(installed)}); install the plugin that registers it, or name one of these (rows without "
+                    f"{AGENT_COLUMN} use multi_turn.agent_loop={default!r})"
+                )
+            if name not in used:
+                used[name] = registry.get("agent_loop", name).obj
+    return AgentRollout(spec, used)
+
+
+def assemble(prompts: Batch, params: SamplingParams, trajectories: list[Trajectory], pad_id: int) -> Batch:
+    """The ``rollout_batch`` layout from ``trajectories`` (prompt i's at rows i*n .. i*n+n-1)."""
+    width = max((len(t.response_ids) for t in trajectories), default=0)
+    n = len(trajectories)
+    responses = torch.full((n, width), pad_id, dtype=prompts["input_ids"].dtype)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    attention = torch.zeros(n, width, dtype=torch.long)
+    log_probs = torch.zeros(n, width, dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        length = len(t.response_ids)
+        responses[i, :length] = torch.tensor(t.response_ids, dtype=responses.dtype)
+        mask[i, :length] = torch.tensor(t.response_mask)
+        attention[i, :length] = 1
+        log_probs[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
+    out = rollout_batch(prompts, params, responses, mask, log_probs, response_attention=attention)
+
+    def counts(attr: str) -> torch.Tensor:
+        return torch.tensor([getattr(t, attr) for t in trajectories], dtype=torch.long)
+
+    out["num_turns"] = counts("assistant_turns")
+    for key in ("user_turns", "tool_calls", "tool_errors", "malformed_calls"):
+        out[key] = counts(key)
+    out["env_errors"] = torch.tensor([t.finish == "error" for t in trajectories], dtype=torch.long)
+    out["tool_rewards"] = torch.tensor([t.tool_reward for t in trajectories], dtype=torch.float32)
+    out["turn_scores"] = [list(t.turn_scores) for t in trajectories]
+    out["interaction"] = [t.interaction for t in trajectories]
+    out["finish_reason"] = [t.finish for t in trajectories]
+    return out
