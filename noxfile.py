@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -145,9 +146,12 @@ for _name, (_packages, _extra, _folder) in PACKAGE_SESSIONS.items():
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree."""
-    session.install("ruff>=0.6")
+    """ruff over the whole tree, then the import contracts of ``.importlinter`` (core's layers, the
+    plugins' public imports). lint-imports only reads the sources, so they go on the path uninstalled."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", ".")
+    sources = sorted(glob.glob("packages/*/src") + glob.glob("tests/plugins/*/src"))
+    session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(sources)})
 
 
 @nox.session

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis import ranged
-from trellis.interfaces.signatures import AdvantageInputs
+from trellis import AdvantageInputs, ranged
 from trellis_algos.stats import group_index, group_mean_std, group_sum, masked_sum, masked_whiten
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from trellis.interfaces.signatures import AGG_MODES, Aggregation, aggregation_for  # noqa: F401 - aggregation_for is re-exported
+from trellis import AGG_MODES, Aggregation, aggregation_for  # noqa: F401 - aggregation_for is re-exported
 from trellis_algos.stats import masked_count, masked_sum
 
 MODES = AGG_MODES

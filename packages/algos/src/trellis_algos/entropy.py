@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trellis.interfaces.signatures import Aggregation
+from trellis import Aggregation
 from trellis_algos.aggregation import agg_loss
 
 

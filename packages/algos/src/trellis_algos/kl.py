@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from trellis import ranged
-from trellis.interfaces.signatures import Aggregation
+from trellis import Aggregation, ranged
 from trellis_algos.aggregation import agg_loss
 from trellis_algos.stats import masked_mean
 

@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-from trellis.batch import Batch
-from trellis.config import resolve_component
-from trellis.interfaces.signatures import Aggregation, PolicyLossInputs, PreferenceInputs, aggregation_for
+from trellis import Aggregation, Batch, PolicyLossInputs, PreferenceInputs, aggregation_for, resolve_component
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, rejection_mask, rollout_correction

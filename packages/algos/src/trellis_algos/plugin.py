@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trellis.hookspecs import hookimpl
+from trellis import hookimpl
 from trellis_algos import advantages, kl, objectives, policy_losses, preference, sft_losses, token_baseline
 from trellis_algos.spin import SPINRecipe
 

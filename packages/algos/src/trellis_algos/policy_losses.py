@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis import ranged
-from trellis.interfaces.signatures import Aggregation, PolicyLossInputs
+from trellis import Aggregation, PolicyLossInputs, ranged
 from trellis_algos.aggregation import agg_loss, seq_mean
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, rollout_correction
 from trellis_algos.stats import masked_count, masked_mean, masked_sum

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trellis import ranged
-from trellis.interfaces.signatures import PreferenceInputs
+from trellis import PreferenceInputs, ranged
 from trellis_algos.stats import group_index
 
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis import ranged
-from trellis.interfaces.signatures import AdvantageInputs
+from trellis import AdvantageInputs, ranged
 from trellis_algos.stats import group_index
 
 

@@ -33,13 +33,27 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from trellis.batch import Batch
-from trellis.config import ranged
-from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each, weight_buckets
-from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model
-from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, make_optimizer, schedule_step
-from trellis.interfaces.process_group import device_for, leave_process_group
-from trellis.runtime.rng import get_rng_state, set_rng_state
+from trellis import Batch, ranged
+from trellis.kit.backend import (
+    IMPLEMENTATIONS,
+    Backend,
+    BackendSpec,
+    LossFn,
+    WeightBucket,
+    backward_each,
+    clipped_step,
+    device_for,
+    empty_hf_model,
+    forward_outputs,
+    get_rng_state,
+    keep_buffers,
+    leave_process_group,
+    load_hf_model,
+    make_optimizer,
+    schedule_step,
+    set_rng_state,
+    weight_buckets,
+)
 from trellis_fsdp.distributed import all_reduce_sum, ensure_process_group
 from trellis_fsdp.offload import HostCopy
 

@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trellis.interfaces.backend import DistInfo
-from trellis.interfaces.process_group import join_process_group
+from trellis.kit.backend import DistInfo, join_process_group
 
 
 def ensure_process_group(info: DistInfo) -> DeviceMesh:

@@ -25,11 +25,19 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from trellis.batch import Batch
-from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, weight_buckets
-from trellis.interfaces.optim import lr_factor
-from trellis.interfaces.process_group import device_for, leave_process_group
-from trellis.runtime.rng import get_rng_state, set_rng_state
+from trellis import Batch
+from trellis.kit.backend import (
+    Backend,
+    BackendSpec,
+    LossFn,
+    WeightBucket,
+    device_for,
+    get_rng_state,
+    leave_process_group,
+    lr_factor,
+    set_rng_state,
+    weight_buckets,
+)
 from trellis_megatron.bridge import build_gpt, export_hf, hf_shapes, load_hf, make_bridge
 from trellis_megatron.distributed import all_reduce_sum, init_parallel
 from trellis_megatron.options import MegatronOptions

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from trellis.interfaces.backend import DistInfo
-from trellis.interfaces.process_group import join_process_group
+from trellis.kit.backend import DistInfo, join_process_group
 
 
 def init_parallel(info: DistInfo) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trellis.config import ranged
-from trellis.interfaces.dispatch import Mesh
+from trellis import Mesh, ranged
 
 
 @dataclass

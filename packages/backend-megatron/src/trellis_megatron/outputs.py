@@ -9,8 +9,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
-from trellis.batch import Batch
-from trellis.interfaces.hf import value_outputs
+from trellis import Batch
+from trellis.kit.backend import value_outputs
 
 
 def _tp_sum(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ plugins load (so ``trellis`` commands that do not train stay quick)."""
 
 from __future__ import annotations
 
-from trellis.hookspecs import hookimpl
+from trellis import hookimpl
 from trellis_megatron.options import MegatronOptions
 
 

@@ -1,7 +1,8 @@
 """Trellis: reinforcement-learning post-training for language models, as a core plus plugins.
 
-``__all__`` is the public API that plugins and recipes may use; everything else may change.
-Names load on first use, so ``import trellis`` stays light.
+``__all__`` is the public API that plugins and recipes may use, with the kits for backend and
+rollout-engine authors (``trellis.kit.backend``, ``trellis.kit.engine``); every other module may
+change. Names load on first use, so ``import trellis`` stays light.
 """
 
 from importlib import import_module
@@ -39,6 +40,8 @@ _API = {
     "RewardManager": "trellis.rewards",
     "RewardError": "trellis.rewards",
     "resolve_reward": "trellis.rewards",
+    "gsm8k_score": "trellis.rewards",
+    "math_score": "trellis.rewards",
     # interfaces: backends, dispatch, rollout, algorithms, environments
     "Backend": "trellis.interfaces.backend",
     "BackendSpec": "trellis.interfaces.backend",
@@ -55,6 +58,7 @@ _API = {
     "Generation": "trellis.interfaces.rollout",
     "rollout_batch": "trellis.interfaces.rollout",
     "AdvantageInputs": "trellis.interfaces.signatures",
+    "AGG_MODES": "trellis.interfaces.signatures",
     "Aggregation": "trellis.interfaces.signatures",
     "aggregation_for": "trellis.interfaces.signatures",
     "PolicyLossInputs": "trellis.interfaces.signatures",

@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trellis.config import ranged
-from trellis.interfaces.agents import Interaction, InteractionTurn
-from trellis.rewards import gsm8k_score
+from trellis import Interaction, InteractionTurn, gsm8k_score, ranged
 
 
 @dataclass

@@ -7,8 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from trellis.config import ranged
-from trellis.interfaces.agents import Interaction, InteractionTurn
+from trellis import Interaction, InteractionTurn, ranged
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trellis.hookspecs import hookimpl
+from trellis import hookimpl
 from trellis_interactions.answer_check import AnswerCheck, AnswerCheckOptions
 from trellis_interactions.code_feedback import CodeFeedback, CodeFeedbackOptions
 

@@ -12,11 +12,19 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from trellis.batch import Batch
-from trellis.config import ranged
-from trellis.data import left_pad
-from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, engine_dtype, pad_id, rollout_batch, stop_ids
-from trellis.interfaces.weights import prepare_update
+from trellis import Batch, ranged
+from trellis.kit.engine import (
+    Generation,
+    RolloutEngine,
+    RolloutSpec,
+    SamplingParams,
+    engine_dtype,
+    left_pad,
+    pad_id,
+    prepare_update,
+    rollout_batch,
+    stop_ids,
+)
 
 _Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]"]  # prompt ids, sampling, result
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trellis.hookspecs import hookimpl
+from trellis import hookimpl
 from trellis_hf.engine import HFRolloutOptions, make_engine
 
 

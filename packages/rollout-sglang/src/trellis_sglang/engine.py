@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from trellis.batch import Batch
-from trellis.interfaces.backend import weight_buckets
-from trellis.interfaces.rollout import (
+from trellis import Batch
+from trellis.kit.engine import (
     ALL_MEMORY,
     WEIGHTS,
     Generation,
@@ -35,14 +34,16 @@ from trellis.interfaces.rollout import (
     SamplingParams,
     context_length,
     engine_dtype,
+    engine_weights,
     log_once,
     option_dtype,
     pad_id,
+    prepare_update,
     samples_batch,
     sleep_skipped,
     stop_ids,
+    weight_buckets,
 )
-from trellis.interfaces.weights import engine_weights, prepare_update
 from trellis_sglang.options import SGLangRolloutOptions
 
 log = logging.getLogger("trellis")
@@ -207,7 +208,7 @@ class SGLangRollout(RolloutEngine):
         ``distributed`` broadcasts it from this process over a process group it shares with the
         engine's (``update_weights_from_distributed``; gloo on CPU, NCCL on GPU). The update (or its
         manifest ``shapes``, then the stream is read a bucket at a time) is checked first; a refused
-        one raises :class:`~trellis.interfaces.weights.WeightSyncError` and leaves the engine as it was."""
+        one raises :class:`~trellis.kit.engine.WeightSyncError` and leaves the engine as it was."""
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
         self._ready("load_weights")

@@ -3,7 +3,7 @@ plugins`` lists this rollout where SGLang is not installed."""
 
 from __future__ import annotations
 
-from trellis.hookspecs import hookimpl
+from trellis import hookimpl
 from trellis_sglang import make_engine
 from trellis_sglang.options import SGLangRolloutOptions
 

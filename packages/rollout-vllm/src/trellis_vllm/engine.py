@@ -20,9 +20,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from trellis.batch import Batch
-from trellis.interfaces.rollout import (
+from trellis import Batch
+from trellis.kit.engine import (
     ALL_MEMORY,
+    DEFAULT_PACKED,
     WEIGHTS,
     Generation,
     RolloutEngine,
@@ -30,13 +31,14 @@ from trellis.interfaces.rollout import (
     SamplingParams,
     context_length,
     engine_dtype,
+    engine_weights,
     option_dtype,
     pad_id,
+    prepare_update,
     samples_batch,
     sleep_skipped,
     stop_ids,
 )
-from trellis.interfaces.weights import DEFAULT_PACKED, engine_weights, prepare_update
 from trellis_vllm.options import VLLMRolloutOptions
 
 log = logging.getLogger("trellis")
@@ -249,7 +251,7 @@ class VLLMRollout(RolloutEngine):
         """Reload weights in place through vLLM's ``reload_weights`` (checkpoint format, Hugging
         Face names). The update (or its manifest ``shapes``, then the stream is read one tensor at a
         time) is checked before vLLM sees any of it; a refused update raises
-        :class:`~trellis.interfaces.weights.WeightSyncError` and leaves the engine as it was."""
+        :class:`~trellis.kit.engine.WeightSyncError` and leaves the engine as it was."""
         self._ready("load_weights")
         self._check_thread("load_weights")
         if self._futures or self._waiting:

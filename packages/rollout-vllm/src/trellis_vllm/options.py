@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trellis.config import ranged
+from trellis import ranged
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")

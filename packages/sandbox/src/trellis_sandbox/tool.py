@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from trellis.interfaces.agents import Tool, ToolResult
+from trellis import Tool, ToolResult
 from trellis_sandbox.api import FINISHED, SANDBOX_ERROR, TIME_LIMIT, RunRequest
 from trellis_sandbox.client import get_client
 from trellis_sandbox.testcases import extract_code

@@ -9,13 +9,7 @@ import torch
 from omegaconf import MISSING
 
 import trellis
-from trellis.batch import Batch
-from trellis.config import component
-from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult
-from trellis.interfaces.backend import Backend
-from trellis.interfaces.rollout import RolloutEngine
-from trellis.interfaces.signatures import Aggregation
-from trellis.runtime.trackers import Tracker
+from trellis import Aggregation, Backend, Batch, Interaction, InteractionTurn, RolloutEngine, Tool, ToolResult, Tracker, component
 
 
 @dataclass

@@ -10,11 +10,21 @@ from pathlib import Path
 import torch
 
 import trellis
-from trellis.batch import Batch
-from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each
-from trellis.interfaces.hf import forward_outputs, load_hf_model
-from trellis.interfaces.optim import clipped_step, make_optimizer, schedule_step
-from trellis.runtime.rng import get_rng_state, set_rng_state
+from trellis import Batch
+from trellis.kit.backend import (
+    Backend,
+    BackendSpec,
+    LossFn,
+    WeightBucket,
+    backward_each,
+    clipped_step,
+    forward_outputs,
+    get_rng_state,
+    load_hf_model,
+    make_optimizer,
+    schedule_step,
+    set_rng_state,
+)
 
 STATE_FILE = "plain.pt"
 

@@ -1,0 +1,41 @@
+"""What a training backend (kind ``backend``) needs: its interface, the optimizer, HF model helpers, the process group, RNG state."""
+
+from trellis.interfaces.backend import MODEL_INPUTS, OUTPUTS, Backend, BackendSpec, DistInfo, LossFn, WeightBucket, backward_each, weight_buckets
+from trellis.interfaces.dispatch import Mesh
+from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model, value_outputs
+from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, lr_factor, make_optimizer, schedule_step
+from trellis.interfaces.process_group import device_for, join_process_group, leave_process_group
+from trellis.runtime.rng import get_rng_state, set_rng_state
+
+__all__ = [
+    # the interface and where a rank sits
+    "Backend",
+    "BackendSpec",
+    "DistInfo",
+    "Mesh",
+    "LossFn",
+    "OUTPUTS",
+    "MODEL_INPUTS",
+    # forward/backward and weight export
+    "backward_each",
+    "WeightBucket",
+    "weight_buckets",
+    # Hugging Face models
+    "load_hf_model",
+    "empty_hf_model",
+    "keep_buffers",
+    "forward_outputs",
+    "value_outputs",
+    # the optimizer
+    "IMPLEMENTATIONS",
+    "make_optimizer",
+    "lr_factor",
+    "schedule_step",
+    "clipped_step",
+    # the process group and checkpointed RNG state
+    "join_process_group",
+    "leave_process_group",
+    "device_for",
+    "get_rng_state",
+    "set_rng_state",
+]

@@ -1,0 +1,54 @@
+"""What a rollout engine (kind ``rollout``) needs: its interface, stop tokens and padding, the sample layout, checked weight updates."""
+
+from trellis.data import left_pad
+from trellis.interfaces.backend import WeightBucket, weight_buckets
+from trellis.interfaces.rollout import (
+    ALL_MEMORY,
+    KV_CACHE,
+    WEIGHTS,
+    Generation,
+    RolloutEngine,
+    RolloutSpec,
+    SamplingParams,
+    context_length,
+    engine_dtype,
+    log_once,
+    option_dtype,
+    pad_id,
+    rollout_batch,
+    samples_batch,
+    sleep_skipped,
+    stop_ids,
+)
+from trellis.interfaces.weights import DEFAULT_PACKED, WeightSyncError, engine_weights, prepare_update
+
+__all__ = [
+    # the interface
+    "RolloutEngine",
+    "RolloutSpec",
+    "SamplingParams",
+    "Generation",
+    # the model: dtype, context, stop and pad tokens
+    "engine_dtype",
+    "option_dtype",
+    "context_length",
+    "stop_ids",
+    "pad_id",
+    # prompts in, samples out: (batch, prompt_len) left-padded, (batch, response_len) right-padded
+    "left_pad",
+    "rollout_batch",
+    "samples_batch",
+    # sleep/wake tags and their log lines
+    "WEIGHTS",
+    "KV_CACHE",
+    "ALL_MEMORY",
+    "sleep_skipped",
+    "log_once",
+    # weight updates: checked before they reach the engine, in buckets
+    "prepare_update",
+    "engine_weights",
+    "DEFAULT_PACKED",
+    "WeightSyncError",
+    "WeightBucket",
+    "weight_buckets",
+]
