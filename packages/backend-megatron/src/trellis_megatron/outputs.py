@@ -1,4 +1,4 @@
-"""Forward outputs (``trellis.interfaces.backend.OUTPUTS``) from vocabulary-parallel logits: each
+"""Forward outputs (``trellis.kit.backend.OUTPUTS``) from vocabulary-parallel logits: each
 tensor-parallel rank holds ``vocab / tp`` columns and only per-position sums cross ranks (no rank
 ever holds a full-vocabulary row)."""
 

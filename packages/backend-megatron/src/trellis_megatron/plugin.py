@@ -8,7 +8,7 @@ from trellis_megatron.options import MegatronOptions
 
 
 def make_backend(spec):
-    """A ``MegatronBackend`` for ``spec`` (``trellis.interfaces.backend.BackendSpec``)."""
+    """A ``MegatronBackend`` for ``spec`` (``trellis.kit.backend.BackendSpec``)."""
     from trellis_megatron.backend import MegatronBackend
 
     return MegatronBackend(spec)
