@@ -59,4 +59,4 @@ def test_the_shortcut_is_taken_only_when_exact(overrides, expected):
     registry = load_plugins().registry
     cfg = validate(OmegaConf.merge(OmegaConf.structured(rl.RLConfig), OmegaConf.from_dotlist(overrides)), rl.RLConfig, registry)
     estimator = registry.get("advantage", cfg.algorithm.advantage.name).obj
-    assert rl.on_policy_update(cfg, estimator, samples=16) is expected
+    assert rl.on_policy_update(cfg, registry, estimator, samples=16) is expected
