@@ -66,7 +66,8 @@ class Aggregation:
     mode: ``token-mean`` | ``token-sum`` | ``seq-mean-token-sum`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum-norm``.
     global_tokens: valid tokens in the whole mini-batch (``token-mean``); None = this micro-batch's.
     global_seqs: sequences in the whole mini-batch (``seq-mean-*``); None = this micro-batch's.
-    norm_constant: divisor for ``seq-mean-token-sum-norm``; None = the response length.
+    norm_constant: divisor for ``seq-mean-token-sum-norm``; None = this micro-batch's width
+        (``aggregation_for`` always sets it: a trimmed micro-batch's width is not the mini-batch's).
     """
 
     mode: str = "token-mean"
@@ -78,7 +79,10 @@ class Aggregation:
 def aggregation_for(mode: str, mask: torch.Tensor, norm_constant: float | None = None) -> Aggregation:
     """The ``Aggregation`` for a mini-batch with ``mask`` ``(batch, len)``: its valid-token and
     valid-sequence counts, to pass unchanged to every micro-batch cut from it (after summing the
-    counts over data-parallel ranks)."""
+    counts over data-parallel ranks), and the ``seq-mean-token-sum-norm`` divisor:
+    ``norm_constant``, or else the mini-batch's full width ``len`` (the padded response length,
+    the same on every data-parallel rank), so micro-batches trimmed to their own widths all
+    divide by one constant."""
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
     valid = mask != 0
@@ -86,7 +90,7 @@ def aggregation_for(mode: str, mask: torch.Tensor, norm_constant: float | None =
         mode=mode,
         global_tokens=float(valid.sum().item()),
         global_seqs=float(valid.any(-1).sum().item()),
-        norm_constant=norm_constant,
+        norm_constant=float(mask.shape[-1]) if norm_constant is None else norm_constant,
     )
 
 

@@ -136,7 +136,7 @@ class ActorConfig(BatchingConfig):
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: dict = component("policy_loss", "vanilla")
     loss_agg_mode: str = "token-mean"
-    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = response length
+    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = the mini-batch's padded response length
     use_kl_loss: bool = False
     kl_loss_coef: float = ranged(0.001, ge=0)
     kl_loss_type: str = "low_var_kl"
@@ -151,7 +151,7 @@ class CriticConfig(BatchingConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = ranged(0.5, gt=0)
     loss_agg_mode: str = "token-mean"
-    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = response length
+    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = the mini-batch's padded response length
 
 
 @dataclass
