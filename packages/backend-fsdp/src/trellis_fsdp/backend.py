@@ -34,7 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from trellis.batch import Batch
-from trellis.config import ranged
+from trellis.config import choice, ranged
 from trellis.interfaces.backend import Backend, BackendSpec, LossFn, WeightBucket, backward_each, weight_buckets
 from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, make_optimizer, schedule_step
@@ -65,13 +65,13 @@ class FSDPOptions:
     offload_params: while a rollout engine generates, keep this role's optimizer state /
     parameter shards in host memory (``offload`` / ``onload``)."""
 
-    dtype: str = "float32"
-    param_dtype: str | None = "auto"
-    reduce_dtype: str | None = "auto"
+    dtype: str = choice("float32", tuple(DTYPES))
+    param_dtype: str | None = choice("auto", (*DTYPES, "auto"))
+    reduce_dtype: str | None = choice("auto", (*DTYPES, "auto"))
     activation_checkpointing: bool = False
     entropy_chunk_size: int | None = ranged(2048, ge=1)
     padding_free: bool = False
-    optimizer: str = "auto"
+    optimizer: str = choice("auto", IMPLEMENTATIONS)
     offload_optimizer: bool = False
     offload_params: bool = False
 

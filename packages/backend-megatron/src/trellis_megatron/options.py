@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trellis.config import ranged
+import torch
+
+from trellis.config import choice, ranged
 from trellis.interfaces.dispatch import Mesh
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -17,7 +21,7 @@ class MegatronOptions:
 
     tensor_parallel: int = ranged(1, ge=1)
     pipeline_parallel: int = ranged(1, ge=1)
-    dtype: str = "float32"
+    dtype: str = choice("float32", tuple(DTYPES))
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
 

@@ -18,6 +18,7 @@ _API = {
     "RegistryError": "trellis.registry",
     "load_plugins": "trellis.plugins",
     # config
+    "choice": "trellis.config",
     "component": "trellis.config",
     "ranged": "trellis.config",
     "ConfigError": "trellis.config",

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from trellis.batch import Batch
-from trellis.config import ranged
+from trellis.config import choice, ranged
 from trellis.data import left_pad
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutSpec, SamplingParams, engine_dtype, pad_id, rollout_batch, stop_ids
 from trellis.interfaces.weights import prepare_update
@@ -31,9 +31,9 @@ class HFRolloutOptions:
     generate from that model (no copy of the weights, no sync after each update); false: keep a
     copy and sync it."""
 
-    dtype: str | None = None
+    dtype: str | None = choice(None, tuple(DTYPES))
     micro_batch_prompts: int = ranged(0, ge=0)
-    device: str = "auto"
+    device: str = choice("auto", ("auto", "cuda", "cpu"))
     share_actor_weights: bool = True
 
 
