@@ -12,7 +12,7 @@ import torch
 
 from trellis.batch import Batch
 from trellis.config import resolve_component
-from trellis.interfaces.signatures import Aggregation, PolicyLossInputs, PreferenceInputs, aggregation_for
+from trellis.interfaces.signatures import PAIR_FIELDS, Aggregation, PolicyLossInputs, PreferenceInputs, aggregation_for
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, rejection_mask, rollout_correction
@@ -165,7 +165,7 @@ class PreferenceObjective:
     summed = frozenset({"loss"})
     outputs = ("log_probs",)
     inputs = (
-        *(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")),
+        *(f"{side}_{k}" for side in ("chosen", "rejected") for k in PAIR_FIELDS),
         "ref_chosen_log_prob",
         "ref_rejected_log_prob",
     )

@@ -27,6 +27,8 @@ _API = {
     "compose": "trellis.config",
     # data and rewards
     "Batch": "trellis.batch",
+    "position_ids": "trellis.batch",
+    "last_valid_index": "trellis.batch",
     "load_rows": "trellis.data",
     "load_prompt_data": "trellis.data",
     "encode_response": "trellis.data",

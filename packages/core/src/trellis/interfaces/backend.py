@@ -54,7 +54,8 @@ LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str
 #   label_log_probs (batch, seq_len - 1)  log p(input_ids[:, 1:]) (supervised losses)
 #   scores         (batch,)               the value head at the last attended token (reward models)
 OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", "scores")
-# Batch fields every forward reads; log_probs/entropy/sum_sq_probs/values also read ``responses``.
+# Batch fields every forward reads (and a rollout engine of a prompt batch); log_probs/entropy/
+# sum_sq_probs/values also read ``responses``.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 

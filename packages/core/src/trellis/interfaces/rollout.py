@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trellis.batch import Batch
+from trellis.batch import Batch, position_ids
 
 log = logging.getLogger("trellis")
 
@@ -70,9 +70,19 @@ class SamplingParams:
 
     def at_step(self, step: int, samples_per_step: int) -> SamplingParams:
         """These params for trainer step ``step`` (1-based). Per-request seeds are opt-in: with a
-        ``seed``, it moves on by the step's samples, so that with each engine adding a sample's
-        index in the step every sample of a run gets a seed of its own."""
-        return self if self.seed is None else dataclasses.replace(self, seed=self.seed + (step - 1) * samples_per_step)
+        ``seed``, it moves on by the step's samples, so that with each engine seeding a sample
+        with :meth:`sample_seed` every sample of a run gets a seed of its own."""
+        return self.skip((step - 1) * samples_per_step)
+
+    def skip(self, samples: int) -> SamplingParams:
+        """These params for the samples after the first ``samples`` (a later step, or a later
+        engine's chunk of the prompts): the seed moves on by ``samples``; None stays None."""
+        return self if self.seed is None else dataclasses.replace(self, seed=self.seed + samples)
+
+    def sample_seed(self, sample: int) -> int | None:
+        """The seed of sample ``sample`` of a call (prompt ``i``'s ``j``-th sample is ``i * n + j``):
+        ``seed + sample``, or None without a seed."""
+        return None if self.seed is None else self.seed + sample
 
 
 @dataclass
@@ -151,7 +161,7 @@ def rollout_batch(
                 "rollout_log_probs": log_probs * response_mask,
                 "input_ids": torch.cat([out["input_ids"], responses], dim=1),
                 "attention_mask": attention_mask,
-                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+                "position_ids": position_ids(attention_mask),
             }
         )
     )

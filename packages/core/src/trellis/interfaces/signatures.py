@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from trellis.batch import Batch
+from trellis.interfaces.backend import MODEL_INPUTS
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -137,13 +138,16 @@ class PreferenceInputs:
     ref_rejected: torch.Tensor
 
 
+# each side's fields in a pair batch: the rollout layout of a sample
+PAIR_FIELDS = (*MODEL_INPUTS, "responses", "response_mask")
+
+
 def pair_batch(chosen: Batch, rejected: Batch, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> Batch:
     """Preference pairs for the ``preference`` objective: the rows of ``chosen`` and ``rejected``
     (rollout layout: ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,
     ``response_mask``), pair i = row i of each, prefixed ``chosen_`` / ``rejected_``, plus the
     reference's summed response log-probs ``ref_chosen_log_prob`` / ``ref_rejected_log_prob`` ``(pairs,)``."""
-    keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-    fields = {f"{side}_{k}": part[k] for side, part in (("chosen", chosen), ("rejected", rejected)) for k in keys}
+    fields = {f"{side}_{k}": part[k] for side, part in (("chosen", chosen), ("rejected", rejected)) for k in PAIR_FIELDS}
     fields["ref_chosen_log_prob"] = ref_chosen
     fields["ref_rejected_log_prob"] = ref_rejected
     return Batch(fields, meta=chosen.meta)

@@ -91,8 +91,7 @@ class AgentLoop:
         for i in range(len(prompts)):
             ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
             for j in range(params.n):
-                seed = None if params.seed is None else params.seed + i * params.n + j
-                one = dataclasses.replace(params, n=1, seed=seed)
+                one = dataclasses.replace(params, n=1, seed=params.sample_seed(i * params.n + j))
                 jobs.append(self._limited(limit, ids, prompts["raw_prompt"][i], prompts["extra_info"][i], one))
         trajectories = await asyncio.gather(*jobs)
         return assemble(prompts, params, trajectories, pad_id(self.tokenizer))

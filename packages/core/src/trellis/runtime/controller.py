@@ -15,14 +15,12 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.interfaces.backend import DistInfo
+from trellis.interfaces.backend import MODEL_INPUTS, DistInfo
 from trellis.interfaces.dispatch import Mesh, Route
 from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine, takes_manifest
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.worker import Worker
-
-PROMPT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a rollout engine reads of a prompt batch
 
 log = logging.getLogger("trellis")
 
@@ -102,12 +100,12 @@ class RolloutGroup:
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """The engines get the prompts' token ids only; the other fields (data source, ground
         truth, ``uid``...) stay here and are repeated onto each prompt's samples."""
-        return self._sample(prompts, params, PROMPT_INPUTS, self._generate)
+        return self._sample(prompts, params, MODEL_INPUTS, self._generate)
 
     def generate_multiturn(self, prompts: Batch, params: SamplingParams, agent: AgentSpec) -> Batch:
         """Conversations with the environment ``agent`` describes (:class:`AgentLoop`), run next to
         each engine; the engines also get each prompt's chat messages and ``extra_info``."""
-        return self._sample(prompts, params, (*PROMPT_INPUTS, "raw_prompt", "extra_info"), functools.partial(self._generate_multiturn, agent=agent))
+        return self._sample(prompts, params, (*MODEL_INPUTS, "raw_prompt", "extra_info"), functools.partial(self._generate_multiturn, agent=agent))
 
     def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...], run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
         shipped = prompts.select(*[k for k in inputs if k in prompts])

@@ -25,6 +25,7 @@ from trellis.batch import Batch
 from trellis.interfaces.backend import MODEL_INPUTS, Backend, BackendSpec, DistInfo, WeightBucket
 from trellis.interfaces.dispatch import ALL, DP_SPLIT, RANK0, Route
 from trellis.runtime.plan import Plan
+from trellis.runtime.rng import stream_seed
 
 # role -> its model's head: a causal LM, or one value per token
 ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "value"}
@@ -192,7 +193,7 @@ class RoleWorker(Worker):
         objective = self._objective(verb)
         on_policy = self._on_policy(objective, batch)
         outputs = objective.outputs + ("entropy",) * (on_policy and "entropy" not in objective.outputs)
-        seed = self.spec.seed * 1000003 + 7919 * (int(batch.meta.get("step", 1)) - 1)
+        seed = stream_seed(self.spec.seed, 7919 * (int(batch.meta.get("step", 1)) - 1))
         metrics: dict[str, list[float]] = defaultdict(list)
         for epoch in range(self.plan.epochs):
             for mini in self.plan.mini_batches(batch, self.spec.dist.dp_size, epoch, seed):
