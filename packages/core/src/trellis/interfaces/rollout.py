@@ -4,7 +4,6 @@ and what every engine shares (stop tokens, the right-padded sample layout, the s
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -213,8 +212,7 @@ class RolloutEngine(ABC):
         ``shapes``: the update's manifest, name -> full shape in the order ``weights`` yields them
         (the trainer's ``weight_shapes()``): the engine checks it before reading any tensor, then
         reads ``weights`` once, lazily, one tensor at a time. None: ``weights`` may be read whole
-        (e.g. a list) and is checked before loading. Engines written before the manifest, whose
-        ``load_weights`` has no ``shapes``, get the stream alone (:func:`takes_manifest`)."""
+        (e.g. a list) and is checked before loading."""
 
     def adopt_module(self, module: torch.nn.Module) -> bool:
         """Generate from ``module``, the actor's own model in this process (its one rank holds the
@@ -235,22 +233,13 @@ class RolloutEngine(ABC):
         Calling it twice is harmless."""
 
 
-def takes_manifest(engine: RolloutEngine) -> bool:
-    """Whether ``engine.load_weights`` takes ``shapes=`` (a streamed update with its manifest)."""
-    return "shapes" in inspect.signature(engine.load_weights).parameters
-
-
 def sync_engine(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
     """Load new weights into a possibly sleeping engine with the least memory at once: free the
     trainer's cached blocks, wake the weights alone, load, free the export's buffers, then wake the
-    KV cache. ``shapes``: the update's manifest (see :meth:`RolloutEngine.load_weights`), passed
-    on when given."""
+    KV cache. ``shapes``: the update's manifest (see :meth:`RolloutEngine.load_weights`)."""
     _free_cached()
     engine.wake([WEIGHTS])
-    if shapes is None:
-        engine.load_weights(weights)
-    else:
-        engine.load_weights(weights, shapes=shapes)
+    engine.load_weights(weights, shapes=shapes)
     _free_cached()
     engine.wake([KV_CACHE])
 

@@ -17,7 +17,7 @@ import torch
 from trellis.batch import Batch
 from trellis.interfaces.backend import MODEL_INPUTS, DistInfo
 from trellis.interfaces.dispatch import Mesh, Route
-from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine, takes_manifest
+from trellis.interfaces.rollout import ALL_MEMORY, Generation, RolloutEngine, SamplingParams, sync_engine
 from trellis.multiturn.environment import AgentSpec
 from trellis.multiturn.loop import AgentLoop
 from trellis.runtime.worker import Worker
@@ -34,9 +34,9 @@ def batch_bytes(batch: Batch) -> int:
 def sync_from(engine: RolloutEngine, worker: Worker) -> None:
     """Load ``worker``'s current weights into ``engine`` (both in this process), exported in the
     engine's ``weight_dtype`` and kept on the worker's device (``all_ranks``: no copy through host
-    memory). An engine that takes a manifest checks the worker's ``weight_shapes()`` first, then
-    reads the export one tensor at a time as the backend gathers it."""
-    shapes = worker.weight_shapes() if takes_manifest(engine) else None
+    memory). The engine checks the worker's ``weight_shapes()`` first (when the backend can tell),
+    then reads the export one tensor at a time as the backend gathers it."""
+    shapes = worker.weight_shapes()  # the manifest first, before the export starts gathering
     sync_engine(engine, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=engine.weight_dtype)), shapes)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -262,11 +261,7 @@ class RoleWorker(Worker):
     def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
         """Full weights in Hugging Face names, in buckets, cast to ``dtype`` if given (see
         ``Backend.export_weights``)."""
-        if "dtype" in inspect.signature(self.backend.export_weights).parameters:
-            return self.backend.export_weights(bucket_bytes, all_ranks, dtype=dtype)
-        # a backend written before the dtype argument: cast what it exports
-        buckets = self.backend.export_weights(bucket_bytes, all_ranks)
-        return buckets if dtype is None else ([(n, t.to(dtype)) for n, t in bucket] for bucket in buckets)
+        return self.backend.export_weights(bucket_bytes, all_ranks, dtype=dtype)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """Name -> full shape of every exported tensor in export order, without gathering (checked
