@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny local model (random Qwen2 + trained tokenizer), built once per session;
-the check that an options dataclass declares and enforces ranges for its numbers."""
+the checks that an options dataclass declares and enforces ranges for its numbers and the valid
+values of its strings."""
 
 from __future__ import annotations
 
@@ -90,3 +91,41 @@ def _just_outside(allowed) -> list:
         out.append(allowed.le + 1)
     assert out, "a range with no bound"
     return out
+
+
+@pytest.fixture
+def assert_choices_enforced():
+    """``assert_choices_enforced(schema, registry, open_ended=())``: every string option of
+    ``schema`` declares its valid values (``choice``) unless named in ``open_ended`` (paths, names,
+    free text), and a near miss of each fails validation with an error that names the dotted key,
+    the value, the valid values and the closest of them. A choice of a component kind with no
+    names in ``registry`` is skipped. Returns how many were checked."""
+    return _assert_choices_enforced
+
+
+def _assert_choices_enforced(schema, registry, open_ended=()) -> int:
+    import typing
+
+    from omegaconf import OmegaConf
+
+    from trellis.config import ConfigError, field_choices, string_fields, validate
+
+    checked = 0
+    for f in string_fields(schema):
+        choices = field_choices(f)
+        if f.name in open_ended:
+            assert choices is None, f"{schema.__name__}.{f.name} declares choices but is listed as open-ended"
+            continue
+        assert choices is not None, f"{schema.__name__}.{f.name} declares no choices (make it with trellis.choice, or list it as open-ended)"
+        valid = list(choices.values) or registry.names(choices.kind)
+        if not valid:
+            continue
+        bad = valid[-1] + "_"
+        is_list = typing.get_origin(typing.get_type_hints(schema)[f.name]) is list
+        with pytest.raises(ConfigError) as err:
+            validate(OmegaConf.create({f.name: [bad] if is_list else bad}), schema, registry, "section.")
+        message = str(err.value)
+        assert message.startswith(f"config key 'section.{f.name}' is ") and repr(bad) in message, message
+        assert all(v in message for v in valid) and f"did you mean {valid[-1]!r}?" in message, message
+        checked += 1
+    return checked

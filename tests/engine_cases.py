@@ -99,13 +99,16 @@ def checkpoint_state(path):
 class RolloutCases:
     """The shared engine tests. ``ENGINE``: registered rollout name; ``UNTIED_OPTIONS``: options of
     the untied model's engine; ``BAD_OPTIONS``: (options, message) pairs; ``RANGED``: how many
-    numeric options declare ranges; ``CANCEL_AFTER_S``: how long a request runs before it is
-    cancelled."""
+    numeric options declare ranges; ``CHOICES``: how many string options declare their values,
+    ``OPEN_ENDED``: the string options that take any value; ``CANCEL_AFTER_S``: how long a
+    request runs before it is cancelled."""
 
     ENGINE: ClassVar[str]
     UNTIED_OPTIONS: ClassVar[dict[str, Any]] = {}
     BAD_OPTIONS: ClassVar[list[tuple[dict[str, Any], str]]] = []
     RANGED: ClassVar[int]
+    CHOICES: ClassVar[int]
+    OPEN_ENDED: ClassVar[tuple[str, ...]] = ()
     CANCEL_AFTER_S: ClassVar[float] = 0.0
 
     @pytest.fixture(scope="class")
@@ -341,6 +344,13 @@ class RolloutCases:
         entry = registry.get("rollout", self.ENGINE)
         assert callable(entry.obj) and entry.options.__name__.lower().startswith(self.ENGINE)
         assert assert_ranges_enforced(entry.options, registry) == self.RANGED
+
+    def test_plugin_declares_the_values_of_its_string_options(self, assert_choices_enforced):
+        from trellis.plugins import load_plugins
+
+        registry = load_plugins().registry
+        options = registry.get("rollout", self.ENGINE).options
+        assert assert_choices_enforced(options, registry, self.OPEN_ENDED) == self.CHOICES
 
     def test_closing_one_engine_leaves_the_other_generating(self, engines, make_prompts):
         """Last of the class: closes the untied engine. A closed engine refuses work by name."""

@@ -12,6 +12,8 @@ from omegaconf import OmegaConf
 from trellis.config import option_dataclasses
 from trellis.interfaces.signatures import AdvantageInputs, Aggregation, PolicyLossInputs
 from trellis.plugins import load_plugins
+from trellis.recipes.options import ActorConfig
+from trellis.recipes.rl import AlgorithmConfig
 from trellis_algos.kl import KLControlOptions
 
 EXPECTED = {
@@ -76,6 +78,17 @@ def test_every_numeric_option_declares_and_enforces_a_range(plugins, assert_rang
     schemas = {s for s in schemas if s.__module__.startswith("trellis_algos")}
     checked = sum(assert_ranges_enforced(schema, plugins.registry) for schema in schemas | {KLControlOptions})
     assert checked >= 30
+
+
+def test_every_string_option_with_a_fixed_set_of_values_declares_and_enforces_it(plugins, assert_choices_enforced):
+    """With the kl estimators installed, the core options that name one (actor.kl_loss_type,
+    algorithm.kl_penalty) are checked here too."""
+    schemas = {s for e in plugins.registry.entries() if e.plugin == "algos" and e.options for s in option_dataclasses(e.options)}
+    schemas = {s for s in schemas if s.__module__.startswith("trellis_algos")} | {ActorConfig, AlgorithmConfig}
+    open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold", "recipe"}  # names, criteria lists
+    checked = {s.__name__: assert_choices_enforced(s, plugins.registry, open_ended) for s in schemas}
+    assert checked["VanillaOptions"] == 1 and checked["BypassOptions"] == 2  # rollout_is; loss_type
+    assert (checked["GPGOptions"], checked["SPINConfig"], checked["ActorConfig"], checked["AlgorithmConfig"]) == (1, 1, 2, 2)
 
 
 def test_components_run_by_name_with_default_options(plugins):

@@ -75,6 +75,8 @@ def test_aggregation_for_counts_the_full_batch():
     agg = aggregation_for("seq-mean-token-mean", torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]]), norm_constant=8.0)
     # 3 valid tokens, 2 sequences with at least one valid token
     assert (agg.mode, agg.global_tokens, agg.global_seqs, agg.norm_constant) == ("seq-mean-token-mean", 3.0, 2.0, 8.0)
+    # without a constant, Dr. GRPO's divisor is the mini-batch's width, 3 columns
+    assert aggregation_for("seq-mean-token-sum-norm", torch.ones(2, 3)).norm_constant == 3.0
 
 
 @st.composite
@@ -90,6 +92,7 @@ def batches(draw):
 @FAST
 @given(batches(), st.sampled_from(MODES))
 def test_micro_batches_sum_to_the_mini_batch(batch, mode):
+    """Cut into micro-batches of rows, each trimmed to its own width, the losses and gradients add up."""
     values, mask, cuts = batch
     whole = values.clone().requires_grad_(True)
     full = agg_loss(whole * whole, mask, Aggregation(mode))  # local counts == the batch's counts
@@ -99,8 +102,11 @@ def test_micro_batches_sum_to_the_mini_batch(batch, mode):
     agg = aggregation_for(mode, mask)
     total, start = torch.zeros((), dtype=torch.float64), 0
     for end in cuts:
-        piece = parts[start:end]
-        total = total + agg_loss(piece * piece, mask[start:end], agg)
+        # as the worker trims a micro-batch: the trailing columns masked in all its rows go
+        used = mask[start:end].any(0).nonzero()
+        width = int(used.max()) + 1 if len(used) else 1
+        piece = parts[start:end, :width]
+        total = total + agg_loss(piece * piece, mask[start:end, :width], agg)
         start = end
     total.backward()
     assert math.isclose(total.item(), full.item(), rel_tol=1e-9, abs_tol=1e-9)

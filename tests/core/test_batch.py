@@ -1,4 +1,5 @@
-"""Batch keeps tensors and Python fields in lockstep through every reshaping operation."""
+"""Batch keeps tensors and Python fields in lockstep through every reshaping operation; the mask rules
+(positions, last valid token) every module reads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trellis.batch import Batch
+from trellis.batch import Batch, last_valid_index, position_ids
 
 
 def make(n: int) -> Batch:
@@ -131,3 +132,10 @@ def test_cat_with_padding_right_pads_differing_widths():
     assert out["ids"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
     assert out["mask"].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert out["score"].tolist() == [0.5, 1.0] and list(out["tag"]) == ["a", "b"]
+
+
+def test_positions_count_attended_tokens_and_the_last_valid_index_is_minus_one_for_none():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0], [0, 1, 0, 1, 0]])
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]
+    assert last_valid_index(mask).tolist() == [4, 3, -1, 3]
+    assert last_valid_index(torch.zeros(2, 0)).tolist() == [-1, -1]

@@ -52,7 +52,7 @@ class ScriptedEngine(RolloutEngine):
     def generate(self, prompts, params):
         raise NotImplementedError
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, shapes=None):
         raise NotImplementedError
 
     async def agenerate(self, prompt_ids, params):

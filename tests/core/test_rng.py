@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trellis.runtime import rng
+from trellis import rng
 
 
 class FakeCuda:

@@ -22,7 +22,7 @@ class RecordingEngine(RolloutEngine):
     def generate(self, prompts, params):
         self.calls.append(("generate",))
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, shapes=None):
         self.calls.append(("load_weights", [name for name, _ in weights]))
 
     def sleep(self):
@@ -49,6 +49,9 @@ class ExportingActor:
         yield [("a", torch.zeros(1))]
         yield [("b", torch.ones(1))]
 
+    def weight_shapes(self):
+        return None  # its backend cannot tell: the engine checks the tensors as they come
+
 
 def test_sleep_then_sync_wakes_weights_loads_then_wakes_the_kv_cache_and_shutdown_closes():
     engine = RecordingEngine()
@@ -72,7 +75,7 @@ def test_sync_engine_on_the_default_interface_is_a_plain_load():
         def generate(self, prompts, params):
             raise AssertionError("not called")
 
-        def load_weights(self, weights):
+        def load_weights(self, weights, shapes=None):
             self.loaded.extend(name for name, _ in weights)
 
     engine = Plain()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trellis.interfaces.rollout import RolloutEngine, sync_engine, takes_manifest
+from trellis.interfaces.rollout import RolloutEngine, sync_engine
 from trellis.interfaces.weights import WeightSyncError, prepare_update
 from trellis.runtime.controller import LocalController
 
@@ -170,23 +170,6 @@ def test_the_local_sync_exports_in_the_engines_dtype_and_streams_against_the_man
     assert {t.dtype for t in engine.tensors.values()} == {torch.bfloat16}
 
 
-def test_an_engine_without_a_manifest_argument_gets_the_stream_alone():
-    """Engines written before the manifest (``load_weights(weights)``) still sync; the actor's
-    shapes are not asked for."""
-
-    class OldEngine(RolloutEngine):
-        def generate(self, prompts, params):
-            raise AssertionError("not called")
-
-        def load_weights(self, weights):
-            self.names = [name for name, _ in weights]
-
-    actor, engine = StreamingActor(), OldEngine()
-    assert not takes_manifest(engine) and takes_manifest(StreamRecordingEngine())
-    LocalController().spawn_rollout(lambda: engine, actor).sync_weights(version=1)
-    assert actor.calls == [("export_weights", True, None)] and engine.names == list(EXPECTED)
-
-
 def test_weight_buckets_hold_at_most_the_limit_and_read_lazily() -> None:
     """Buckets of at most ``bucket_bytes`` (a larger tensor alone), in order; the items are taken
     one bucket ahead at most, so an exporter gathering as it is read holds one bucket."""
@@ -205,19 +188,3 @@ def test_weight_buckets_hold_at_most_the_limit_and_read_lazily() -> None:
     assert [n for n, _ in first] == ["t0", "t1"] and produced == ["t0", "t1", "t2"]
     rest = [[n for n, _ in b] for b in buckets]
     assert rest == [["t2"], ["t3", "t4", "t5"]]
-
-
-def test_a_backend_without_the_dtype_argument_still_exports_in_the_engines_dtype() -> None:
-    """A backend written before ``export_weights(..., dtype=)``: the worker casts what it exports."""
-    from trellis.runtime.worker import RoleWorker
-
-    class OlderBackend:
-        def export_weights(self, bucket_bytes, all_ranks):
-            yield [("w", torch.ones(2, dtype=torch.float32))]
-
-    worker = RoleWorker.__new__(RoleWorker)  # only the backend matters here
-    worker.backend = OlderBackend()
-    [[(name, tensor)]] = list(worker.export_weights(all_ranks=True, dtype=torch.bfloat16))
-    assert name == "w" and tensor.dtype == torch.bfloat16 and torch.equal(tensor.float(), torch.ones(2))
-    [[(_, same)]] = list(worker.export_weights())
-    assert same.dtype == torch.float32

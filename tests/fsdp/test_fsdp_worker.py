@@ -384,3 +384,7 @@ def test_log_probs_take_only_the_response_positions_through_the_lm_head(tiny_mod
 
 def test_numeric_options_declare_and_enforce_ranges(registry, assert_ranges_enforced):
     assert assert_ranges_enforced(FSDPOptions, registry) == 1
+
+
+def test_string_options_declare_and_enforce_their_values(registry, assert_choices_enforced):
+    assert assert_choices_enforced(FSDPOptions, registry) == 4  # dtype, param_dtype, reduce_dtype, optimizer

@@ -150,6 +150,12 @@ def test_numeric_options_declare_and_enforce_ranges(assert_ranges_enforced):
     assert assert_ranges_enforced(HFRolloutOptions, load_plugins().registry) == 1
 
 
+def test_string_options_declare_and_enforce_their_values(assert_choices_enforced):
+    from trellis.plugins import load_plugins
+
+    assert assert_choices_enforced(HFRolloutOptions, load_plugins().registry) == 2  # dtype, device
+
+
 def test_the_default_dtype_follows_the_device() -> None:
     """``rollout.dtype`` null: bfloat16 on a GPU (the trainer computes in bf16 there), float32 on
     CPU; a named dtype is kept on both."""

@@ -89,7 +89,7 @@ def no_model_building(monkeypatch):
         ("sampling.n=four", r"config key 'sampling.n' has value 'four' but expects type int"),
         ("data.train_path=/nowhere/train.parquet", r"config key 'data.train_path': file '/nowhere/train.parquet' does not exist"),
         ("actor.mini_batch_samples=5", r"config key 'actor.mini_batch_samples' is 5, but a step has .* = 16 samples; choose a divisor of 16"),
-        ("actor.loss_agg_mode=token_mean", r"config key 'actor.loss_agg_mode' is 'token_mean'; valid: token-mean"),
+        ("actor.loss_agg_mode=token_mean", r"'actor.loss_agg_mode' is 'token_mean'; valid values: token-mean, .*; did you mean 'token-mean'\?"),
         ("rollout.name=vllm", r"rollout 'vllm' is not installed: pip install trellis-rollout-vllm"),
     ],
 )

@@ -77,7 +77,7 @@ def test_resume_restores_the_refreshed_reference(run_spin, tmp_path):
 
 
 def test_bad_spin_config_fails_before_any_model_is_built(run_spin):
-    with pytest.raises(ConfigError, match="config key 'pairs' is 'best'; valid: reference, ranked"):
+    with pytest.raises(ConfigError, match="config key 'pairs' is 'best'; valid values: reference, ranked; did you mean"):
         run_spin("pairs=best")
     with pytest.raises(ConfigError, match="pairs: ranked compares samples of a prompt, so it needs at least 2"):
         run_spin("pairs=ranked", "sampling.n=1")

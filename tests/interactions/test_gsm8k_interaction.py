@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
+from omegaconf import OmegaConf
 
-from trellis.config import ConfigError
+from trellis.config import ConfigError, validate
 from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 from trellis_interactions.answer_check import AnswerCheck, AnswerCheckOptions
 
@@ -41,8 +44,9 @@ def test_right_answer_ends_wrong_answer_asks_again():
 
 
 def test_missing_ground_truth_and_bad_method_are_named():
-    with pytest.raises(ValueError, match="method='loose'"):
-        AnswerCheckOptions(method="loose")
+    key = "multi_turn.interactions[0].options.method"
+    with pytest.raises(ConfigError, match=rf"'{re.escape(key)}' is 'strikt'; valid values: strict, flexible; did you mean 'strict'"):
+        validate(OmegaConf.create({"method": "strikt"}), AnswerCheckOptions, load_plugins().registry, key.removesuffix("method"))
     with pytest.raises(ValueError, match="interaction_kwargs.ground_truth"):
         asyncio.run(AnswerCheck().start("a"))
 

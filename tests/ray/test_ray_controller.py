@@ -394,9 +394,9 @@ def make_recording_engine(spec):
             self._record("generate", seed=params.seed, greedy=params.greedy, prompts=len(prompts))
             return super().generate(prompts, params)
 
-        def load_weights(self, weights):
+        def load_weights(self, weights, shapes=None):
             self._record("load_weights")
-            super().load_weights(weights)
+            super().load_weights(weights, shapes)
 
         def sleep(self):
             self._record("sleep")

@@ -21,6 +21,8 @@ class TestSGLangRollout(RolloutCases):
     ENGINE = "sglang"
     UNTIED_OPTIONS = {"sync_bucket_mb": 0.01}  # the untied engine syncs in 10 KiB buckets: many calls
     RANGED = 7
+    CHOICES = 2  # dtype, sync_method
+    OPEN_ENDED = ("attention_backend", "log_level")  # passed to SGLang
     CANCEL_AFTER_S = 0.2
     BAD_OPTIONS = [
         ({"dtype": "fp32"}, r"rollout.dtype='fp32' is not a dtype"),

@@ -16,6 +16,7 @@ from trellis.interfaces.rollout import SamplingParams
 class TestVLLMRollout(RolloutCases):
     ENGINE = "vllm"
     RANGED = 9
+    CHOICES = 2  # dtype, executor
     BAD_OPTIONS = [
         ({"dtype": "fp32"}, r"rollout.dtype='fp32' is not a dtype"),
         ({"tensor_parallel_size": 2}, r"set rollout.executor=mp"),

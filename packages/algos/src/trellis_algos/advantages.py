@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis import AdvantageInputs, ranged
+from trellis import AdvantageInputs, choice, ranged
 from trellis_algos.stats import group_index, group_mean_std, group_sum, masked_sum, masked_whiten
+
+GPG_ALPHA_FROM = ("nonzero_rewards", "nonzero_advantages")
 
 
 @dataclass
@@ -61,7 +63,7 @@ class GPGOptions:
     ``nonzero_advantages`` (alpha = batch / #samples with a non-zero ``R - mean_g``, i.e. those
     that carry a gradient); f_norm: divisor of the advantage."""
 
-    alpha_from: str = "nonzero_rewards"
+    alpha_from: str = choice("nonzero_rewards", GPG_ALPHA_FROM)
     f_norm: float = ranged(1.0, gt=0)
 
 
@@ -276,7 +278,7 @@ def gpg(data: AdvantageInputs, options: GPGOptions | None = None) -> tuple[torch
     elif opts.alpha_from == "nonzero_advantages":
         m = torch.count_nonzero(scores - mean)
     else:
-        raise ValueError(f"gpg alpha_from must be 'nonzero_rewards' or 'nonzero_advantages', got {opts.alpha_from!r}")
+        raise ValueError(f"gpg alpha_from is {opts.alpha_from!r}; valid: {', '.join(GPG_ALPHA_FROM)}")
     alpha = scores.shape[0] / m.clamp(min=1).to(scores.dtype)
     adv = _per_token(alpha * (scores - mean) / opts.f_norm, data.response_mask)
     return adv, adv

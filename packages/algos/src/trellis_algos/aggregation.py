@@ -44,10 +44,9 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: Aggregation | None
     - ``token-sum``: sum over valid tokens (no normaliser: the micro-batches' sums add up).
     - ``seq-mean-token-sum``: per-sequence token sum, summed / ``global_seqs``.
     - ``seq-mean-token-mean``: per-sequence token mean, summed / ``global_seqs``.
-    - ``seq-mean-token-sum-norm`` (Dr. GRPO): per-sequence token sum / ``norm_constant``
-      (default: ``loss_mat.shape[-1]``, the padded response length), summed / ``global_seqs``.
-      Pass ``norm_constant`` (e.g. the configured max response length) whenever micro-batches
-      may be padded to different lengths, or the split changes the loss.
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): per-sequence token sum / ``norm_constant``,
+      summed / ``global_seqs``. ``aggregation_for`` sets ``norm_constant`` to the mini-batch's
+      width (or the configured constant); without it, ``loss_mat.shape[-1]`` (this micro-batch's).
 
     ``global_seqs`` defaults to the number of sequences here that have at least one valid token.
     """

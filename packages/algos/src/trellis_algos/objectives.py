@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trellis import Aggregation, Batch, PolicyLossInputs, PreferenceInputs, aggregation_for, resolve_component
+from trellis import PAIR_FIELDS, Aggregation, Batch, PolicyLossInputs, PreferenceInputs, aggregation_for, resolve_component
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, rejection_mask, rollout_correction
@@ -167,7 +167,7 @@ class PreferenceObjective:
     summed = frozenset({"loss"})
     outputs = ("log_probs",)
     inputs = (
-        *(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")),
+        *(f"{side}_{k}" for side in ("chosen", "rejected") for k in PAIR_FIELDS),
         "ref_chosen_log_prob",
         "ref_rejected_log_prob",
     )

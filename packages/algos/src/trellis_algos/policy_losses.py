@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis import Aggregation, PolicyLossInputs, ranged
+from trellis import Aggregation, PolicyLossInputs, choice, ranged
 from trellis_algos.aggregation import agg_loss, seq_mean
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, rollout_correction
 from trellis_algos.stats import masked_count, masked_mean, masked_sum
 
 LOG_RATIO_CLAMP = 20.0
+BYPASS_LOSSES = ("ppo_clip", "reinforce")
 
 
 @dataclass
@@ -132,7 +133,7 @@ class BypassOptions(VanillaOptions):
     correction, so no weights are applied) or ``reinforce`` (``-w A logp`` with the weights of
     the ``rollout_is`` keys); the ``rollout_rs`` keys reject tokens in both."""
 
-    loss_type: str = "ppo_clip"
+    loss_type: str = choice("ppo_clip", BYPASS_LOSSES)
 
 
 def clip_range(options: ClipOptions, loss: str) -> tuple[float, float]:
@@ -488,8 +489,8 @@ def bypass_mode(
     opts = options if options is not None else BypassOptions()
     if data.rollout_log_prob is None:
         raise ValueError("bypass_mode needs the rollout engine's log-probs (rollout_log_probs); this batch has none")
-    if opts.loss_type not in ("ppo_clip", "reinforce"):
-        raise ValueError(f"bypass_mode: loss_type is {opts.loss_type!r}; valid: ppo_clip, reinforce")
+    if opts.loss_type not in BYPASS_LOSSES:
+        raise ValueError(f"bypass_mode: loss_type is {opts.loss_type!r}; valid: {', '.join(BYPASS_LOSSES)}")
     weights, kept, metrics = rollout_correction(data.log_prob, data.rollout_log_prob, data.response_mask, opts)
     inner = dataclasses.replace(data, old_log_prob=data.rollout_log_prob, response_mask=kept, rollout_is_weights=None)
     if opts.loss_type == "ppo_clip":

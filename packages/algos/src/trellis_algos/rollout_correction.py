@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis import ranged
+from trellis import choice, ranged
 from trellis_algos.stats import masked_count, masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0
@@ -50,7 +50,7 @@ class RolloutCorrectionOptions:
     bound. log_metrics: log the mismatch metrics even with no weights and no rejection.
     """
 
-    rollout_is: str | None = None
+    rollout_is: str | None = choice(None, IS_LEVELS)
     rollout_is_threshold: float = ranged(2.0, gt=0)
     rollout_is_threshold_lower: float | None = ranged(None, ge=0)
     rollout_is_batch_normalize: bool = False

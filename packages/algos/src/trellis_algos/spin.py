@@ -34,6 +34,7 @@ from trellis import (
     SamplingParams,
     TrainerConfig,
     check_inputs,
+    choice,
     component,
     encode_response,
     instantiate_options,
@@ -54,7 +55,7 @@ class SPINConfig(RecipeConfig):
     data: PromptData = field(default_factory=PromptData)  # with pairs: reference, each row's answer in extra_info.answer
     rollout: dict = component("rollout", "hf")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    pairs: str = "reference"  # reference (dataset answer vs each sample) | ranked (best vs worst sample by reward)
+    pairs: str = choice("reference", PAIR_SOURCES)  # reference: dataset answer vs each sample; ranked: best vs worst sample by reward
     reward: RewardConfig = field(default_factory=RewardConfig)  # ranks samples (ranked) and scores held-out prompts
     ref_update_every: int = ranged(1, ge=0)  # steps between reference <- actor (0: never)
     train: PreferenceTrainConfig = field(default_factory=PreferenceTrainConfig)
@@ -64,8 +65,6 @@ class SPINConfig(RecipeConfig):
 def check(cfg: DictConfig, registry: Any) -> None:
     """What a user can fix, before anything is written or built."""
     check_inputs(cfg)
-    if cfg.pairs not in PAIR_SOURCES:
-        raise ConfigError(f"config key 'pairs' is {cfg.pairs!r}; valid: {', '.join(PAIR_SOURCES)}")
     if cfg.pairs == "ranked" and cfg.sampling.n < 2:
         raise ConfigError(f"config key 'sampling.n' is {cfg.sampling.n}; pairs: ranked compares samples of a prompt, so it needs at least 2")
     try:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from trellis import Batch, ranged
+from trellis import Batch, choice, ranged
 from trellis.kit.backend import (
     IMPLEMENTATIONS,
     Backend,
@@ -79,13 +79,13 @@ class FSDPOptions:
     offload_params: while a rollout engine generates, keep this role's optimizer state /
     parameter shards in host memory (``offload`` / ``onload``)."""
 
-    dtype: str = "float32"
-    param_dtype: str | None = "auto"
-    reduce_dtype: str | None = "auto"
+    dtype: str = choice("float32", tuple(DTYPES))
+    param_dtype: str | None = choice("auto", (*DTYPES, "auto"))
+    reduce_dtype: str | None = choice("auto", (*DTYPES, "auto"))
     activation_checkpointing: bool = False
     entropy_chunk_size: int | None = ranged(2048, ge=1)
     padding_free: bool = False
-    optimizer: str = "auto"
+    optimizer: str = choice("auto", IMPLEMENTATIONS)
     offload_optimizer: bool = False
     offload_params: bool = False
 

@@ -40,10 +40,9 @@ from trellis.kit.backend import (
 )
 from trellis_megatron.bridge import build_gpt, export_hf, hf_shapes, load_hf, make_bridge
 from trellis_megatron.distributed import all_reduce_sum, init_parallel
-from trellis_megatron.options import MegatronOptions
+from trellis_megatron.options import DTYPES, MegatronOptions
 from trellis_megatron.outputs import role_outputs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Kernels that need Apex or Transformer Engine (absent here): the local layers' plain PyTorch paths
 NO_FUSIONS = {
     "masked_softmax_fusion": False,

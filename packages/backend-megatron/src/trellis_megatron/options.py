@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trellis import Mesh, ranged
+import torch
+
+from trellis import Mesh, choice, ranged
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -16,7 +20,7 @@ class MegatronOptions:
 
     tensor_parallel: int = ranged(1, ge=1)
     pipeline_parallel: int = ranged(1, ge=1)
-    dtype: str = "float32"
+    dtype: str = choice("float32", tuple(DTYPES))
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
 

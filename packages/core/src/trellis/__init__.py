@@ -19,6 +19,7 @@ _API = {
     "RegistryError": "trellis.registry",
     "load_plugins": "trellis.plugins",
     # config
+    "choice": "trellis.config",
     "component": "trellis.config",
     "ranged": "trellis.config",
     "ConfigError": "trellis.config",
@@ -27,6 +28,8 @@ _API = {
     "compose": "trellis.config",
     # data and rewards
     "Batch": "trellis.batch",
+    "position_ids": "trellis.batch",
+    "last_valid_index": "trellis.batch",
     "load_rows": "trellis.data",
     "load_prompt_data": "trellis.data",
     "encode_response": "trellis.data",
@@ -65,6 +68,7 @@ _API = {
     "PreferenceInputs": "trellis.interfaces.signatures",
     "Objective": "trellis.interfaces.signatures",
     "pair_batch": "trellis.interfaces.signatures",
+    "PAIR_FIELDS": "trellis.interfaces.signatures",
     "Interaction": "trellis.interfaces.agents",
     "InteractionTurn": "trellis.interfaces.agents",
     "Tool": "trellis.interfaces.agents",

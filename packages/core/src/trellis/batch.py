@@ -4,6 +4,7 @@ Tensors live in a ``tensordict.TensorDict`` (batch dimension 0); strings, dicts 
 Python values live in numpy object arrays of the same length. Every operation that reorders,
 splits or repeats samples applies one index to both, so they never drift apart. ``meta`` holds
 batch-level values (sampling temperature, global token counts) that are not per sample.
+Also the rules every module reads a mask by: :func:`position_ids`, :func:`last_valid_index`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq_len)`` positions of the attended tokens, counted from 0 in each row
+    (``cumsum(attention_mask) - 1``); padding gets 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """``(batch,)`` long: the column of the last nonzero entry of each row of ``mask`` ``(batch, len)``,
+    -1 for a row with none."""
+    columns = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+    return torch.where(mask.bool(), columns, -1).max(-1).values if mask.shape[1] else torch.full(mask.shape[:1], -1, device=mask.device)
 
 
 class Batch:
@@ -189,7 +203,7 @@ class Batch:
         mask = self.tensors[mask_key].bool()
         columns = torch.arange(mask.shape[1])
         first = torch.where(mask, columns, mask.shape[1]).min(-1).values.masked_fill(~mask.any(-1), 0)
-        return first, torch.where(mask, columns, -1).max(-1).values
+        return first, last_valid_index(mask)
 
     def split_by_tokens(self, max_tokens: int, mask_key: str) -> list[Batch]:
         """Micro-batches of consecutive samples whose padded size (samples x the columns they span

@@ -3,7 +3,8 @@
 A recipe declares its config as a dataclass (registered as the recipe's options). A field made
 with :func:`component` holds a named component (``{name: grpo, <options>}``) whose options are
 checked against the dataclass that the component registered; a field made with :func:`ranged`
-declares the numbers it accepts. Every error names the dotted path, the bad value and the fix.
+declares the numbers it accepts, one made with :func:`choice` the strings. Every error names the
+dotted path, the bad value and the fix.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ class ConfigError(ValueError):
 
 COMPONENT_KIND = "trellis_component_kind"
 RANGE = "trellis_range"
+CHOICES = "trellis_choices"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,56 @@ def ranged(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """The strings a string option accepts: ``values``, or the names registered for component
+    ``kind`` (plugins add to them)."""
+
+    values: tuple[str, ...] = ()
+    kind: str | None = None
+
+    def check(self, path: str, value: Any, registry: Registry) -> None:
+        """Raise ``ConfigError`` naming ``path``, the value, the valid values and the closest of
+        them when ``value`` (or an item of it) is not one of them; None passes."""
+        items = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+        for item in items:
+            if item is None:
+                continue
+            shown = repr(value) if item is value else f"{_show(value)} (item {item!r})"
+            if self.kind is not None:
+                try:
+                    registry.get(self.kind, item)
+                except RegistryError as exc:
+                    raise ConfigError(f"config key {path!r} is {shown}: {exc}") from None
+            elif item not in self.values:
+                close = difflib.get_close_matches(str(item), self.values, n=1, cutoff=0.0)
+                raise ConfigError(
+                    f"config key {path!r} is {shown}; valid values: {', '.join(self.values)}; did you mean {close[0]!r}?"
+                )
+
+
+def choice(
+    default: Any = dataclasses.MISSING, values: Sequence[str] = (), *, kind: str | None = None, default_factory: Any = dataclasses.MISSING
+) -> Any:
+    """A string option with the values it accepts, checked when the config is composed:
+    ``lr_schedule: str = choice("constant", ("constant", "cosine"))``, or with ``kind`` the names
+    registered for that component kind (``tool_parser: str = choice("hermes", kind="tool_parser")``).
+    None passes (for optional fields); a list's items are each checked."""
+    if (kind is None) == (not values):
+        raise ValueError("choice() takes either the valid values or a component kind")
+    if values and default not in (dataclasses.MISSING, None, *values):
+        raise ValueError(f"choice(): the default {default!r} is not one of the valid values {list(values)}")
+    metadata = {CHOICES: Choices(tuple(values), kind)}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def field_choices(f: dataclasses.Field) -> Choices | None:
+    """The values a :func:`choice` field declares, or None."""
+    return f.metadata.get(CHOICES)
+
+
 def option_dataclasses(schema: type) -> list[type]:
     """``schema`` and every options dataclass nested in it (sections and list items), each once."""
     found: list[type] = []
@@ -97,6 +150,12 @@ def numeric_fields(schema: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(schema) if _is_numeric(hints[f.name])]
 
 
+def string_fields(schema: type) -> list[dataclasses.Field]:
+    """The fields of ``schema`` that hold strings (optional, or a list of them), unions with other types excepted."""
+    hints = typing.get_type_hints(schema)
+    return [f for f in dataclasses.fields(schema) if _is_string(hints[f.name])]
+
+
 def unranged_options(registry: Registry) -> list[str]:
     """``Class.field`` for every numeric option, in the installed recipes' and components' options,
     that declares no range (see :func:`ranged`)."""
@@ -113,6 +172,15 @@ def _is_numeric(hint: Any) -> bool:
     if args and len(args) == 1 and typing.get_origin(hint) in (typing.Union, types.UnionType):
         return _is_numeric(args[0])
     return hint in (int, float)
+
+
+def _is_string(hint: Any) -> bool:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return bool(args) and _is_string(args[0])
+    if args and len(args) == 1 and typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return _is_string(args[0])
+    return hint is str
 
 
 def field_range(f: dataclasses.Field) -> Range | None:
@@ -225,7 +293,7 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", 
     hints = typing.get_type_hints(schema)
     node = OmegaConf.structured(schema if default is None else default)
     # plain values first: their errors need no registry lookup
-    for name, f in sorted(fields.items(), key=lambda item: COMPONENT_KIND in item[1].metadata):
+    for name, f in sorted(fields.items(), key=lambda item: _needs_registry(item[1])):
         sub_path = f"{path}{name}"
         kind = f.metadata.get(COMPONENT_KIND)
         if kind is not None:
@@ -251,10 +319,20 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", 
                 node[name] = value
             except OmegaConfBaseException as exc:
                 raise ConfigError(_wrong_type(sub_path, value, hints[name], exc)) from None
-        allowed = field_range(f)
-        if allowed is not None and not OmegaConf.is_missing(node, name) and not OmegaConf.is_interpolation(node, name):
+        if OmegaConf.is_missing(node, name) or OmegaConf.is_interpolation(node, name):
+            continue
+        allowed, choices = field_range(f), field_choices(f)
+        if allowed is not None:
             check_range(sub_path, node[name], allowed)
+        if choices is not None:
+            choices.check(sub_path, node[name], registry)
     return node
+
+
+def _needs_registry(f: dataclasses.Field) -> bool:
+    """Whether checking field ``f`` looks names up in the registry (a component, or a choice of a kind's names)."""
+    choices = field_choices(f)
+    return COMPONENT_KIND in f.metadata or (choices is not None and choices.kind is not None)
 
 
 def _section_default(parent: Any, f: dataclasses.Field) -> Any:

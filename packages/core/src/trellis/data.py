@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from trellis.batch import Batch
+from trellis.batch import Batch, position_ids
 from trellis.interfaces.rollout import pad_id
+from trellis.rng import stream_seed
 
 logger = logging.getLogger("trellis")
 
@@ -247,7 +248,7 @@ def load_prompt_rows(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, An
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, position_ids)``, each ``(batch, longest)``, padded on the left.
 
-    position_ids = cumsum(attention_mask) - 1, clipped at 0 (padding gets 0).
+    position_ids: :func:`trellis.batch.position_ids` (padding gets 0).
     """
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -256,7 +257,7 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
         if s:
             ids[r, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
             mask[r, width - len(s):] = 1
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, position_ids(mask)
 
 
 # -- loaders ---------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ class _EpochLoader:
         """Item indices of ``epoch`` in the order they are served."""
         if not self.shuffle:
             return list(range(self.num_items))
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
+        g = torch.Generator().manual_seed(stream_seed(self.seed, epoch))
         return torch.randperm(self.num_items, generator=g).tolist()
 
     def next_indices(self) -> tuple[list[int], int]:
@@ -494,7 +495,7 @@ def _right_pad(items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tens
         ids[r, :n] = torch.as_tensor(it["input_ids"])
         attn[r, :n] = 1
         loss[r, :n] = torch.as_tensor(it["loss_mask"])
-    return {"input_ids": ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0), "loss_mask": loss}
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": position_ids(attn), "loss_mask": loss}
 
 
 def _pack(items: list[dict[str, Any]], pad_id: int, row_length: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from trellis.batch import Batch
+from trellis.batch import Batch, last_valid_index
 from trellis.config import ranged
 
 logger = logging.getLogger("trellis")
@@ -276,7 +276,7 @@ class RewardManager:
     def score(self, batch: Batch) -> RewardResult:
         responses, mask = batch["responses"], batch["response_mask"]
         n = len(batch)
-        last = _last_valid(mask)
+        last = last_valid_index(mask)
         solutions = [self.tokenizer.decode(responses[i, : last[i] + 1].tolist(), skip_special_tokens=True) for i in range(n)]
         data_sources = list(batch["data_source"]) if "data_source" in batch else _missing(batch, "data_source")
         ground_truths = _ground_truths(batch)
@@ -391,12 +391,6 @@ def _is_number(v: Any) -> bool:
     return type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "size", 0) == 1
 
 
-def _last_valid(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last 1 in each row of ``mask`` ``(batch, len)``, -1 for an all-zero row."""
-    if mask.shape[1] == 0:
-        return torch.full((mask.shape[0],), -1, dtype=torch.long)
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
 
 
 def _ground_truths(batch: Batch) -> list[Any]:

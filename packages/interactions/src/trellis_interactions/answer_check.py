@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trellis import Interaction, InteractionTurn, gsm8k_score, ranged
+from trellis import Interaction, InteractionTurn, choice, gsm8k_score, ranged
 
 
 @dataclass
@@ -15,14 +15,10 @@ class AnswerCheckOptions:
     feedback: the user turn sent after a wrong answer. score / wrong_score: a turn's score when the
     answer is right / wrong (wrong includes no answer)."""
 
-    method: str = "strict"
+    method: str = choice("strict", ("strict", "flexible"))
     feedback: str = "Wrong, try again."
     score: float = ranged(1.0)  # any finite number
     wrong_score: float = ranged(0.0)
-
-    def __post_init__(self) -> None:
-        if self.method not in ("strict", "flexible"):
-            raise ValueError(f"interaction gsm8k: method={self.method!r}; use 'strict' or 'flexible'")
 
 
 class AnswerCheck(Interaction):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from trellis import Batch, ranged
+from trellis import Batch, choice, ranged
 from trellis.kit.engine import (
     Generation,
     RolloutEngine,
@@ -39,9 +39,9 @@ class HFRolloutOptions:
     generate from that model (no copy of the weights, no sync after each update); false: keep a
     copy and sync it."""
 
-    dtype: str | None = None
+    dtype: str | None = choice(None, tuple(DTYPES))
     micro_batch_prompts: int = ranged(0, ge=0)
-    device: str = "auto"
+    device: str = choice("auto", ("auto", "cuda", "cpu"))
     share_actor_weights: bool = True
 
 

@@ -173,10 +173,7 @@ class SGLangRollout(RolloutEngine):
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         rows = [row[keep].tolist() for row, keep in zip(ids, mask)]
         input_ids = [r for r in rows for _ in range(params.n)]  # prompt i's samples at i*n .. i*n+n-1
-        sampling = [
-            self._sampling(params, None if params.seed is None else params.seed + k)
-            for k in range(len(input_ids))
-        ]  # fmt: skip
+        sampling = [self._sampling(params, params.sample_seed(k)) for k in range(len(input_ids))]
         outputs = self._run(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True))
         tokens = [list(o["output_ids"]) for o in outputs]
         log_probs = [_sampled_log_probs(o) for o in outputs]

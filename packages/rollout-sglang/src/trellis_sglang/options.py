@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trellis import ranged
+from trellis import choice, ranged
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SYNC_METHODS = ("tensor", "distributed")
@@ -39,7 +39,7 @@ class SGLangRolloutOptions:
     engine_kwargs: any other ``sglang.Engine`` keyword arguments (``ServerArgs`` fields), passed through.
     """
 
-    dtype: str | None = None
+    dtype: str | None = choice(None, DTYPES)
     context_length: int = ranged(0, ge=0)
     mem_fraction_static: float = ranged(0.5, gt=0, le=1)
     max_total_tokens: int = ranged(0, ge=0)
@@ -48,7 +48,7 @@ class SGLangRolloutOptions:
     attention_backend: str = ""
     disable_cuda_graph: bool | None = None
     sync_bucket_mb: float = ranged(512.0, gt=0)
-    sync_method: str = "tensor"
+    sync_method: str = choice("tensor", SYNC_METHODS)
     enable_memory_saver: bool = True
     log_level: str = "error"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)

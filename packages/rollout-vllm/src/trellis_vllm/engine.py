@@ -172,7 +172,7 @@ class VLLMRollout(RolloutEngine):
         if params.seed is None:
             sampling: Any = self._sampling(params, params.n, None)
         else:  # distinct seeds per prompt; vLLM adds the sample index for each of the n samples
-            sampling = [self._sampling(params, params.n, (params.seed + i * params.n) % _SEED_MOD) for i in range(len(requests))]
+            sampling = [self._sampling(params, params.n, params.sample_seed(i * params.n) % _SEED_MOD) for i in range(len(requests))]
         with self._lock:
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         tokens: list[list[int]] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trellis import ranged
+from trellis import choice, ranged
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")
@@ -37,14 +37,14 @@ class VLLMRolloutOptions:
     engine_kwargs: any other ``vllm.LLM`` keyword arguments, passed through unchanged.
     """
 
-    dtype: str | None = None
+    dtype: str | None = choice(None, DTYPES)
     max_model_len: int = ranged(0, ge=0)
     gpu_memory_utilization: float = ranged(0.5, gt=0, le=1)
     kv_cache_gib: float = ranged(0.0, ge=0)
     tensor_parallel_size: int = ranged(1, ge=1)
     enforce_eager: bool | None = None
     seed: int | None = ranged(None, ge=0)
-    executor: str = "uni"
+    executor: str = choice("uni", EXECUTORS)
     in_process: bool = True
     enable_sleep_mode: bool = True
     sleep_level: int = ranged(2, ge=1, le=2)

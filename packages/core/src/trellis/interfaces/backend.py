@@ -56,8 +56,8 @@ LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str
 # A backend declares its own set in ``Backend.outputs`` (e.g. adding auxiliary outputs such as
 # router logits); objectives and forwards asking for one it lacks are refused by name.
 OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", "scores")
-# Batch fields the built-in backends' forwards read (``Backend.model_inputs``);
-# log_probs/entropy/sum_sq_probs/values also read ``responses``.
+# Batch fields the built-in backends' forwards read (``Backend.model_inputs``), and what a rollout
+# engine reads of a prompt batch; log_probs/entropy/sum_sq_probs/values also read ``responses``.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 

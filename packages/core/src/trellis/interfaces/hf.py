@@ -11,7 +11,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from trellis.batch import Batch
+from trellis.batch import Batch, last_valid_index
+from trellis.interfaces.backend import MODEL_INPUTS
 
 
 def _float(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -126,7 +127,7 @@ def value_outputs(head: torch.Tensor, micro: Batch, outputs: tuple[str, ...]) ->
         n = micro["responses"].shape[1]
         out["values"] = head[:, -n - 1 : -1].float()
     if "scores" in outputs:
-        last = micro["attention_mask"].to(head.device).cumsum(-1).argmax(-1)
+        last = last_valid_index(micro["attention_mask"].to(head.device))
         out["scores"] = head.gather(-1, last.unsqueeze(-1)).squeeze(-1).float()
     return out
 
@@ -208,7 +209,7 @@ def _packed_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.
     if (first[mask.any(-1)] != 0).any():
         raise ValueError(
             f"backend.padding_free packs samples by their position_ids, which must start at 0 on each sample's first attended "
-            f"token; these start at {first.tolist()}: give position_ids as attention_mask.cumsum(-1) - 1, or set padding_free=false"
+            f"token; these start at {first.tolist()}: give position_ids = trellis.batch.position_ids(attention_mask), or set padding_free=false"
         )
     index = torch.full(mask.shape, -1, dtype=torch.long)
     index[mask] = torch.arange(int(mask.sum()))
@@ -289,7 +290,7 @@ def forward_outputs(
     if padding_free:
         return packed_outputs(model, micro, outputs, head, chunk_size)
     device = next(model.parameters()).device
-    inputs = {k: micro[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = {k: micro[k].to(device) for k in MODEL_INPUTS}
     if head == "value":
         return value_outputs(model(**inputs).logits[..., 0], micro, outputs)
     if "label_log_probs" not in outputs:

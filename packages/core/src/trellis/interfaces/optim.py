@@ -28,10 +28,13 @@ def make_optimizer(params, cfg, total_steps: int, implementation: str = "auto") 
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "per_tensor")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 def lr_factor(warmup: int, schedule: str, min_ratio: float, total_steps: int):
     """Multiplier of the base LR at scheduler step ``s`` (0-based)."""
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"actor/critic optim.lr_schedule {schedule!r} is unknown; valid: constant, cosine")
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"LR schedule {schedule!r} is unknown; valid: {', '.join(LR_SCHEDULES)}")
 
     def factor(s: int) -> float:
         if s < warmup:

@@ -4,7 +4,6 @@ and what every engine shares (stop tokens, the right-padded sample layout, the s
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -14,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trellis.batch import Batch
+from trellis.batch import Batch, position_ids
 
 log = logging.getLogger("trellis")
 
@@ -55,7 +54,6 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-PROMPT_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a rollout engine reads of a prompt batch
 
 
 @dataclass
@@ -73,9 +71,19 @@ class SamplingParams:
 
     def at_step(self, step: int, samples_per_step: int) -> SamplingParams:
         """These params for trainer step ``step`` (1-based). Per-request seeds are opt-in: with a
-        ``seed``, it moves on by the step's samples, so that with each engine adding a sample's
-        index in the step every sample of a run gets a seed of its own."""
-        return self if self.seed is None else dataclasses.replace(self, seed=self.seed + (step - 1) * samples_per_step)
+        ``seed``, it moves on by the step's samples, so that with each engine seeding a sample
+        with :meth:`sample_seed` every sample of a run gets a seed of its own."""
+        return self.skip((step - 1) * samples_per_step)
+
+    def skip(self, samples: int) -> SamplingParams:
+        """These params for the samples after the first ``samples`` (a later step, or a later
+        engine's chunk of the prompts): the seed moves on by ``samples``; None stays None."""
+        return self if self.seed is None else dataclasses.replace(self, seed=self.seed + samples)
+
+    def sample_seed(self, sample: int) -> int | None:
+        """The seed of sample ``sample`` of a call (prompt ``i``'s ``j``-th sample is ``i * n + j``):
+        ``seed + sample``, or None without a seed."""
+        return None if self.seed is None else self.seed + sample
 
 
 @dataclass
@@ -92,7 +100,7 @@ class RolloutFn(Protocol):
     share of the prompts (the multi-turn recipe's is ``trellis.multiturn.rollout.AgentRollout``).
     It must pickle: the Ray controller sends it to every rank.
 
-    inputs: the prompt fields it reads (e.g. ``PROMPT_INPUTS`` plus ``raw_prompt``); the other
+    inputs: the prompt fields it reads (e.g. ``MODEL_INPUTS`` plus ``raw_prompt``); the other
         fields stay with the caller and are repeated onto each prompt's samples.
     ``__call__(engine, prompts, params)``: ``params.n`` samples per prompt in the ``rollout_batch``
         layout (prompt i's at rows i*n .. i*n+n-1), or an awaitable of them; an async function runs
@@ -171,7 +179,7 @@ def rollout_batch(
                 "rollout_log_probs": log_probs * response_mask,
                 "input_ids": torch.cat([out["input_ids"], responses], dim=1),
                 "attention_mask": attention_mask,
-                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+                "position_ids": position_ids(attention_mask),
             }
         )
     )
@@ -223,8 +231,7 @@ class RolloutEngine(ABC):
         ``shapes``: the update's manifest, name -> full shape in the order ``weights`` yields them
         (the trainer's ``weight_shapes()``): the engine checks it before reading any tensor, then
         reads ``weights`` once, lazily, one tensor at a time. None: ``weights`` may be read whole
-        (e.g. a list) and is checked before loading. Engines written before the manifest, whose
-        ``load_weights`` has no ``shapes``, get the stream alone (:func:`takes_manifest`)."""
+        (e.g. a list) and is checked before loading."""
 
     def adopt_module(self, module: torch.nn.Module) -> bool:
         """Generate from ``module``, the actor's own model in this process (its one rank holds the
@@ -245,22 +252,13 @@ class RolloutEngine(ABC):
         Calling it twice is harmless."""
 
 
-def takes_manifest(engine: RolloutEngine) -> bool:
-    """Whether ``engine.load_weights`` takes ``shapes=`` (a streamed update with its manifest)."""
-    return "shapes" in inspect.signature(engine.load_weights).parameters
-
-
 def sync_engine(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
     """Load new weights into a possibly sleeping engine with the least memory at once: free the
     trainer's cached blocks, wake the weights alone, load, free the export's buffers, then wake the
-    KV cache. ``shapes``: the update's manifest (see :meth:`RolloutEngine.load_weights`), passed
-    on when given."""
+    KV cache. ``shapes``: the update's manifest (see :meth:`RolloutEngine.load_weights`)."""
     _free_cached()
     engine.wake([WEIGHTS])
-    if shapes is None:
-        engine.load_weights(weights)
-    else:
-        engine.load_weights(weights, shapes=shapes)
+    engine.load_weights(weights, shapes=shapes)
     _free_cached()
     engine.wake([KV_CACHE])
 

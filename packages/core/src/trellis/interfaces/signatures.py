@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from trellis.batch import Batch
+from trellis.interfaces.backend import MODEL_INPUTS
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -74,7 +75,8 @@ class Aggregation:
     mode: ``token-mean`` | ``token-sum`` | ``seq-mean-token-sum`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum-norm``.
     global_tokens: valid tokens in the whole mini-batch (``token-mean``); None = this micro-batch's.
     global_seqs: sequences in the whole mini-batch (``seq-mean-*``); None = this micro-batch's.
-    norm_constant: divisor for ``seq-mean-token-sum-norm``; None = the response length.
+    norm_constant: divisor for ``seq-mean-token-sum-norm``; None = this micro-batch's width
+        (``aggregation_for`` always sets it: a trimmed micro-batch's width is not the mini-batch's).
     """
 
     mode: str = "token-mean"
@@ -86,7 +88,10 @@ class Aggregation:
 def aggregation_for(mode: str, mask: torch.Tensor, norm_constant: float | None = None) -> Aggregation:
     """The ``Aggregation`` for a mini-batch with ``mask`` ``(batch, len)``: its valid-token and
     valid-sequence counts, to pass unchanged to every micro-batch cut from it (after summing the
-    counts over data-parallel ranks)."""
+    counts over data-parallel ranks), and the ``seq-mean-token-sum-norm`` divisor:
+    ``norm_constant``, or else the mini-batch's full width ``len`` (the padded response length,
+    the same on every data-parallel rank), so micro-batches trimmed to their own widths all
+    divide by one constant."""
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
     valid = mask != 0
@@ -94,7 +99,7 @@ def aggregation_for(mode: str, mask: torch.Tensor, norm_constant: float | None =
         mode=mode,
         global_tokens=float(valid.sum().item()),
         global_seqs=float(valid.any(-1).sum().item()),
-        norm_constant=norm_constant,
+        norm_constant=float(mask.shape[-1]) if norm_constant is None else norm_constant,
     )
 
 
@@ -141,13 +146,16 @@ class PreferenceInputs:
     ref_rejected: torch.Tensor
 
 
+# each side's fields in a pair batch: the rollout layout of a sample
+PAIR_FIELDS = (*MODEL_INPUTS, "responses", "response_mask")
+
+
 def pair_batch(chosen: Batch, rejected: Batch, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> Batch:
     """Preference pairs for the ``preference`` objective: the rows of ``chosen`` and ``rejected``
     (rollout layout: ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,
     ``response_mask``), pair i = row i of each, prefixed ``chosen_`` / ``rejected_``, plus the
     reference's summed response log-probs ``ref_chosen_log_prob`` / ``ref_rejected_log_prob`` ``(pairs,)``."""
-    keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-    fields = {f"{side}_{k}": part[k] for side, part in (("chosen", chosen), ("rejected", rejected)) for k in keys}
+    fields = {f"{side}_{k}": part[k] for side, part in (("chosen", chosen), ("rejected", rejected)) for k in PAIR_FIELDS}
     fields["ref_chosen_log_prob"] = ref_chosen
     fields["ref_rejected_log_prob"] = ref_rejected
     return Batch(fields, meta=chosen.meta)

@@ -5,7 +5,7 @@ from trellis.interfaces.dispatch import Mesh
 from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model, value_outputs
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, lr_factor, make_optimizer, schedule_step
 from trellis.interfaces.process_group import device_for, join_process_group, leave_process_group
-from trellis.runtime.rng import get_rng_state, set_rng_state
+from trellis.rng import get_rng_state, set_rng_state
 
 __all__ = [
     # the interface and where a rank sits

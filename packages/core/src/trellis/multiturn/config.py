@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from trellis.config import ranged
+from trellis.config import choice, ranged
 
 SCORES = ("last", "sum", "reward")
 
@@ -75,7 +75,7 @@ class MultiTurnConfig:
     max_response_tokens: int = ranged(0, ge=0)
     interactions: list[InteractionConfig] = field(default_factory=list)
     tools: list[ToolConfig] = field(default_factory=list)
-    tool_parser: str = "hermes"
+    tool_parser: str = choice("hermes", kind="tool_parser")
     max_tool_response_chars: int = ranged(1024, ge=1)
-    score: str = "last"
+    score: str = choice("last", SCORES)
     max_concurrent_samples: int = ranged(64, ge=1)

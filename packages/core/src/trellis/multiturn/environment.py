@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trellis.config import ConfigError, instantiate_options, validate
 from trellis.interfaces.agents import Interaction, Tool
-from trellis.multiturn.config import SCORES, InteractionConfig, MultiTurnConfig, ToolConfig
+from trellis.multiturn.config import InteractionConfig, MultiTurnConfig, ToolConfig
 from trellis.multiturn.tool_calls import ToolCallParser
 from trellis.multiturn.verl_compat import VerlInteraction, VerlTool, import_class
 from trellis.registry import Registry, RegistryError
@@ -59,10 +59,7 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
             raise ConfigError(f"config key '{key}': a tool named {name!r} is configured twice")
         schemas.append(schema)
         tools.append((make, tcfg))
-    try:
-        parser = registry.get("tool_parser", settings.tool_parser).obj
-    except RegistryError as exc:
-        raise ConfigError(f"config key 'multi_turn.tool_parser': {exc}") from None
+    parser = registry.get("tool_parser", settings.tool_parser).obj
     return AgentSpec(settings, interactions, tools, parser, tokenizer, {"tools": schemas} if schemas else {})
 
 
@@ -72,8 +69,6 @@ def _settings(node: DictConfig) -> MultiTurnConfig:
     interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
     tools = [ToolConfig(**x) for x in data.pop("tools")]
     settings = MultiTurnConfig(**data, interactions=interactions, tools=tools)
-    if settings.score not in SCORES:
-        raise ConfigError(f"config key 'multi_turn.score' is {settings.score!r}; valid: {', '.join(SCORES)}")
     if not settings.interactions and not settings.tools:
         raise ConfigError("multi_turn.enable=true needs at least one entry in multi_turn.interactions or multi_turn.tools")
     return settings

@@ -14,7 +14,8 @@ import torch
 from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.agents import AgentLoop, Trajectory
-from trellis.interfaces.rollout import PROMPT_INPUTS, RolloutEngine, SamplingParams, pad_id, rollout_batch
+from trellis.interfaces.backend import MODEL_INPUTS
+from trellis.interfaces.rollout import RolloutEngine, SamplingParams, pad_id, rollout_batch
 from trellis.multiturn.environment import AgentSpec, Environment
 from trellis.registry import Registry, RegistryError
 
@@ -31,7 +32,7 @@ class AgentRollout:
 
     spec: AgentSpec
     loops: dict[str, type[AgentLoop]]
-    inputs = (*PROMPT_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
+    inputs = (*MODEL_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
 
     async def __call__(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` conversations per prompt, every loop's samples in flight together (up to
@@ -56,8 +57,8 @@ class AgentRollout:
         for i in range(len(prompts)):
             ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
             for j in range(params.n):
-                seed = None if params.seed is None else params.seed + i * params.n + j
-                args = (ids, prompts["raw_prompt"][i], prompts["extra_info"][i] or {}, dataclasses.replace(params, n=1, seed=seed))
+                single = dataclasses.replace(params, n=1, seed=params.sample_seed(i * params.n + j))
+                args = (ids, prompts["raw_prompt"][i], prompts["extra_info"][i] or {}, single)
                 jobs.append(one(built[names[i]], *args))
         out = assemble(prompts, params, await asyncio.gather(*jobs), pad_id(self.spec.tokenizer))
         out[AGENT_COLUMN] = [name for name in names for _ in range(params.n)]

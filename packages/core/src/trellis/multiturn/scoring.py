@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trellis.batch import Batch
+from trellis.batch import Batch, last_valid_index
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.rewards import RewardManager, RewardResult
 
@@ -33,11 +33,8 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
     """``(batch, response_len)`` zeros with ``scores[i]`` on row i's last mask-1 token (a row with
     no model token gets none)."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    if response_mask.shape[1] == 0:
-        return out
-    counts = response_mask.long().cumsum(-1)
-    last = counts.argmax(-1)  # the first position holding the row's total: its last 1
-    has = counts[:, -1] > 0
+    last = last_valid_index(response_mask)
+    has = last >= 0
     out[has, last[has]] = scores[has].float()
     return out
 

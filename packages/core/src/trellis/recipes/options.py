@@ -8,7 +8,9 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from trellis.config import ConfigError, component, ranged
+from trellis.config import ConfigError, choice, component, ranged
+from trellis.interfaces.optim import LR_SCHEDULES
+from trellis.interfaces.signatures import AGG_MODES
 
 
 @dataclass
@@ -27,14 +29,14 @@ class TrainerConfig:
 
     total_steps: int = ranged(10, ge=0)
     run_dir: str | None = None
-    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    trackers: list[str] = choice(kind="tracker", default_factory=lambda: ["console", "jsonl"])
     val_every_steps: int = ranged(0, ge=0)  # 0: validate only before and after training
     log_samples: int = ranged(0, ge=0)  # decoded prompt/response/reward rows per step in <run_dir>/samples.jsonl
     threads: str = "auto"
-    controller: str = "local"  # local | ray
+    controller: str = choice("local", ("local", "ray"))
     nnodes: int = ranged(1, ge=1)  # ray: nodes
     procs_per_node: int = ranged(1, ge=1)  # ray: ranks per node (GPUs, or CPU processes)
-    separate_pools: list[str] = field(default_factory=list)  # ray: roles (critic, reward_model) on pools of their own
+    separate_pools: list[str] = choice(values=("critic", "reward_model"), default_factory=list)  # ray: roles on pools of their own
     ray_timeout_s: float = ranged(120.0, gt=0)  # ray: placement must succeed within this
     ray_call_timeout_s: float = ranged(3600.0, gt=0)  # ray: any one call to the ranks must finish within this
     save_hf_model: bool = False  # write the final policy as a Hugging Face folder in <run_dir>/hf_model
@@ -119,7 +121,7 @@ class OptimConfig:
     betas: list[float] = ranged(default_factory=lambda: [0.9, 0.999], ge=0, lt=1)
     eps: float = ranged(1e-8, gt=0)
     warmup_steps: int = ranged(0, ge=0)
-    lr_schedule: str = "constant"  # constant | cosine
+    lr_schedule: str = choice("constant", LR_SCHEDULES)
     min_lr_ratio: float = ranged(0.0, ge=0, le=1)  # cosine floor, as a fraction of lr
     grad_clip: float = ranged(1.0, ge=0)  # max global grad norm; 0 disables clipping
 
@@ -147,11 +149,11 @@ class ActorConfig(BatchingConfig):
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: dict = component("policy_loss", "vanilla")
-    loss_agg_mode: str = "token-mean"
-    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = response length
+    loss_agg_mode: str = choice("token-mean", AGG_MODES)
+    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = the mini-batch's padded response length
     use_kl_loss: bool = False
     kl_loss_coef: float = ranged(0.001, ge=0)
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = choice("low_var_kl", kind="kl")
     entropy_coeff: float = ranged(0.0, ge=0)
 
 
@@ -162,8 +164,8 @@ class CriticConfig(BatchingConfig):
     model_path: str | None = None  # None: start from the actor's model
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = ranged(0.5, gt=0)
-    loss_agg_mode: str = "token-mean"
-    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = response length
+    loss_agg_mode: str = choice("token-mean", AGG_MODES)
+    loss_norm_constant: float | None = ranged(None, gt=0)  # seq-mean-token-sum-norm divisor; None = the mini-batch's padded response length
 
 
 @dataclass
@@ -174,7 +176,7 @@ class SFTTrainConfig:
     micro_batch_samples: int = ranged(8, ge=1)
     max_tokens_per_micro_batch: int = ranged(0, ge=0)
     loss: dict = component("sft_loss", "cross_entropy")
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = choice("token-mean", AGG_MODES)
 
 
 @dataclass

@@ -14,11 +14,11 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis.batch import Batch
-from trellis.config import ConfigError, component, instantiate_options, ranged, resolve_component
+from trellis.config import ConfigError, choice, component, instantiate_options, ranged, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
-from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
+from trellis.interfaces.signatures import AdvantageInputs
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
@@ -66,8 +66,8 @@ class AlgorithmConfig:
 
     advantage: dict = component("advantage", "grpo")
     use_kl_in_reward: bool = False
-    kl_penalty: str = "k1"
-    kl_ctrl_type: str = "fixed"  # fixed | adaptive
+    kl_penalty: str = choice("k1", kind="kl")
+    kl_ctrl_type: str = choice("fixed", ("fixed", "adaptive"))
     kl_coef: float = ranged(0.001, ge=0)
     target_kl: float = ranged(0.1, gt=0)
     kl_horizon: int = ranged(10000, ge=1)
@@ -90,8 +90,6 @@ class RLConfig(RecipeConfig):
 
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built."""
-    for key, name in (("actor.kl_loss_type", cfg.actor.kl_loss_type), ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
-        _lookup(registry, "kl", name, key)
     try:
         resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
     except (RewardError, RegistryError) as exc:
@@ -115,8 +113,6 @@ def check(cfg: DictConfig, registry) -> None:
                 f"config key '{role}.mini_batch_samples' is {mini}, but a step has data.train_batch_prompts x sampling.n = "
                 f"{cfg.data.train_batch_prompts} x {cfg.sampling.n} = {samples} samples; choose a divisor of {samples}"
             )
-        if cfg[role].loss_agg_mode not in AGG_MODES:
-            raise ConfigError(f"config key '{role}.loss_agg_mode' is {cfg[role].loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
     if cfg.algorithm.use_kl_in_reward:
         _lookup(registry, "objective", "kl_in_reward", "algorithm.use_kl_in_reward")
     if cfg.reward.name == "auto" and not cfg.reward.path:

@@ -9,10 +9,9 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
-from trellis.config import ConfigError, ranged
+from trellis.config import ranged
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.export import save_hf_folder
-from trellis.interfaces.signatures import AGG_MODES
 from trellis.recipes.options import RecipeConfig, SFTTrainConfig, TrainerConfig, check_inputs
 from trellis.runtime.harness import Run, RunContext
 
@@ -40,8 +39,6 @@ class SFTConfig(RecipeConfig):
 
 def check(cfg: DictConfig, registry) -> None:
     check_inputs(cfg)
-    if cfg.train.loss_agg_mode not in AGG_MODES:
-        raise ConfigError(f"config key 'train.loss_agg_mode' is {cfg.train.loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}")
 
 
 def load_data(cfg: DictConfig, tokenizer) -> tuple[SFTLoader, SFTDataset | None]:

@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trellis.config import ConfigError
-from trellis.runtime.rng import get_rng_state, set_rng_state
+from trellis.rng import get_rng_state, set_rng_state
 
 log = logging.getLogger("trellis")
 

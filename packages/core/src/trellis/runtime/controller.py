@@ -16,17 +16,15 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.interfaces.backend import DistInfo
+from trellis.interfaces.backend import MODEL_INPUTS, DistInfo
 from trellis.interfaces.dispatch import Mesh, Route, batch_position
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
-    PROMPT_INPUTS,
     Generation,
     RolloutEngine,
     RolloutFn,
     SamplingParams,
     sync_engine,
-    takes_manifest,
 )
 from trellis.runtime.worker import Worker
 
@@ -42,9 +40,9 @@ def batch_bytes(batch: Batch) -> int:
 def sync_from(engine: RolloutEngine, worker: Worker) -> None:
     """Load ``worker``'s current weights into ``engine`` (both in this process), exported in the
     engine's ``weight_dtype`` and kept on the worker's device (``all_ranks``: no copy through host
-    memory). An engine that takes a manifest checks the worker's ``weight_shapes()`` first, then
-    reads the export one tensor at a time as the backend gathers it."""
-    shapes = worker.weight_shapes() if takes_manifest(engine) else None
+    memory). The engine checks the worker's ``weight_shapes()`` first (when the backend can tell),
+    then reads the export one tensor at a time as the backend gathers it."""
+    shapes = worker.weight_shapes()  # the manifest first, before the export starts gathering
     sync_engine(engine, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=engine.weight_dtype)), shapes)
 
 
@@ -137,7 +135,7 @@ class RolloutGroup:
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """The engines get the prompts' token ids only; the other fields (data source, ground
         truth, ``uid``...) stay here and are repeated onto each prompt's samples."""
-        return self._sample(prompts, params, PROMPT_INPUTS, self._generate)
+        return self._sample(prompts, params, MODEL_INPUTS, self._generate)
 
     def rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
         """``fn(engine, prompts, params)`` next to each engine, on the engine's share of the

@@ -94,16 +94,13 @@ def make_threads(trainer: DictConfig) -> Threads:
 
 
 def make_controller(trainer: DictConfig) -> Controller:
-    """The controller ``trainer.controller`` names, with its placement options."""
+    """The controller ``trainer.controller`` names (``local`` or ``ray``, checked when the config
+    was composed), with its placement options."""
     if trainer.controller == "local":
         return LocalController()
-    if trainer.controller == "ray":
-        from trellis.runtime.ray_controller import RayController
+    from trellis.runtime.ray_controller import RayController
 
-        return RayController(
-            trainer.nnodes, trainer.procs_per_node, trainer.ray_timeout_s, trainer.ray_call_timeout_s, list(trainer.separate_pools)
-        )
-    raise ConfigError(f"config key 'trainer.controller' is {trainer.controller!r}; valid: local, ray")
+    return RayController(trainer.nnodes, trainer.procs_per_node, trainer.ray_timeout_s, trainer.ray_call_timeout_s, list(trainer.separate_pools))
 
 
 def world_size(trainer: DictConfig) -> int:

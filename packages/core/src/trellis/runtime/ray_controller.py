@@ -275,8 +275,7 @@ class RayRollout(RolloutGroup):
         starts = [int(chunk[0]) if len(chunk) else 0 for chunk in DP_CHUNKS.indices(len(prompts), self.mesh.dp)]
         refs = []
         for i, (r, (part,)) in enumerate(zip(self.pool.ranks, per_rank)):
-            seed = None if params.seed is None else params.seed + starts[self.mesh.coords(i)["dp"]] * params.n
-            refs.append(getattr(r, method).remote(part, SamplingParams(**{**params.__dict__, "seed": seed}), *extra))
+            refs.append(getattr(r, method).remote(part, params.skip(starts[self.mesh.coords(i)["dp"]] * params.n), *extra))
         # groups pad responses to their own longest; gather pads to the longest overall
         return DP_CHUNKS.gather(self.pool.timed(refs, f"rollout.{method}", "rollout"), self.mesh)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +23,7 @@ import torch
 from trellis.batch import Batch
 from trellis.interfaces.backend import Backend, BackendSpec, DistInfo, WeightBucket
 from trellis.interfaces.dispatch import ALL, DP_SPLIT, RANK0, Route
+from trellis.rng import stream_seed
 from trellis.runtime.plan import Plan
 
 # a micro-batch's meta key marking a zero-weight copy that keeps the ranks' collectives in step
@@ -214,7 +214,7 @@ class RoleWorker(Worker):
         first_forward = self._first_forward(verb, objective, batch)
         prefix = getattr(objective, "prefix", None) or self.spec.role
         outputs = objective.outputs + ("entropy",) * (first_forward is not None and "entropy" not in objective.outputs)
-        seed = self.spec.seed * 1000003 + 7919 * (int(batch.meta.get("step", 1)) - 1)
+        seed = stream_seed(self.spec.seed, 7919 * (int(batch.meta.get("step", 1)) - 1))
         metrics: dict[str, list[float]] = defaultdict(list)
         for epoch in range(self.plan.epochs):
             for mini in self.plan.mini_batches(batch, self.spec.dist.dp_size, epoch, seed):
@@ -268,11 +268,7 @@ class RoleWorker(Worker):
     def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
         """Full weights in Hugging Face names, in buckets, cast to ``dtype`` if given (see
         ``Backend.export_weights``)."""
-        if "dtype" in inspect.signature(self.backend.export_weights).parameters:
-            return self.backend.export_weights(bucket_bytes, all_ranks, dtype=dtype)
-        # a backend written before the dtype argument: cast what it exports
-        buckets = self.backend.export_weights(bucket_bytes, all_ranks)
-        return buckets if dtype is None else ([(n, t.to(dtype)) for n, t in bucket] for bucket in buckets)
+        return self.backend.export_weights(bucket_bytes, all_ranks, dtype=dtype)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """Name -> full shape of every exported tensor in export order, without gathering (checked

@@ -92,7 +92,7 @@ class EchoRollout(RolloutEngine):
         out = Batch({"responses": flipped, "response_mask": torch.ones_like(flipped)})
         return out.repeat_interleave(params.n)
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, shapes=None):
         self.loaded = list(weights)
 
 

@@ -2,7 +2,8 @@
 checkpoint and restore, so a resumed run draws the same numbers as one that was never stopped.
 
 Only the current CUDA device's state is kept: a rank uses one device, and a checkpoint holding
-every visible device's state could not be restored where fewer devices are visible."""
+every visible device's state could not be restored where fewer devices are visible. Also
+:func:`stream_seed`, the seed of each shuffle stream of a run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+def stream_seed(seed: int, offset: int) -> int:
+    """The seed of stream ``offset`` (an epoch, a step) of a run seeded ``seed``: the run's seed
+    spread far apart first, so that nearby run seeds do not share streams."""
+    return (seed * 1_000_003 + offset) % 2**63
 
 
 def get_rng_state() -> dict[str, Any]:

@@ -1,0 +1,95 @@
+"""Declared choices of string options: every shipped string option with a fixed set of values
+declares it (``choice``), compose enforces it, and the error names the key, the value, the valid
+values and the closest of them before anything is built."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+from omegaconf import OmegaConf
+
+from trellis.config import ConfigError, choice, compose, option_dataclasses, validate
+from trellis.plugins import load_plugins
+from trellis.recipes.options import TrainerConfig
+
+CORE = load_plugins(entry_points=False).registry
+CORE_SCHEMAS = sorted(
+    {s for entry in CORE.entries() if entry.options for s in option_dataclasses(entry.options)}, key=lambda s: s.__qualname__
+)
+# string options whose values are open: paths, names, free text
+OPEN_ENDED = {
+    "CriticConfig": {"model_path"},
+    "InteractionConfig": {"name", "component", "verl_class"},  # component: a registered name, checked with the section
+    "ModelConfig": {"path", "tokenizer_path"},
+    "RLConfig": {"recipe"},
+    "RewardConfig": {"name", "path"},  # a registered reward or a function in reward.path
+    "SFTConfig": {"recipe"},
+    "SFTData": {"response_key"},
+    "ToolConfig": {"component", "verl_class"},
+    "TrainerConfig": {"run_dir", "threads", "resume", "resume_allow_changes"},  # threads: auto or a count; resume: auto, never or a path
+}
+
+
+def test_every_core_string_option_with_a_fixed_set_of_values_declares_and_enforces_it(assert_choices_enforced):
+    checked = sum(assert_choices_enforced(s, CORE, OPEN_ENDED.get(s.__qualname__, ())) for s in CORE_SCHEMAS)
+    # 3 loss_agg_mode, lr_schedule, controller, trackers, separate_pools, kl_ctrl_type, tool_parser, score
+    # (actor.kl_loss_type and algorithm.kl_penalty name kl estimators: tests/algos, where they are installed)
+    assert checked == 10
+
+
+def test_compose_names_key_value_valid_values_and_closest():
+    with pytest.raises(ConfigError) as err:
+        compose(None, ["recipe=rl", "model.path=m", "data.train_path=d.jsonl", "actor.optim.lr_schedule=cosin"], CORE)
+    assert str(err.value) == "config key 'actor.optim.lr_schedule' is 'cosin'; valid values: constant, cosine; did you mean 'cosine'?"
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"controller": "rey"}, "config key 'trainer.controller' is 'rey'; valid values: local, ray; did you mean 'ray'?"),
+        (
+            {"separate_pools": ["critic", "reward"]},
+            "config key 'trainer.separate_pools' is ['critic', 'reward'] (item 'reward'); valid values: critic, reward_model; "
+            "did you mean 'reward_model'?",
+        ),
+        # a component kind's names: the registry's message, with what is installed
+        (
+            {"trackers": ["console", "jsnol"]},
+            "config key 'trainer.trackers' is ['console', 'jsnol'] (item 'jsnol'): tracker 'jsnol' is not installed "
+            "(installed tracker names: console, jsonl, mlflow, tensorboard, wandb); did you mean 'jsonl'?",
+        ),
+    ],
+)
+def test_list_items_and_component_names_are_checked_too(section, message):
+    with pytest.raises(ConfigError) as err:
+        validate(OmegaConf.create(section), TrainerConfig, CORE, "trainer.")
+    assert str(err.value) == message
+
+
+def test_none_passes_an_optional_choice_and_a_choice_must_hold_its_default():
+    @dataclass
+    class PluginOptions:
+        mode: str | None = choice(None, ("fast", "exact"))
+
+    assert validate(OmegaConf.create({"mode": None}), PluginOptions, CORE).mode is None
+    assert validate(OmegaConf.create({"mode": "exact"}), PluginOptions, CORE).mode == "exact"
+    with pytest.raises(ValueError, match=r"the default 'slow' is not one of the valid values \['fast', 'exact'\]"):
+        choice("slow", ("fast", "exact"))
+    with pytest.raises(ValueError, match="either the valid values or a component kind"):
+        choice("x")
+
+
+def test_train_with_a_misspelt_lr_schedule_stops_before_any_model_or_run_folder(tmp_path, tiny_model_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"recipe: rl\nmodel: {{path: {tiny_model_path}}}\ndata: {{train_path: {data}}}\n")
+    args = ["train", str(config), "actor.optim.lr_schedule=cosin"]
+    proc = subprocess.run([sys.executable, "-m", "trellis.cli", *args], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2
+    expected = "trellis: error: config key 'actor.optim.lr_schedule' is 'cosin'; valid values: constant, cosine; did you mean 'cosine'?"
+    assert proc.stderr.strip().splitlines() == [expected]
+    assert not (tmp_path / "runs").exists()
