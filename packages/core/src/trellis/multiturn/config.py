@@ -69,7 +69,7 @@ class MultiTurnConfig:
     """
 
     enable: bool = False
-    agent_loop: str = "tool_agent"
+    agent_loop: str = choice("tool_agent", kind="agent_loop")
     max_assistant_turns: int = ranged(2, ge=1)
     max_user_turns: int = ranged(1, ge=0)
     max_response_tokens: int = ranged(0, ge=0)
