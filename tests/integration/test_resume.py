@@ -284,6 +284,7 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
     assert cli_main(["export", str(checkpoint), str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert cli_main(["export", str(checkpoint), str(out)]) == 0  # an earlier export is replaced
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", NO_TRELLIS_LOGITS, str(out), str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True)
@@ -300,3 +301,28 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
     untrained = build_worker(registry, "fsdp", "ref", cfg.model.path)
     with torch.no_grad():
         assert not torch.allclose(untrained.backend.model(input_ids=exported["ids"]).logits, logits, atol=1e-3)  # training moved it
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], capture_output=True, text=True)
+
+
+def test_export_never_deletes_the_run_nor_a_folder_it_did_not_write(reference, tmp_path):
+    run_dir = reference[0]
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    for out in (run_dir, run_dir / "hf", run_dir / "checkpoint-4" / "hf", run_dir.parent):
+        proc = run_cli("export", str(run_dir), str(out))
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "an export never writes there: give a folder outside the run" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    proc = run_cli("export", str(run_dir), str(mine))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"trellis: error: trellis export: {str(mine)!r} exists and was not made by trellis export (no trellis_export.json); "
+        "choose another folder or delete it"
+    )
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"

@@ -147,7 +147,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         print(export_checkpoint(args.checkpoint, args.out_dir))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, FileExistsError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2
     return 0
