@@ -18,8 +18,9 @@ from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_pro
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AGG_MODES, AdvantageInputs
+from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.multiturn.environment import AgentSpec, agent_spec, check_interaction_names
+from trellis.multiturn.environment import AgentSpec, agent_spec
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.options import ActorConfig, CriticConfig, ModelConfig, PromptData, SamplingConfig, TrainerConfig, backend_field, check_inputs
 from trellis.registry import RegistryError
@@ -123,11 +124,7 @@ def check(cfg: DictConfig, registry) -> None:
                     f"config key 'reward.name' is auto, which has no reward for data_source {', '.join(map(repr, unknown))} "
                     f"(in data.{key} {cfg.data[key]!r}); name a reward, or give reward.path and reward.name of your own function"
                 )
-    if cfg.multi_turn.enable:
-        names = agent_spec(cfg.multi_turn, registry, tokenizer=None).interaction_names
-        train_rows, val_rows = load_prompt_rows(cfg.data)
-        check_interaction_names(train_rows, names, f"data.train_path {cfg.data.train_path!r}")
-        check_interaction_names(val_rows, names, f"data.val_path {cfg.data.val_path!r}")
+    check_multi_turn(cfg, registry)
     if cfg.algorithm.advantage.name == "opo":
         check_on_policy(cfg, samples)
     if cfg.algorithm.advantage.name in ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline") and cfg.sampling.n < 2:
