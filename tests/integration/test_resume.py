@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -326,3 +328,31 @@ def test_export_never_deletes_the_run_nor_a_folder_it_did_not_write(reference, t
         "choose another folder or delete it"
     )
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_ctrl_c_prints_one_line_with_the_command_that_resumes(rl_overrides, tmp_path):
+    config, run_dir = tmp_path / "run.yaml", tmp_path / "run"
+    config.write_text("recipe: rl\n")
+    args = [*rl_overrides[1:], "trainer.total_steps=40", "trainer.save_every_steps=1", f"trainer.run_dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "trellis.cli", "train", str(config), *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends the terminal's foreground process group
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == f"trellis: interrupted; resume with: {shlex.join(['trellis', 'train', str(config), *args])}"
+
+    last = max(read_manifest(p)["step"] for p in run_dir.glob("checkpoint-*") if read_manifest(p))
+    command = shlex.split(err.splitlines()[-1].split("resume with: ", 1)[1])
+    cmd = [sys.executable, "-m", "trellis.cli", *command[1:], f"trainer.total_steps={last + 1}"]
+    resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / f'checkpoint-{last}'}: next step {last + 1} of {last + 1}" in resumed.stderr
+    assert rows(run_dir)[-1]["step"] == last + 1

@@ -69,9 +69,16 @@ def cmd_config_from_verl(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trellis.recipes.train import train
+    import shlex
 
-    result = train(args.config, args.overrides, dry_run=args.dry_run)
+    from trellis.recipes.train import Interrupted, train
+
+    try:
+        result = train(args.config, args.overrides, dry_run=args.dry_run)
+    except Interrupted as stop:
+        again = [a for a in args.overrides if not a.startswith("trainer.run_dir=")] + [f"trainer.run_dir={stop.run_dir}"]
+        print(f"trellis: interrupted; resume with: {shlex.join(['trellis', 'train', args.config, *again])}", file=sys.stderr)
+        return 130
     if args.dry_run:
         start = f"resumes from {result['resume_from']}" if result["resume_from"] else "a fresh run"
         print(f"dry run of recipe {result['recipe']}: every check that needs no model passed")
