@@ -66,3 +66,14 @@ def test_train_config_error_exits_2_with_message(tmp_path):
     out = run_cli("train", str(cfg), "trainer.totl_steps=3")
     assert out.returncode == 2
     assert "trellis: error: unknown config key 'trainer.totl_steps'" in out.stderr
+
+
+def test_a_flag_among_overrides_is_named_alone_with_the_override_form(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("recipe: example_echo\ndata:\n  path: d.jsonl\n")
+    out = run_cli("train", str(cfg), "trainer.total_steps=3", "--lr", "1e-4", "--dry-run")
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == (
+        "trellis: error: unrecognized arguments: --lr 1e-4; config overrides are key=value, e.g. actor.optim.lr=1e-5 "
+        "(trellis config show CONFIG lists the keys)"
+    )

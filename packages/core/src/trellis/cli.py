@@ -232,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     # overrides after a flag (`train run.yaml --dry-run k=v`) are left over by argparse
-    if rest and (not hasattr(args, "overrides") or any("=" not in r or r.startswith("-") for r in rest)):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    bad = [r for r in rest if not hasattr(args, "overrides") or "=" not in r or r.startswith("-")]
+    if bad:  # named alone: the key=value overrides among them are fine
+        tip = "; config overrides are key=value, e.g. actor.optim.lr=1e-5 (trellis config show CONFIG lists the keys)"
+        tip = tip if hasattr(args, "overrides") else ""
+        parser.error(f"unrecognized arguments: {' '.join(bad)}{tip}")
     if rest:
         args.overrides += rest
     try:
