@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from trellis.registry import Registry
 from trellis.runtime.checkpoint import checkpoint_step, find_resume
 from trellis.runtime.harness import RunContext, make_threads
 from trellis.runtime.trackers import Trackers
+
+log = logging.getLogger("trellis")
 
 
 class Recipe(Protocol):
@@ -71,6 +74,14 @@ def interrupts_named(run_dir: Path) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def warn_failed_plugins(plugins: Plugins) -> None:
+    """One line per installed plugin that failed to load: what it registers is missing from this run."""
+    for info in plugins.infos:
+        if info.error:
+            what = f"plugin {info.name!r} ({info.distribution} {info.version})"
+            log.warning("%s failed to load, so nothing it registers is available: %s", what, info.error)
+
+
 def run_dir_for(cfg: DictConfig) -> Path:
     """``trainer.run_dir``; else the run folder of the checkpoint ``trainer.resume`` names; else a new
     ``runs/<recipe>-<time>``."""
@@ -107,6 +118,7 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
     starts). ``dry_run``: only the checks that need no model, the data read with the tokenizer
     included; returns what they found and writes nothing."""
     plugins = plugins or load_plugins()
+    warn_failed_plugins(plugins)
     if not plugins.registry.names("recipe"):
         raise config_mod.ConfigError("no recipe is installed; the rl and sft recipes come with trellis-core: pip install trellis-core")
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
@@ -128,6 +140,7 @@ def evaluate(config_path: str | None, overrides: list[str], plugins: Plugins | N
     """``trellis eval``: the config checked as for training, then the recipe's validation alone,
     once, on ``model.path``'s weights; nothing is trained or written. Returns its figures."""
     plugins = plugins or load_plugins()
+    warn_failed_plugins(plugins)
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
     recipe = plugins.registry.get("recipe", cfg.recipe).obj
     if getattr(recipe, "evaluate", None) is None:
