@@ -356,3 +356,17 @@ def test_ctrl_c_prints_one_line_with_the_command_that_resumes(rl_overrides, tmp_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {run_dir / f'checkpoint-{last}'}: next step {last + 1} of {last + 1}" in resumed.stderr
     assert rows(run_dir)[-1]["step"] == last + 1
+
+
+def test_a_run_or_checkpoint_as_model_path_says_export_it_first(reference, rl_overrides, tmp_path):
+    run_dir = reference[0]
+    config = tmp_path / "run.yaml"
+    config.write_text("recipe: rl\n")
+    for given, what in ((run_dir, "run folder"), (run_dir / "checkpoint-4", "checkpoint")):
+        cmd = [sys.executable, "-m", "trellis.cli", "train", str(config), *rl_overrides[1:], f"model.path={given}", "--dry-run"]
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.splitlines()[-1] == (
+            f"trellis: error: config key 'model.path': {str(given)!r} is a trellis {what}, not a Hugging Face model folder; "
+            f"export it first: trellis export {given} {run_dir}-hf, then set model.path={run_dir}-hf"
+        )
