@@ -58,9 +58,11 @@ def cmd_config_init(args: argparse.Namespace) -> int:
 
 
 def cmd_config_from_verl(args: argparse.Namespace) -> int:
-    from trellis.verl_config import convert, read_verl, report
+    from trellis.verl_config import check_converted, convert, read_verl, report
 
-    conversion = convert(read_verl(args.verl), load_plugins().registry)
+    registry = load_plugins().registry
+    conversion = convert(read_verl(args.verl), registry)
+    check_converted(conversion, registry)
     print("# trellis rl config converted from verl by trellis config from-verl; check it with trellis config show")
     print(OmegaConf.to_yaml(OmegaConf.create(conversion.config)).rstrip())
     if report(conversion):
