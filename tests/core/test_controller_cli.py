@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,26 @@ def test_train_config_error_exits_2_with_message(tmp_path):
     out = run_cli("train", str(cfg), "trainer.totl_steps=3")
     assert out.returncode == 2
     assert "trellis: error: unknown config key 'trainer.totl_steps'" in out.stderr
+
+
+def test_a_flag_among_overrides_is_named_alone_with_the_override_form(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("recipe: example_echo\ndata:\n  path: d.jsonl\n")
+    out = run_cli("train", str(cfg), "trainer.total_steps=3", "--lr", "1e-4", "--dry-run")
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == (
+        "trellis: error: unrecognized arguments: --lr 1e-4; config overrides are key=value, e.g. actor.optim.lr=1e-5 "
+        "(trellis config show CONFIG lists the keys)"
+    )
+
+
+def test_train_names_an_installed_plugin_that_failed_to_load(tmp_path, broken_vllm_plugin):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("recipe: example_echo\ndata:\n  path: d.jsonl\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(broken_vllm_plugin), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "trellis.cli", "train", str(cfg), f"trainer.run_dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stderr.splitlines() if "failed to load" in line]
+    assert len(warnings) == 1 and "WARNING trellis: plugin 'vllm' (trellis-rollout-vllm 0.1.0) failed to load" in warnings[0]
+    assert "ModuleNotFoundError: No module named 'vllm_engine_that_is_not_installed'" in warnings[0]

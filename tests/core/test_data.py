@@ -160,7 +160,7 @@ def test_loader_iterates_across_epochs_and_rejects_tiny_datasets(tok):
     ds = PromptDataset(make_arithmetic_split(4, seed=0), tok, 64)
     it = iter(PromptLoader(ds, 2, seed=0))
     assert [next(it).meta["epoch"] for _ in range(5)] == [0, 0, 1, 1, 2]
-    with pytest.raises(DataError, match="fewer than one batch of 8"):
+    with pytest.raises(DataError, match="fewer than one batch of 8; lower data.train_batch_prompts or add data"):
         PromptLoader(ds, 8, seed=0)
 
 
@@ -188,7 +188,7 @@ def test_sft_response_key_and_messages(tok):
     assert sum(ds[0]["loss_mask"]) == 4
     ds = SFTDataset([{"prompt": "1+2=", "target": "#### 3", "extra_info": {"answer": "#### 9"}}], tok, response_key="target")
     assert tok.decode([t for t, m in zip(ds[0]["input_ids"], ds[0]["loss_mask"]) if m]) == "#### 3<|im_end|>"
-    with pytest.raises(DataError, match="SFT row 0 has no target column 'response'.*set response_key"):
+    with pytest.raises(DataError, match="SFT row 0 has no target column 'response'.*set data.response_key to"):
         SFTDataset([{"prompt": "1+2="}], tok)
 
     chat = [

@@ -80,7 +80,10 @@ def test_unknown_agent_loop_in_the_data_is_found_before_any_model_is_built(tiny_
     unknown = rf"data.train_path '.*unknown.jsonl': row 1 has agent_name='react', which is not an installed agent loop \(installed: {installed}\)"
     with pytest.raises(ConfigError, match=unknown):
         train(None, args, plugins=plugins, dry_run=True)
-    misspelt = r"config key 'multi_turn.agent_loop' is 'observation_frist': agent_loop 'observation_frist' is not installed.*did you mean 'observation_first'"
+    misspelt = (
+        r"config key 'multi_turn.agent_loop' is 'observation_frist': agent_loop 'observation_frist' is not installed"
+        r".*did you mean 'observation_first'"
+    )
     with pytest.raises(ConfigError, match=misspelt):
         train(None, [*overrides(tiny_model_path, files, tmp_path / "bad"), "multi_turn.agent_loop=observation_frist"], plugins=plugins, dry_run=True)
     assert not (tmp_path / "bad").exists()

@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from trellis.data import load_rows
+from trellis.examples.tasks import make_arithmetic_split, write_rows
 
 
 @pytest.fixture
@@ -64,6 +65,7 @@ def test_data_paths_take_a_list_of_files_read_one_after_another(trellis_cli, dat
         (["data.train_path=[]"], "config key 'data.train_path' is an empty list; give a parquet or jsonl file, or a list of them"),
         (["data.train_path={a: 1}"], "config key 'data.train_path' has value {'a': 1} but expects type str | list[str]"),
         (["sampling.n=0"], "config key 'sampling.n' is 0; it must be >= 1"),
+        (["data.train_batch_prompts=100"], "the dataset has 64 prompts, fewer than one batch of 100; lower data.train_batch_prompts or add data"),
         (["reward.name=auto"], "config key 'reward.name' is auto, which has no reward for data_source 'arithmetic' (in data.train_path"),
     ],
 )
@@ -81,3 +83,72 @@ def test_a_run_whose_rewards_fail_too_often_stops_with_the_share(trellis_cli, tm
     out = trellis_cli(f"reward.path={reward}", "reward.name=half", "reward.max_error_rate=0.25", "trainer.run_dir=out")
     assert out.returncode == 2
     assert "trellis: error: reward 'half (" in out.stderr and "above reward.max_error_rate=0.25" in out.stderr, out.stderr[-2000:]
+
+
+GSM8K = "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (
+            [GSM8K],  # multi_turn.enable is false
+            "config key multi_turn.interactions (1 given) is set but multi_turn.enable is false, so it would be ignored; "
+            "set multi_turn.enable=true or remove it",
+        ),
+        (
+            ["multi_turn.enable=true", GSM8K],  # the arithmetic rows carry no interaction_kwargs
+            "row 0 has no extra_info.interaction_kwargs.ground_truth, which interaction 'gsm8k' needs to start (it needs ground_truth); "
+            "give every row extra_info.interaction_kwargs with them, in verl's schema (e.g. {name: gsm8k, ground_truth: ...})",
+        ),
+        (
+            ["multi_turn.enable=true", "multi_turn.tools=[{component: code_interpreter, schema: {type: function, "
+             "function: {name: run, paramters: {type: object}}}}]"],  # fmt: skip
+            "config key 'multi_turn.tools[0].schema.function.paramters' is not a key of an OpenAI function schema (did you mean 'parameters'?)",
+        ),
+        (
+            ["multi_turn.enable=true", "multi_turn.tools=[{component: code_interpreter, schema: {type: function, "
+             "function: {name: run, parameters: {type: object, properties: {code: {type: string}}, required: [src]}}}}]"],  # fmt: skip
+            "config key 'multi_turn.tools[0].schema.function.parameters.required' names 'src', which parameters.properties does not define",
+        ),
+    ],
+    ids=["interactions-while-disabled", "rows-without-interaction-kwargs", "misspelled-schema-key", "schema-requires-undefined-argument"],
+)
+def test_multi_turn_settings_that_would_be_ignored_or_fail_later_stop_both(trellis_cli, tmp_path, overrides, error):
+    for flag in (["--dry-run"], []):
+        out = trellis_cli(*flag, *overrides)
+        assert out.returncode == 2, out.stderr
+        last = out.stderr.splitlines()[-1]
+        assert last.startswith("trellis: error: ") and error in last, out.stderr[-2000:]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+@pytest.fixture
+def feedback_data(tmp_path_factory):
+    """Arithmetic rows that name the gsm8k interaction and give it the ground truth."""
+    return write_rows(make_arithmetic_split(8, 0, max_value=50, interaction="gsm8k"), tmp_path_factory.mktemp("feedback") / "train.jsonl")
+
+
+def test_a_reward_function_multi_turn_scoring_never_calls_is_refused(trellis_cli, tmp_path, feedback_data):
+    reward = tmp_path / "mine.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    base = ["multi_turn.enable=true", GSM8K, f"data.train_path={feedback_data}", "data.val_path=null", f"reward.path={reward}", "reward.name=score"]
+    out = trellis_cli("--dry-run", *base)
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == (
+        f"trellis: error: config key 'reward.path' is {str(reward)!r}, but multi_turn.score=last takes each sample's reward from the "
+        "interaction's scores and never calls it; set multi_turn.score=reward to score trajectories with your function, or drop reward.path"
+    )
+    out = trellis_cli("--dry-run", *base, "multi_turn.score=reward")
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_default_multi_turn_token_budget_warns_that_it_counts_the_replies(trellis_cli, feedback_data):
+    base = ["multi_turn.enable=true", GSM8K, f"data.train_path={feedback_data}", "data.val_path=null"]
+    out = trellis_cli("--dry-run", *base)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # sampling.max_new_tokens=4 (the fixture's config) x the default 2 assistant turns
+    assert "all turns share sampling.max_new_tokens x multi_turn.max_assistant_turns = 4 x 2 = 8 tokens" in out.stderr
+    assert "set multi_turn.max_response_tokens to 8 plus the tokens of the replies you expect" in out.stderr
+    out = trellis_cli("--dry-run", *base, "multi_turn.max_response_tokens=40")
+    assert out.returncode == 0 and "max_response_tokens" not in out.stderr

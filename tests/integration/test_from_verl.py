@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trellis.config import compose
 from trellis.plugins import load_plugins
@@ -139,7 +140,7 @@ def test_unmapped_keys_are_named_with_why():
             [
                 "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
                 "actor_rollout_ref.actor.clip_ratio_c=3.0",
-                "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                "actor_rollout_ref.ref.fsdp_config.param_offload=True",
                 "trainer.logger=[console,swanlab]",
                 "trainer.critic_warmup=2",
                 "data.train_files=/nowhere/train.parquet",
@@ -153,7 +154,7 @@ def test_unmapped_keys_are_named_with_why():
     )
     why = {key: reason for key, _, reason in conversion.unmapped}
     assert why["actor_rollout_ref.actor.clip_ratio_c"] == "policy_loss 'gspo' has no option clip_ratio_c"
-    assert "backend section" in why["actor_rollout_ref.actor.fsdp_config.param_offload"]
+    assert "backend section" in why["actor_rollout_ref.ref.fsdp_config.param_offload"]  # the actor's is backend.offload_params
     assert "swanlab is not one" in why["trainer.logger"]
     assert "trainer.critic_warmup" in why and "something.verl.added" in why
     assert why["data.prompt_key"] == "the prompt column is always 'prompt'"
@@ -176,7 +177,7 @@ def test_cli_prints_the_config_and_reports_on_stderr(train_file, tmp_path):
     shown = trellis("config", "show", "run.yaml", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "mini_batch_samples: 320" in shown.stdout and "total_steps: 45" in shown.stdout
-    assert "actor_rollout_ref.model.use_remove_padding=True: model loading knob" in out.stderr
+    assert "padding_free: true" in shown.stdout  # actor_rollout_ref.model.use_remove_padding=True
     assert "trainer.project_name='verl_grpo_example_gsm8k'" in out.stderr
 
     missing = trellis("config", "from-verl", "nowhere.yaml", cwd=tmp_path)
@@ -186,3 +187,102 @@ def test_cli_prints_the_config_and_reports_on_stderr(train_file, tmp_path):
 def test_every_rule_is_in_the_docs_table():
     doc = (Path(__file__).parents[2] / "docs" / "coming-from-verl.md").read_text()
     assert [rule.verl for rule in RULES if f"`{rule.verl}`" not in doc] == []
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        ("- actor_rollout_ref\n- data\n", "verl config 'in.yaml' holds a YAML list, not verl's mapping of sections (actor_rollout_ref, "),
+        ("name: my-app\nport: 80\n", "verl config 'in.yaml' has none of verl's sections (actor_rollout_ref, algorithm, critic, "),
+        (
+            "recipe: rl\nmodel: {path: /m}\n",
+            "'in.yaml' is a trellis config (it has 'recipe: rl'), not a verl one; use it as it is: trellis train in.yaml",
+        ),
+        ("data: {train_batch_size: [1\n", "verl config 'in.yaml' is not valid YAML: while parsing a flow sequence"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "verl config 'in.yaml' is not a text file; give a verl YAML file"),
+        (
+            "data: {train_batch_size: many}\ntrainer: {total_training_steps: 3}\n",
+            "the verl config does not convert (from verl key 'data.train_batch_size'): config key 'data.train_batch_prompts' has value 'many'",
+        ),
+    ],
+    ids=["yaml-list", "unrelated-yaml", "trellis-config", "bad-yaml", "binary", "non-numeric-batch-size"],
+)
+def test_what_is_not_a_verl_config_is_refused_with_the_reason(tmp_path, content, error):
+    path = tmp_path / "in.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    out = trellis("config", "from-verl", "in.yaml", cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1].startswith(f"trellis: error: {error}"), out.stderr
+
+
+def test_a_hydra_file_whose_interpolations_name_unmerged_files_converts_what_it_gives(tmp_path):
+    (tmp_path / "ppo.yaml").write_text(
+        "defaults:\n  - actor@actor_rollout_ref.actor: ${model_engine}_actor\n  - _self_\n"
+        "actor_rollout_ref:\n  model: {path: /models/base}\n  actor: {strategy: '${model_engine}', optim: {lr: 2.0e-6}}\n"
+        "trainer: {total_training_steps: 7}\n"
+    )
+    out = trellis("config", "from-verl", "ppo.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    converted = yaml.safe_load(out.stdout)
+    assert converted["model"]["path"] == "/models/base" and converted["actor"]["optim"]["lr"] == 2e-6
+    assert converted["trainer"]["total_steps"] == 7
+    assert "defaults=[{'actor@actor_rollout_ref.actor': '${model_engine}_actor'}, '_self_']: hydra's defaults list is not read" in out.stderr
+    assert "actor_rollout_ref.actor.strategy='${model_engine}': its interpolation names a key that no given file or override sets" in out.stderr
+
+
+def test_multi_turn_converts_interactions_tools_limits_and_scoring_as_verl_runs_them(tmp_path):
+    (tmp_path / "interactions.yaml").write_text(
+        "interaction:\n  - name: checker\n    class_name: my_pkg.checks.AnswerInteraction\n    config: {strict: true}\n"
+    )
+    schema = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}
+    (tmp_path / "tools.yaml").write_text(
+        yaml.safe_dump({"tools": [{"class_name": "my_pkg.tools.Calc", "config": {"type": "native"}, "tool_schema": schema}]})
+    )
+    verl = [
+        "actor_rollout_ref.model.path=/models/base",
+        "trainer.total_training_steps=5",
+        "data.max_response_length=300",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.interaction_config_path=interactions.yaml",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml",
+        "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",  # max_assistant_turns left null: no limit in verl
+        "actor_rollout_ref.rollout.multi_turn.format=hermes",
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=500",
+    ]
+    out = trellis("config", "from-verl", *verl, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    mt = yaml.safe_load(out.stdout)["multi_turn"]
+    assert mt["interactions"] == [{"name": "checker", "verl_class": "my_pkg.checks.AnswerInteraction", "options": {"strict": True}}]
+    assert mt["tools"] == [{"verl_class": "my_pkg.tools.Calc", "options": {"type": "native"}, "schema": schema}]
+    assert (mt["max_assistant_turns"], mt["max_user_turns"], mt["max_response_tokens"]) == (300, 3, 300)
+    assert (mt["score"], mt["tool_parser"], mt["max_tool_response_chars"]) == ("reward", "hermes", 500)
+    assert "multi_turn" not in out.stderr  # every multi-turn key converted
+
+
+def test_rewards_optimizer_and_backend_keys_convert(tmp_path):
+    (tmp_path / "ppo.yaml").write_text(
+        """
+actor_rollout_ref:
+  model: {path: /models/base, enable_gradient_checkpointing: true, use_remove_padding: true}
+  actor:
+    grad_clip: 1.0
+    optim: {lr: 1.0e-6, clip_grad: 0.3}
+    fsdp_config: {model_dtype: bf16, param_offload: true, optimizer_offload: true}
+reward:
+  custom_reward_function: {path: my_reward.py, name: score_it, reward_kwargs: {alpha: 0.5, mode: strict}}
+trainer: {total_training_steps: 3}
+"""
+    )
+    out = trellis("config", "from-verl", "ppo.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    converted = yaml.safe_load(out.stdout)
+    assert converted["reward"] == {"name": "score_it", "path": "my_reward.py", "kwargs": {"alpha": 0.5, "mode": "strict"}}
+    assert converted["actor"]["optim"]["grad_clip"] == 0.3  # optim.clip_grad, what verl clips with, wins over grad_clip
+    assert converted["backend"] == {
+        "activation_checkpointing": True,
+        "padding_free": True,
+        "dtype": "bfloat16",
+        "offload_params": True,
+        "offload_optimizer": True,
+    }
+    assert "verl keys not converted" not in out.stderr, out.stderr

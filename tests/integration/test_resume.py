@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -284,6 +286,7 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
     assert cli_main(["export", str(checkpoint), str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert cli_main(["export", str(checkpoint), str(out)]) == 0  # an earlier export is replaced
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", NO_TRELLIS_LOGITS, str(out), str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True)
@@ -300,3 +303,70 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
     untrained = build_worker(registry, "fsdp", "ref", cfg.model.path)
     with torch.no_grad():
         assert not torch.allclose(untrained.backend.model(input_ids=exported["ids"]).logits, logits, atol=1e-3)  # training moved it
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], capture_output=True, text=True)
+
+
+def test_export_never_deletes_the_run_nor_a_folder_it_did_not_write(reference, tmp_path):
+    run_dir = reference[0]
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    for out in (run_dir, run_dir / "hf", run_dir / "checkpoint-4" / "hf", run_dir.parent):
+        proc = run_cli("export", str(run_dir), str(out))
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "an export never writes there: give a folder outside the run" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    proc = run_cli("export", str(run_dir), str(mine))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"trellis: error: trellis export: {str(mine)!r} exists and was not made by trellis export (no trellis_export.json); "
+        "choose another folder or delete it"
+    )
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_ctrl_c_prints_one_line_with_the_command_that_resumes(rl_overrides, tmp_path):
+    config, run_dir = tmp_path / "run.yaml", tmp_path / "run"
+    config.write_text("recipe: rl\n")
+    args = [*rl_overrides[1:], "trainer.total_steps=40", "trainer.save_every_steps=1", f"trainer.run_dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "trellis.cli", "train", str(config), *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends the terminal's foreground process group
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == f"trellis: interrupted; resume with: {shlex.join(['trellis', 'train', str(config), *args])}"
+
+    last = max(read_manifest(p)["step"] for p in run_dir.glob("checkpoint-*") if read_manifest(p))
+    command = shlex.split(err.splitlines()[-1].split("resume with: ", 1)[1])
+    cmd = [sys.executable, "-m", "trellis.cli", *command[1:], f"trainer.total_steps={last + 1}"]
+    resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / f'checkpoint-{last}'}: next step {last + 1} of {last + 1}" in resumed.stderr
+    assert rows(run_dir)[-1]["step"] == last + 1
+
+
+def test_a_run_or_checkpoint_as_model_path_says_export_it_first(reference, rl_overrides, tmp_path):
+    run_dir = reference[0]
+    config = tmp_path / "run.yaml"
+    config.write_text("recipe: rl\n")
+    for given, what in ((run_dir, "run folder"), (run_dir / "checkpoint-4", "checkpoint")):
+        cmd = [sys.executable, "-m", "trellis.cli", "train", str(config), *rl_overrides[1:], f"model.path={given}", "--dry-run"]
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.splitlines()[-1] == (
+            f"trellis: error: config key 'model.path': {str(given)!r} is a trellis {what}, not a Hugging Face model folder; "
+            f"export it first: trellis export {given} {run_dir}-hf, then set model.path={run_dir}-hf"
+        )

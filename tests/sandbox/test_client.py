@@ -7,6 +7,8 @@ import asyncio
 import base64
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -132,3 +134,22 @@ def test_unsafe_no_isolation_starts_with_a_warning_and_keeps_rlimits(tmp_path):
     finally:
         stop(srv.proc)
     assert "WARNING: --unsafe-no-isolation" in srv.proc.stderr.read()
+
+
+def test_a_busy_or_invalid_port_is_one_line_without_traceback(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for args, line in (
+            (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}: address already in use; choose another --port (0 picks a free one)"),
+            (["--port", "70000"], "--port=70000; give a port in 0..65535 (0 picks a free one)"),
+        ):
+            proc = subprocess.run(
+                [sys.executable, "-m", "trellis_sandbox.cli", "serve", "--unsafe-no-isolation", *args], capture_output=True, text=True, timeout=60
+            )
+            assert proc.returncode == 2
+            assert proc.stderr.splitlines()[-1].startswith(f"trellis-sandbox: {line}") and "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        taken.close()

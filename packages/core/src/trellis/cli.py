@@ -58,9 +58,11 @@ def cmd_config_init(args: argparse.Namespace) -> int:
 
 
 def cmd_config_from_verl(args: argparse.Namespace) -> int:
-    from trellis.verl_config import convert, read_verl, report
+    from trellis.verl_config import check_converted, convert, read_verl, report
 
-    conversion = convert(read_verl(args.verl), load_plugins().registry)
+    registry = load_plugins().registry
+    conversion = convert(read_verl(args.verl), registry)
+    check_converted(conversion, registry)
     print("# trellis rl config converted from verl by trellis config from-verl; check it with trellis config show")
     print(OmegaConf.to_yaml(OmegaConf.create(conversion.config)).rstrip())
     if report(conversion):
@@ -69,9 +71,16 @@ def cmd_config_from_verl(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trellis.recipes.train import train
+    import shlex
 
-    result = train(args.config, args.overrides, dry_run=args.dry_run)
+    from trellis.recipes.train import Interrupted, train
+
+    try:
+        result = train(args.config, args.overrides, dry_run=args.dry_run)
+    except Interrupted as stop:
+        again = [a for a in args.overrides if not a.startswith("trainer.run_dir=")] + [f"trainer.run_dir={stop.run_dir}"]
+        print(f"trellis: interrupted; resume with: {shlex.join(['trellis', 'train', args.config, *again])}", file=sys.stderr)
+        return 130
     if args.dry_run:
         start = f"resumes from {result['resume_from']}" if result["resume_from"] else "a fresh run"
         print(f"dry run of recipe {result['recipe']}: every check that needs no model passed")
@@ -147,7 +156,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         print(export_checkpoint(args.checkpoint, args.out_dir))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, FileExistsError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -225,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     # overrides after a flag (`train run.yaml --dry-run k=v`) are left over by argparse
-    if rest and (not hasattr(args, "overrides") or any("=" not in r or r.startswith("-") for r in rest)):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    bad = [r for r in rest if not hasattr(args, "overrides") or "=" not in r or r.startswith("-")]
+    if bad:  # named alone: the key=value overrides among them are fine
+        tip = "; config overrides are key=value, e.g. actor.optim.lr=1e-5 (trellis config show CONFIG lists the keys)"
+        tip = tip if hasattr(args, "overrides") else ""
+        parser.error(f"unrecognized arguments: {' '.join(bad)}{tip}")
     if rest:
         args.overrides += rest
     try:

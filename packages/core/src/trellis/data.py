@@ -266,14 +266,14 @@ class _EpochLoader:
     ``(seed, e)``. ``position`` counts the batches already given in the current epoch."""
 
     unit = "items"
+    size_key = "the batch size"  # the config key that sets it, for error messages
 
     def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool, drop_last: bool) -> None:
         if batch_size <= 0:
             raise DataError(f"batch size must be positive, got {batch_size}")
         if drop_last and num_items < batch_size:
             raise DataError(
-                f"the dataset has {num_items} {self.unit}, fewer than one batch of {batch_size}; "
-                f"lower the batch size or add data (or set drop_last=False)"
+                f"the dataset has {num_items} {self.unit}, fewer than one batch of {batch_size}; lower {self.size_key} or add data"
             )
         self.num_items = num_items
         self.batch_size = batch_size
@@ -339,6 +339,7 @@ class PromptLoader(_EpochLoader):
     :meth:`PromptDataset.collate`). ``batch.meta`` holds ``epoch`` and ``step_in_epoch``."""
 
     unit = "prompts"
+    size_key = "data.train_batch_prompts"
 
     def __init__(self, dataset: PromptDataset, batch_size_prompts: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True) -> None:
         super().__init__(len(dataset), batch_size_prompts, seed, shuffle, drop_last)
@@ -430,7 +431,7 @@ def _target(row: dict[str, Any], response_key: str | None, i: int) -> str:
     if value is None:
         raise DataError(
             f"SFT row {i} has no target column {response_key!r} (columns: {sorted(row)}); "
-            "set response_key to the column holding the answer (e.g. extra_info.answer)"
+            "set data.response_key to the column holding the answer (e.g. extra_info.answer)"
         )
     return str(value)
 
@@ -556,6 +557,7 @@ class SFTLoader(_EpochLoader):
     """
 
     unit = "samples"
+    size_key = "data.batch_samples"
 
     def __init__(
         self,

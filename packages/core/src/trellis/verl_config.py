@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -17,6 +20,14 @@ from trellis.registry import Registry, RegistryError
 
 AR = "actor_rollout_ref."
 SKIP = object()  # a converter's answer when the value needs nothing in trellis (verl's "unset")
+
+
+@dataclass(frozen=True)
+class Unresolved:
+    """A value whose interpolation names a key no given file sets (hydra would merge it from
+    another file): treated as not given, and reported."""
+
+    text: Any
 
 
 class Unmapped(Exception):
@@ -86,8 +97,47 @@ def _resume(value: Any, src: Source) -> str:
     return "never" if value == "disable" else "auto"
 
 
-def _custom_reward(value: Any, src: Source) -> str:
-    return str(src.get("custom_reward_function.name") or "compute_score")
+def _custom_reward(prefix: str) -> Callable[[Any, Source], str]:
+    return lambda value, src: str(src.get(prefix + "custom_reward_function.name") or "compute_score")
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _dtype(value: Any, src: Source) -> str:
+    if value not in DTYPES:
+        raise Unmapped(f"trellis dtypes are {', '.join(DTYPES)}, not {value!r}")
+    return DTYPES[value]
+
+
+def _when_multi_turn(convert: Callable[[Any, Source], Any]) -> Callable[[Any, Source], Any]:
+    return lambda value, src: convert(value, src) if src.get(ROLLOUT + "multi_turn.enable") else SKIP
+
+
+def _turns(value: Any, src: Source) -> Any:
+    """verl's null (no limit but the token budget) as the budget itself: every turn takes a token at least."""
+    return int(src.get("data.max_response_length") or 0) or SKIP if value is None else value
+
+
+def _verl_yaml(path: Any, what: str) -> list[dict[str, Any]]:
+    """The list under ``what`` (``interaction`` / ``tools``) of a verl interaction or tool config file."""
+    try:
+        data = yaml.safe_load(Path(str(path)).expanduser().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise Unmapped(f"cannot read {path!r} ({type(exc).__name__}); copy its {what} entries into multi_turn by hand") from None
+    entries = data.get(what) if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and e.get("class_name") for e in entries):
+        raise Unmapped(f"{path!r} has no list '{what}' of entries with a class_name (verl's layout)")
+    return entries
+
+
+def _interactions(value: Any, src: Source) -> list[dict[str, Any]]:
+    entries = _verl_yaml(value, "interaction")
+    return [{"name": e.get("name", e["class_name"]), "verl_class": e["class_name"], "options": e.get("config") or {}} for e in entries]
+
+
+def _tools(value: Any, src: Source) -> list[dict[str, Any]]:
+    return [{"verl_class": e["class_name"], "options": e.get("config") or {}, "schema": e.get("tool_schema")} for e in _verl_yaml(value, "tools")]
 
 
 def total_steps(src: Source) -> int:
@@ -132,7 +182,8 @@ def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
         Rule(verl_prefix + "optim.warmup_style", trellis_prefix + "optim.lr_schedule", _schedule),
         Rule(verl_prefix + "optim.lr_scheduler_type", trellis_prefix + "optim.lr_schedule", _schedule),
         Rule(verl_prefix + "optim.min_lr_ratio", trellis_prefix + "optim.min_lr_ratio"),
-        Rule(verl_prefix + "grad_clip", trellis_prefix + "optim.grad_clip"),
+        Rule(verl_prefix + "grad_clip", trellis_prefix + "optim.grad_clip", note="older verl"),
+        Rule(verl_prefix + "optim.clip_grad", trellis_prefix + "optim.grad_clip", note="what verl clips with; wins over grad_clip"),
     ]
 
 
@@ -171,7 +222,29 @@ RULES: tuple[Rule, ...] = (
     *(Rule(ROLLOUT + key, "rollout." + key, note="engines that have it") for key in ("gpu_memory_utilization", "max_num_seqs", "enforce_eager")),
     Rule(ROLLOUT + "val_kwargs.n", "validation.n"),
     Rule(ROLLOUT + "val_kwargs.temperature", "validation.temperature", note="greedy is always reported too"),
-    *(Rule(ROLLOUT + "multi_turn." + key, "multi_turn." + key) for key in ("enable", "max_assistant_turns", "max_user_turns")),
+    Rule(ROLLOUT + "multi_turn.enable", "multi_turn.enable"),
+    *(
+        Rule(ROLLOUT + "multi_turn." + key, "multi_turn." + key, _turns, "null (no limit) -> data.max_response_length")
+        for key in ("max_assistant_turns", "max_user_turns")
+    ),
+    Rule(
+        ROLLOUT + "multi_turn.interaction_config_path",
+        "multi_turn.interactions",
+        _when_multi_turn(_interactions),
+        "the file's entries, as verl_class",
+    ),
+    Rule(
+        ROLLOUT + "multi_turn.tool_config_path", "multi_turn.tools", _when_multi_turn(_tools), "the file's entries, as verl_class with their schema"
+    ),
+    Rule(ROLLOUT + "multi_turn.format", "multi_turn.tool_parser"),
+    Rule(ROLLOUT + "multi_turn.max_tool_response_length", "multi_turn.max_tool_response_chars", note="characters in both"),
+    Rule("data.max_response_length", "multi_turn.max_response_tokens", _when_multi_turn(lambda v, s: v), "multi-turn: all turns"),
+    Rule(ROLLOUT + "multi_turn.enable", "multi_turn.score", _when_multi_turn(lambda v, s: "reward"), "verl scores trajectories"),
+    Rule(AR + "model.enable_gradient_checkpointing", "backend.activation_checkpointing"),
+    Rule(AR + "model.use_remove_padding", "backend.padding_free"),
+    Rule(ACTOR + "fsdp_config.model_dtype", "backend.dtype", _dtype, "fp32 -> float32, bf16 -> bfloat16"),
+    Rule(ACTOR + "fsdp_config.param_offload", "backend.offload_params", note="while the engine generates"),
+    Rule(ACTOR + "fsdp_config.optimizer_offload", "backend.offload_optimizer", note="while the engine generates"),
     Rule("algorithm.adv_estimator", "algorithm.advantage.name"),
     Rule("algorithm.gamma", "algorithm.advantage.gamma", note="estimators that have it (gae, reinforce_plus_plus)"),
     Rule("algorithm.lam", "algorithm.advantage.lam", note="gae"),
@@ -186,9 +259,17 @@ RULES: tuple[Rule, ...] = (
     *_batching("critic.", "critic."),
     *_optim("critic.", "critic."),
     Rule("critic.cliprange_value", "critic.cliprange_value"),
-    Rule("custom_reward_function.path", "reward.path"),
-    Rule("custom_reward_function.path", "reward.name", _custom_reward, "custom_reward_function.name (default compute_score)"),
-    Rule("custom_reward_function.reward_kwargs", "reward.kwargs"),
+    *(
+        rule
+        for prefix in ("", "reward.")
+        for rule in (
+            Rule(prefix + "custom_reward_function.path", "reward.path"),
+            Rule(
+                prefix + "custom_reward_function.path", "reward.name", _custom_reward(prefix), "custom_reward_function.name (default compute_score)"
+            ),
+            Rule(prefix + "custom_reward_function.reward_kwargs", "reward.kwargs"),
+        )
+    ),
     Rule("reward_model.reward_kwargs", "reward.kwargs"),
     Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
     Rule("trainer.total_epochs", "trainer.total_steps", _epochs, "epochs x (training rows // train_batch_size)"),
@@ -225,7 +306,16 @@ READ_BY_OTHERS = {
     "critic.use_dynamic_bsz",
     "trainer.resume_from_path",
     "custom_reward_function.name",
+    "reward.custom_reward_function.name",
+    ACTOR + "use_remove_padding",  # verl's interpolation of model.use_remove_padding
+    "data.tool_config_path",  # verl's interpolation of the rollout's
 }
+
+# dict values read whole (not key by key)
+WHOLE = ("custom_reward_function.reward_kwargs", "reward.custom_reward_function.reward_kwargs", "reward_model.reward_kwargs")
+
+# verl's top-level sections: a file with none of them is not a verl config
+VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "reward", "reward_model", "trainer")
 
 # a value that is what trellis always does: accepted silently
 TRELLIS_BEHAVIOUR: Source = {
@@ -269,7 +359,12 @@ REASONS: tuple[tuple[str, str], ...] = (
 )
 
 # trellis sections that hold a registered component's options: (section, kind, trellis default name)
-COMPONENT_SECTIONS = (("actor.policy_loss", "policy_loss", "vanilla"), ("algorithm.advantage", "advantage", "grpo"), ("rollout", "rollout", "hf"))
+COMPONENT_SECTIONS = (
+    ("actor.policy_loss", "policy_loss", "vanilla"),
+    ("algorithm.advantage", "advantage", "grpo"),
+    ("rollout", "rollout", "hf"),
+    ("backend", "backend", "fsdp"),
+)
 
 
 @dataclass
@@ -279,6 +374,7 @@ class Conversion:
     config: dict[str, Any]
     unmapped: list[tuple[str, Any, str]] = field(default_factory=list)
     defaults_used: list[str] = field(default_factory=list)
+    origin: dict[str, str] = field(default_factory=dict)  # trellis key -> the verl key it came from
 
 
 def read_verl(args: list[str]) -> dict[str, Any]:
@@ -287,25 +383,47 @@ def read_verl(args: list[str]) -> dict[str, Any]:
     parts = []
     for arg in args:
         if "=" in arg:
-            parts.append(OmegaConf.from_dotlist([arg.lstrip("+")]))
-        else:
             try:
-                parts.append(OmegaConf.load(arg))
-            except FileNotFoundError:
-                raise DataError(f"verl config {arg!r} does not exist; give a verl YAML file or key=value overrides") from None
+                parts.append(OmegaConf.from_dotlist([arg.lstrip("+")]))
+            except OmegaConfBaseException as exc:
+                raise DataError(f"verl override {arg!r} cannot be read ({exc.msg.splitlines()[0]}); give key=value") from None
+        else:
+            parts.append(OmegaConf.create(_verl_file(arg)))
     cfg = OmegaConf.merge(*parts) if parts else OmegaConf.create()
     flat: dict[str, Any] = {}
-    for key in _leaves(OmegaConf.to_container(cfg, resolve=False)):
-        try:
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    for key in _leaves(raw):
+        try:  # an interpolation into a file hydra would have merged (verl's ${model_engine}) resolves to nothing
             value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            flat[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
         except OmegaConfBaseException:
-            value = None
-        flat[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+            flat[key] = Unresolved(functools.reduce(lambda node, part: node[part], key.split("."), raw))
     return flat
 
 
+def _verl_file(arg: str) -> dict[str, Any]:
+    """A verl YAML file's mapping; anything else (no file, not YAML, not a mapping, a trellis
+    config, none of verl's sections) is refused with the reason."""
+    path = Path(arg)
+    if not path.is_file():
+        raise DataError(f"verl config {arg!r} does not exist; give a verl YAML file or key=value overrides")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"verl config {arg!r} is not a text file; give a verl YAML file") from None
+    except yaml.YAMLError as exc:
+        raise DataError(f"verl config {arg!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"verl config {arg!r} holds a YAML {type(data).__name__}, not verl's mapping of sections ({', '.join(VERL_SECTIONS)})")
+    if "recipe" in data:
+        raise DataError(f"{arg!r} is a trellis config (it has 'recipe: {data['recipe']}'), not a verl one; use it as it is: trellis train {arg}")
+    if not set(map(str, data)) & {*VERL_SECTIONS, "defaults"}:
+        raise DataError(f"verl config {arg!r} has none of verl's sections ({', '.join(VERL_SECTIONS)}); its keys: {', '.join(map(str, data))}")
+    return data
+
+
 def _leaves(node: Any, prefix: str = "") -> list[str]:
-    if isinstance(node, dict) and node:
+    if isinstance(node, dict) and node and prefix[:-1] not in WHOLE:
         return [leaf for k, v in node.items() for leaf in _leaves(v, f"{prefix}{k}.")]
     return [prefix[:-1]]
 
@@ -313,10 +431,18 @@ def _leaves(node: Any, prefix: str = "") -> list[str]:
 def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversion:
     """The trellis ``rl`` config for verl keys ``given`` (dotted); with ``registry``, options a
     component does not take (e.g. ``clip_ratio_c`` for gspo) are left out and reported."""
+    if not given:
+        raise DataError("no verl keys given; give verl YAML files and/or key=value overrides as for verl.trainer.main_ppo")
+    unresolved = {k: v.text for k, v in given.items() if isinstance(v, Unresolved)}
+    given = {k: None if k in unresolved else v for k, v in given.items()}
     src = {**VERL_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    if src.get(ROLLOUT + "multi_turn.enable"):  # verl's null turn limits mean "no limit": converted, not skipped
+        src.update(
+            {ROLLOUT + "multi_turn." + k: None for k in ("max_assistant_turns", "max_user_turns") if given.get(ROLLOUT + "multi_turn." + k) is None}
+        )
     defaults_used = [f"{k}={v}" for k, v in VERL_DEFAULTS.items() if given.get(k) is None]
     out = Conversion({"recipe": "rl", "reward": {"name": "auto"}}, defaults_used=defaults_used)
-    origin: dict[str, str] = {}
+    origin = out.origin
     failed: dict[str, str] = {}
     for rule in RULES:
         if rule.verl not in src:
@@ -326,6 +452,8 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
         except Unmapped as exc:
             failed[rule.verl] = str(exc)
             continue
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"verl key '{rule.verl}' is {src[rule.verl]!r}, which does not convert ({exc}); give a number") from None
         if value is not SKIP:
             _set(out.config, rule.trellis, value)
             origin[rule.trellis] = rule.verl
@@ -336,6 +464,9 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
     for key, value in {**given, **{k: src[k] for k in failed if k not in given}}.items():
         if key in failed:
             out.unmapped.append((key, value, failed[key] + ("" if key in given else " (verl's default)")))
+        elif key in unresolved:
+            why = next((why for pattern, why in REASONS if fnmatch(key, pattern) and why), None)
+            out.unmapped.append((key, unresolved[key], why or "its interpolation names a key that no given file or override sets; give the value"))
         elif value is None or key in mapped or key in READ_BY_OTHERS or TRELLIS_BEHAVIOUR.get(key, SKIP) == value:
             continue
         else:
@@ -343,6 +474,20 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
             if why:
                 out.unmapped.append((key, value, why))
     return out
+
+
+def check_converted(conversion: Conversion, registry: Registry) -> None:
+    """The converted config against the ``rl`` schema (types, ranges, names; required keys may
+    still be missing): a ``DataError`` names the verl key a bad value came from."""
+    from trellis import config as config_mod
+
+    raw = OmegaConf.create(conversion.config)
+    try:
+        config_mod.validate(raw, config_mod.recipe_schema(raw, registry), registry)
+    except config_mod.ConfigError as exc:
+        key = re.search(r"config key '([^']+)'", str(exc))
+        verl = conversion.origin.get(key.group(1)) if key else None
+        raise DataError(f"the verl config does not convert{f' (from verl key {verl!r})' if verl else ''}: {exc}") from None
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

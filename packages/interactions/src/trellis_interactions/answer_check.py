@@ -29,7 +29,7 @@ class AnswerCheck(Interaction):
         super().__init__(options or AnswerCheckOptions())
         self.truths: dict[str, str] = {}
 
-    async def start(self, instance_id: str, ground_truth: Any = None, **kwargs: Any) -> None:
+    async def start(self, instance_id: str, ground_truth: Any, **kwargs: Any) -> None:
         if ground_truth is None:
             raise ValueError("interaction gsm8k needs extra_info.interaction_kwargs.ground_truth in the sample")
         self.truths[instance_id] = str(ground_truth)

@@ -37,7 +37,7 @@ class CodeFeedback(Interaction):
         self._cases = testcases
         self.truths: dict[str, Any] = {}
 
-    async def start(self, instance_id: str, ground_truth: Any = None, **kwargs: Any) -> None:
+    async def start(self, instance_id: str, ground_truth: Any, **kwargs: Any) -> None:
         if ground_truth is None:
             raise ValueError("interaction code_feedback needs extra_info.interaction_kwargs.ground_truth (the test cases)")
         self._cases.build_cases("", ground_truth, self.options.language)  # malformed cases fail here, not mid-conversation

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         if value < least:
             print(f"trellis-sandbox: {name}={value}; give at least {least}", file=sys.stderr)
             return 2
+    if not 0 <= args.port <= 65535:
+        print(f"trellis-sandbox: --port={args.port}; give a port in 0..65535 (0 picks a free one)", file=sys.stderr)
+        return 2
     root = Path(tempfile.mkdtemp(prefix="trellis-sandbox-"))
     os.chmod(root, 0o711)  # the sandbox users may pass through, not list
     try:
@@ -63,17 +66,31 @@ def main(argv: list[str] | None = None) -> int:
         )
         runner = Runner(isolation, available_languages(args.python or default_python()), root, config)
         server = SandboxServer(runner, ServerConfig(args.workers, args.queue_size, args.max_timeout, args.max_request_mb))
-        asyncio.run(_serve(server, args.host, args.port))
+        try:
+            asyncio.run(_serve(server, args.host, args.port))
+        except CannotListen as exc:
+            print(f"trellis-sandbox: {exc}", file=sys.stderr)
+            return 2
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+class CannotListen(Exception):
+    """The address is taken or not this machine's."""
 
 
 async def _serve(server: SandboxServer, host: str, port: int) -> None:
     app_runner = web.AppRunner(server.app(), access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # EADDRINUSE, an address of another machine, a host name that does not resolve
+        await app_runner.cleanup()
+        raise CannotListen(
+            f"cannot listen on {host}:{port}: {(exc.strerror or str(exc)).rpartition('): ')[2]}; choose another --port (0 picks a free one) or --host"
+        ) from None
     bound = site._server.sockets[0].getsockname()[1]  # the real port when asked for 0
     langs = ", ".join(sorted(server.runner.languages))
     print(

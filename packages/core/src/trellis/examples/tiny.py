@@ -22,6 +22,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from trellis.outdir import check_replaceable
+
 logger = logging.getLogger("trellis")
 
 FINGERPRINT_FILE = "trellis_tiny_model.json"
@@ -102,11 +104,7 @@ def make_tiny_model(
     if _read_fingerprint(out) == fingerprint:
         logger.debug("tiny model at %s is up to date", out)
         return out
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and _read_fingerprint(out) is None)):
-        raise FileExistsError(
-            f"make_tiny_model: {str(out)!r} exists and was not made by make_tiny_model (no {FINGERPRINT_FILE}); "
-            "choose another out_dir or delete it"
-        )
+    check_replaceable(out, FINGERPRINT_FILE, "make_tiny_model")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()

@@ -5,6 +5,7 @@ the config (``AgentSpec``, picklable, sent to every rollout process) and built w
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
             raise ConfigError(f"config key '{key}.schema' is required for a verl tool; give its OpenAI function schema")
         make = _factory(tcfg, "tool", registry, key)
         schema = tcfg.schema or getattr(registry.get("tool", tcfg.component).obj, "schema", None)
-        name = tool_name(schema, key)
+        name = check_tool_schema(schema, f"{key}.schema")
         if name in (tool_name(s, "") for s in schemas):
             raise ConfigError(f"config key '{key}': a tool named {name!r} is configured twice")
         schemas.append(schema)
@@ -105,6 +106,46 @@ def tool_name(schema: Any, key: str) -> str:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"config key {key!r}: the tool's schema {schema!r:.200} has no function name; give schema.function.name")
     return name
+
+
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+def check_tool_schema(schema: Any, key: str) -> str:
+    """Check an OpenAI function schema, ``{type: function, function: {name, description,
+    parameters: <JSON schema of an object>, strict}}``, key by key; return the function's name."""
+
+    def fail(where: str, problem: str) -> ConfigError:
+        return ConfigError(f"config key '{key}{where}' {problem}; a tool schema is {{type: function, function: {{name, description, parameters}}}}")
+
+    def known(node: dict, allowed: tuple[str, ...], where: str) -> None:
+        for k in node:
+            if k not in allowed:
+                close = difflib.get_close_matches(str(k), allowed, n=1, cutoff=0.6)
+                raise fail(f"{where}.{k}", "is not a key of an OpenAI function schema" + (f" (did you mean '{close[0]}'?)" if close else ""))
+
+    if not isinstance(schema, dict):
+        raise fail("", f"is {schema!r:.100}, not a mapping")
+    known(schema, ("type", "function"), "")
+    if schema.get("type") != "function":
+        raise fail(".type", f"is {schema.get('type')!r}; it must be 'function'")
+    function = schema.get("function")
+    if not isinstance(function, dict):
+        raise fail(".function", f"is {function!r:.100}, not a mapping")
+    known(function, FUNCTION_KEYS, ".function")
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise fail(".function.name", f"is {function.get('name')!r}; give the function's name")
+    params = function.get("parameters", {})
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise fail(".function.parameters", f"is {params!r:.100}; it must be a JSON schema of type object")
+    properties = params.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+        raise fail(".function.parameters.properties", f"is {properties!r:.100}; it must map each argument to its JSON schema")
+    required = params.get("required", [])
+    missing = [r for r in required if r not in properties] if isinstance(required, list) else [required]
+    if missing:
+        raise fail(".function.parameters.required", f"names {missing[0]!r}, which parameters.properties does not define")
+    return function["name"]
 
 
 def interaction_name(extra_info: Any, names: Sequence[str]) -> str | None:

@@ -93,6 +93,25 @@ def check_inputs(cfg: DictConfig) -> None:
                 raise ConfigError(f"config key 'data.{key}': file {path!r} does not exist; give the path of a parquet or jsonl file")
     if not Path(cfg.model.path).exists():
         raise ConfigError(f"config key 'model.path': {cfg.model.path!r} does not exist; give a Hugging Face model folder")
+    check_not_a_run(Path(cfg.model.path))
+
+
+def check_not_a_run(model: Path) -> None:
+    """A trellis run folder or checkpoint given as ``model.path`` is refused with the command that
+    turns it into a model folder (its sharded weights and missing tokenizer would fail to load)."""
+    from trellis.runtime.checkpoint import MANIFEST, PREFIX, checkpoint_step
+
+    checkpoint = checkpoint_step(model) is not None or (model / MANIFEST).is_file()
+    if not checkpoint and not any(model.glob(PREFIX + "*")):
+        return
+    run = model.parent if checkpoint else model
+    out = run.with_name(run.name + "-hf")
+    final = run / "hf_model"
+    also = f" (or set model.path={final}, the run's final policy)" if (final / "config.json").is_file() else ""
+    raise ConfigError(
+        f"config key 'model.path': {str(model)!r} is a trellis {'checkpoint' if checkpoint else 'run folder'}, not a Hugging Face "
+        f"model folder; export it first: trellis export {model} {out}, then set model.path={out}{also}"
+    )
 
 
 def backend_field() -> Any:

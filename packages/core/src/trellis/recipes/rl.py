@@ -19,8 +19,9 @@ from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_pro
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AdvantageInputs
+from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.multiturn.environment import agent_spec, check_interaction_names
+from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
@@ -123,12 +124,7 @@ def check(cfg: DictConfig, registry) -> None:
                     f"config key 'reward.name' is auto, which has no reward for data_source {', '.join(map(repr, unknown))} "
                     f"(in data.{key} {cfg.data[key]!r}); name a reward, or give reward.path and reward.name of your own function"
                 )
-    if cfg.multi_turn.enable:
-        spec = agent_spec(cfg.multi_turn, registry, tokenizer=None)
-        rows = dict(zip((f"data.train_path {cfg.data.train_path!r}", f"data.val_path {cfg.data.val_path!r}"), load_prompt_rows(cfg.data)))
-        for where, file_rows in rows.items():
-            check_interaction_names(file_rows, spec.interaction_names, where)
-        agent_rollout(spec, registry, {where: enumerate(row.get(AGENT_COLUMN) for row in file_rows) for where, file_rows in rows.items()})
+    check_multi_turn(cfg, registry)
     declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
     if "on_policy_only" in declared:
         check_on_policy(cfg, samples)

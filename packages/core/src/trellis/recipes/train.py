@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import logging
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -14,6 +19,8 @@ from trellis.registry import Registry
 from trellis.runtime.checkpoint import checkpoint_step, find_resume
 from trellis.runtime.harness import RunContext, make_threads
 from trellis.runtime.trackers import Trackers
+
+log = logging.getLogger("trellis")
 
 
 class Recipe(Protocol):
@@ -32,6 +39,47 @@ class Recipe(Protocol):
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         """Run to the end; return the final summary figures."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the run in ``run_dir`` (``args[0]``); ``trainer.resume=auto`` continues it."""
+
+    @property
+    def run_dir(self) -> Path:
+        return self.args[0]
+
+
+@contextlib.contextmanager
+def interrupts_named(run_dir: Path) -> Iterator[None]:
+    """Turn Ctrl-C into ``Interrupted(run_dir)``, also when a library wraps the ``KeyboardInterrupt``
+    in its own error (torch's distributed checkpoint does): any error after a SIGINT counts."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):  # signals go to the main thread
+        yield
+        return
+    seen: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    except BaseException:
+        if seen:
+            raise Interrupted(run_dir) from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def warn_failed_plugins(plugins: Plugins) -> None:
+    """One line per installed plugin that failed to load: what it registers is missing from this run."""
+    for info in plugins.infos:
+        if info.error:
+            what = f"plugin {info.name!r} ({info.distribution} {info.version})"
+            log.warning("%s failed to load, so nothing it registers is available: %s", what, info.error)
 
 
 def run_dir_for(cfg: DictConfig) -> Path:
@@ -70,10 +118,9 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
     starts). ``dry_run``: only the checks that need no model, the data read with the tokenizer
     included; returns what they found and writes nothing."""
     plugins = plugins or load_plugins()
+    warn_failed_plugins(plugins)
     if not plugins.registry.names("recipe"):
-        raise config_mod.ConfigError(
-            "no recipe is installed; the rl and sft recipes come with trellis-core: pip install trellis-core"
-        )
+        raise config_mod.ConfigError("no recipe is installed; the rl and sft recipes come with trellis-core: pip install trellis-core")
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
     recipe = plugins.registry.get("recipe", cfg.recipe).obj
     run_dir = run_dir_for(cfg)
@@ -83,7 +130,8 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
         data = check_data(cfg, plugins.registry) if check_data is not None else "not checked (the recipe has no check_data)"
         return {"recipe": cfg.recipe, "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None, "data": data}
     ctx = RunContext(plugins, run_dir, resume_from, config=cfg)
-    summary = recipe.run(cfg, ctx)
+    with interrupts_named(run_dir):
+        summary = recipe.run(cfg, ctx)
     ctx.write_config()  # for recipes that do not use the run harness
     return summary
 
@@ -92,6 +140,7 @@ def evaluate(config_path: str | None, overrides: list[str], plugins: Plugins | N
     """``trellis eval``: the config checked as for training, then the recipe's validation alone,
     once, on ``model.path``'s weights; nothing is trained or written. Returns its figures."""
     plugins = plugins or load_plugins()
+    warn_failed_plugins(plugins)
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
     recipe = plugins.registry.get("recipe", cfg.recipe).obj
     if getattr(recipe, "evaluate", None) is None:

@@ -1,0 +1,90 @@
+"""The ``multi_turn`` section checked against the rest of an rl config and its data, before any
+model is built (the recipe's ``check``: ``--dry-run`` and ``train`` both run it)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from omegaconf import DictConfig
+
+from trellis.config import ConfigError
+from trellis.data import load_prompt_rows
+from trellis.multiturn.config import InteractionConfig
+from trellis.multiturn.environment import agent_spec, check_interaction_names, interaction_name
+from trellis.multiturn.rollout import AGENT_COLUMN, agent_rollout
+from trellis.multiturn.verl_compat import import_class
+from trellis.registry import Registry
+
+log = logging.getLogger("trellis")
+
+
+def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
+    """Settings that would be silently ignored, interactions and tools that cannot be built, data
+    rows that lack what their interaction needs to start, and a token budget with no room for
+    feedback: errors naming the key, except the budget (a warning)."""
+    mt = cfg.multi_turn
+    if not mt.enable:
+        given = [f"multi_turn.{k} ({len(mt[k])} given)" for k in ("interactions", "tools") if len(mt[k])]
+        if given:
+            raise ConfigError(
+                f"config key {' and '.join(given)} is set but multi_turn.enable is false, so it would be ignored; "
+                "set multi_turn.enable=true or remove it"
+            )
+        return
+    spec = agent_spec(mt, registry, tokenizer=None)
+    if cfg.reward.path and mt.score != "reward":
+        raise ConfigError(
+            f"config key 'reward.path' is {cfg.reward.path!r}, but multi_turn.score={mt.score} takes each sample's reward from the "
+            "interaction's scores and never calls it; set multi_turn.score=reward to score trajectories with your function, or drop reward.path"
+        )
+    needs = {icfg.name: start_needs(icfg, registry) for icfg in spec.settings.interactions}
+    loops = {}
+    for key, rows in zip(("train_path", "val_path"), load_prompt_rows(cfg.data)):
+        where = f"data.{key} {cfg.data[key]!r}"
+        check_interaction_names(rows, spec.interaction_names, where)
+        check_interaction_kwargs(rows, needs, where)
+        loops[where] = enumerate(row.get(AGENT_COLUMN) for row in rows)
+    agent_rollout(spec, registry, loops)  # every row's agent loop is installed
+    if mt.max_response_tokens == 0 and mt.max_assistant_turns > 1:
+        new, turns = cfg.sampling.max_new_tokens, mt.max_assistant_turns
+        log.warning(
+            "multi_turn.max_response_tokens=0: all turns share sampling.max_new_tokens x multi_turn.max_assistant_turns = %d x %d = %d "
+            "tokens, the environment's replies included, so a long answer plus a reply leaves little or no room for the next answer "
+            "(multiturn/finish_max_response_tokens counts such samples); set multi_turn.max_response_tokens to %d plus the tokens of "
+            "the replies you expect",
+            new, turns, new * turns, new * turns,
+        )  # fmt: skip
+
+
+def start_needs(icfg: InteractionConfig, registry: Registry) -> tuple[str, ...]:
+    """The keys of ``extra_info.interaction_kwargs`` an interaction cannot start without: its
+    ``start``'s keyword parameters without default; for a verl class also ``name`` (verl's
+    agent loop requires it in every row)."""
+    if icfg.verl_class:
+        return ("name", *_required_parameters(import_class(icfg.verl_class, "").start_interaction))
+    return _required_parameters(getattr(registry.get("interaction", icfg.component).obj, "start", None))
+
+
+def _required_parameters(method: Any) -> tuple[str, ...]:
+    if method is None:  # a factory, not a class: nothing to read
+        return ()
+    params = list(inspect.signature(method).parameters.values())[2:]  # self, instance_id
+    return tuple(p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_interaction_kwargs(rows: Sequence[dict[str, Any]], needs: dict[str, tuple[str, ...]], where: str) -> None:
+    """Every row gives its interaction the ``interaction_kwargs`` it needs (a null value counts as missing)."""
+    for i, row in enumerate(rows):
+        extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        name = interaction_name(extra, list(needs))
+        kwargs = extra.get("interaction_kwargs") or {}
+        missing = [k for k in needs.get(name, ()) if kwargs.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"{where}: row {i} has no extra_info.interaction_kwargs.{missing[0]}, which interaction {name!r} needs to start "
+                f"(it needs {', '.join(needs[name])}); give every row extra_info.interaction_kwargs with them, in verl's schema "
+                f"(e.g. {{name: {name}, {', '.join(f'{k}: ...' for k in needs[name] if k != 'name')}}})"
+            )
