@@ -50,12 +50,12 @@ def step(registry, path, role, batch, mode, cut):
     if role == "sft":
         opts = validate(OmegaConf.create(base), SFTTrainConfig, registry)
         worker = make_worker(registry, path, "actor", opts, OBJECTIVES["sft"], backend=PlainBackend)
-        metrics = worker.sft_update(batch.select("input_ids", "attention_mask", "position_ids", "loss_mask"))
+        metrics = worker.train("sft_update", batch.select("input_ids", "attention_mask", "position_ids", "loss_mask"))
     else:
         extra = {"entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_type": "k1", "kl_loss_coef": 0.1}
         opts = validate(OmegaConf.create({**base, **extra}), ActorConfig, registry)
         worker = make_worker(registry, path, "actor", opts, OBJECTIVES["actor"], backend=PlainBackend)
-        metrics = worker.update(batch)
+        metrics = worker.train("update", batch)
     return metrics, dict(chain.from_iterable(worker.export_weights()))
 
 

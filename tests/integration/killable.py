@@ -25,15 +25,16 @@ def die() -> None:
 
 def kill_at(point: str, step: int) -> None:
     if point == "update":
-        update, calls = RoleWorker.update, []
+        train, calls = RoleWorker.train, []
 
-        def counting_update(self, batch):
-            calls.append(self.spec.role)
-            if calls.count("actor") == step and self.spec.role == "actor":
-                die()
-            return update(self, batch)
+        def counting_update(self, verb, batch):
+            if verb == "update":
+                calls.append(self.spec.role)
+                if calls.count("actor") == step and self.spec.role == "actor":
+                    die()
+            return train(self, verb, batch)
 
-        RoleWorker.update = counting_update
+        RoleWorker.train = counting_update
     elif point == "checkpoint":
         save = RoleWorker.save
 
