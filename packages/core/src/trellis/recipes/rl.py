@@ -26,7 +26,7 @@ from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
 from trellis.registry import RegistryError
-from trellis.rewards import RewardConfig, RewardError, RewardManager, RewardResult, resolve_reward, unknown_sources
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, check_reward, unknown_sources
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, backend_mesh
 from trellis.runtime.plan import Plan
@@ -91,10 +91,7 @@ class RLConfig(RecipeConfig):
 
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built."""
-    try:
-        resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
-    except (RewardError, RegistryError) as exc:
-        raise ConfigError(f"config key 'reward': {exc}") from None
+    check_reward(cfg.reward, registry)
     check_inputs(cfg)
     check_rollout_placement(cfg, registry)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
