@@ -272,3 +272,12 @@ def test_a_run_without_reward_signal_says_so(run_rl, tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1:")]
     assert any("every prompt's samples got the same reward" in m for m in warned), warned
     assert any("actor/grad_norm=0: the gradient is exactly zero" in m for m in warned), warned
+
+
+def test_the_engine_trainer_gap_is_logged_by_default(run_rl):
+    """Without any rollout-correction option, every update reports how far the engine that sampled
+    is from the trainer on the step's own tokens: near 0 when the sync works (HF engine, fp32)."""
+    _, rows = run_rl()
+    for row in (r for r in rows if "actor/pg_loss" in r):
+        assert abs(row["actor/rollout_corr/kl"]) < 1e-4 and abs(row["actor/rollout_corr/log_ppl_diff"]) < 1e-4, row
+        assert "actor/rollout_corr/chi2_token" in row
