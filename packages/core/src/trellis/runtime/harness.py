@@ -255,6 +255,8 @@ class Run:
             first step of a fresh run (``validate_before``), after every ``trainer.val_every_steps``
             and after the last step; logged as ``val/<name>`` and kept in :attr:`summary`
             (``val_before``, ``val_after``)."""
+        if validate is not None and rollout is None:
+            raise ValueError("Run.start(validate=...) generates on the rollout: pass rollout= too")
         self.ctx.write_config()
         start = self.checkpointer.restore(roles, state)
         self._rollout, self._validate = rollout, validate
