@@ -3,6 +3,7 @@ bad configs fail before any model is built, and the rollout tracks the actor's w
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -257,3 +258,26 @@ def test_gdpo_gets_the_rewards_components_through_the_recipe(run_rl, tmp_path):
     # the reward's components reach the metrics and gdpo (an unknown key would stop the run)
     assert all(0.0 <= r["reward/short"] <= 1.0 and "reward/right" in r for r in steps)
     assert all(math.isfinite(r["actor/pg_loss"]) for r in steps)
+
+
+def test_a_run_without_reward_signal_says_so(run_rl, tmp_path, caplog):
+    """A reward that scores every sample alike (as the starter's gsm8k does on other data): each
+    step logs reward/groups_with_signal=0 and the actor's gradient is exactly 0; both are warned of."""
+    reward = tmp_path / "zero.py"
+    reward.write_text("def zero(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        _, rows = run_rl(f"reward.path={reward}", "reward.name=zero")
+    steps = [r for r in rows if "actor/grad_norm" in r]
+    assert [r["reward/groups_with_signal"] for r in steps] == [0.0, 0.0] and all(r["actor/grad_norm"] == 0.0 for r in steps)
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1:")]
+    assert any("every prompt's samples got the same reward" in m for m in warned), warned
+    assert any("actor/grad_norm=0: the gradient is exactly zero" in m for m in warned), warned
+
+
+def test_the_engine_trainer_gap_is_logged_by_default(run_rl):
+    """Without any rollout-correction option, every update reports how far the engine that sampled
+    is from the trainer on the step's own tokens: near 0 when the sync works (HF engine, fp32)."""
+    _, rows = run_rl()
+    for row in (r for r in rows if "actor/pg_loss" in r):
+        assert abs(row["actor/rollout_corr/kl"]) < 1e-4 and abs(row["actor/rollout_corr/log_ppl_diff"]) < 1e-4, row
+        assert "actor/rollout_corr/chi2_token" in row

@@ -13,7 +13,7 @@ import torch
 from trellis import PAIR_FIELDS, Aggregation, Batch, PolicyLossInputs, PreferenceInputs, aggregation_for, resolve_component
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
-from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, rejection_mask, rollout_correction
+from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, mismatch_metrics, rejection_mask, rollout_correction
 from trellis_algos.value_loss import clipped_value_loss
 
 
@@ -26,7 +26,10 @@ class PolicyObjective:
     policy loss per token, and rejected tokens leave every term and the global counts. The
     batch-normalised weights are divided by the mean of the mini-batch last passed to
     :meth:`counts` (the worker counts each mini-batch before computing its micro-batches).
-    A loss marked ``corrects_rollout`` (``bypass_mode``) does its own.
+    A loss marked ``corrects_rollout`` (``bypass_mode``) does its own. Without correction the
+    mismatch metrics (``rollout_corr/kl``, ``log_ppl_diff``...) between ``old_log_probs`` and the
+    engine's ``rollout_log_probs`` are reported all the same: a trainer and engine that disagree
+    (a broken weight sync, a precision mismatch) show in every run.
     """
 
     summed = frozenset({"pg_loss", "entropy_loss", "kl_loss"})
@@ -80,6 +83,8 @@ class PolicyObjective:
         if self.correction is not None:
             rollout = self._rollout_log_probs(micro).to(device)
             weights, mask, corr_metrics = rollout_correction(old, rollout, mask, self.correction, self.is_batch_mean)
+        elif rollout is not None:  # always on: how far the engine that sampled is from the trainer
+            corr_metrics = {f"rollout_corr/{k}": v for k, v in mismatch_metrics(old, rollout, mask).items()}
         data = PolicyLossInputs(
             log_prob=log_prob,
             old_log_prob=old,

@@ -24,9 +24,7 @@ from trellis import (
     PromptData,
     PromptDataset,
     RecipeConfig,
-    RegistryError,
     RewardConfig,
-    RewardError,
     RewardManager,
     Run,
     RunContext,
@@ -34,6 +32,7 @@ from trellis import (
     SamplingParams,
     TrainerConfig,
     check_inputs,
+    check_reward,
     choice,
     component,
     encode_response,
@@ -41,7 +40,6 @@ from trellis import (
     load_prompt_data,
     pair_batch,
     ranged,
-    resolve_reward,
     rollout_batch,
 )
 from trellis_algos.preference import make_pairs
@@ -67,10 +65,7 @@ def check(cfg: DictConfig, registry: Any) -> None:
     check_inputs(cfg)
     if cfg.pairs == "ranked" and cfg.sampling.n < 2:
         raise ConfigError(f"config key 'sampling.n' is {cfg.sampling.n}; pairs: ranked compares samples of a prompt, so it needs at least 2")
-    try:
-        resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
-    except (RewardError, RegistryError) as exc:
-        raise ConfigError(f"config key 'reward': {exc}") from None
+    check_reward(cfg.reward, registry)
 
 
 def check_answers(prompts: PromptDataset) -> None:

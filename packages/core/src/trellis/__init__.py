@@ -43,6 +43,7 @@ _API = {
     "RewardManager": "trellis.rewards",
     "RewardError": "trellis.rewards",
     "resolve_reward": "trellis.rewards",
+    "check_reward": "trellis.rewards",
     "gsm8k_score": "trellis.rewards",
     "math_score": "trellis.rewards",
     # interfaces: backends, dispatch, rollout, algorithms, environments

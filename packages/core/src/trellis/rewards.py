@@ -25,7 +25,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from trellis.batch import Batch, last_valid_index
-from trellis.config import ranged
+from trellis.config import ConfigError, instantiate_options, ranged
+from trellis.registry import RegistryError
 
 logger = logging.getLogger("trellis")
 
@@ -154,6 +155,8 @@ class RewardConfig:
         (for rewards that wait on something, such as a code sandbox); None = the function's
         ``max_concurrency`` attribute, else 1 (one after another). Ignored when batched.
     max_error_rate: the run stops when a larger share of a batch's samples fail to score (1: never).
+        A sample that could not be scored is never a silent 0 (a reward that cannot reach its
+        server raises), so the default stops a run whose reward mostly does not work.
     """
 
     name: str = "gsm8k"
@@ -162,7 +165,7 @@ class RewardConfig:
     batched: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_concurrency: Optional[int] = ranged(None, ge=1)  # noqa: UP045
-    max_error_rate: float = ranged(1.0, ge=0, le=1)
+    max_error_rate: float = ranged(0.1, ge=0, le=1)
 
 
 def load_function(path: str | Path, name: str) -> Callable[..., Any]:
@@ -187,6 +190,24 @@ def load_function(path: str | Path, name: str) -> Callable[..., Any]:
         what = "is not callable" if fn is not None else "is not defined there"
         raise RewardError(f"reward.name {name!r} {what} in {str(path)!r}; functions found: {', '.join(found) or 'none'}; set reward.name")
     return fn
+
+
+def check_reward(node: Any, registry: Any) -> None:
+    """A recipe's ``reward`` section checked before any model is built: the function resolved
+    (:func:`resolve_reward`) and, when it has a ``preflight`` attribute, that called with the
+    section's ``kwargs`` (a reward served elsewhere checks that its address answers). Raises a
+    ``ConfigError`` with the fix."""
+    cfg = instantiate_options(node, RewardConfig)
+    try:
+        fn = resolve_reward(cfg, registry)
+    except (RewardError, RegistryError) as exc:
+        raise ConfigError(f"config key 'reward': {exc}") from None
+    preflight = getattr(fn, "preflight", None)
+    if preflight is not None:
+        try:
+            preflight(**dict(cfg.kwargs or {}))
+        except Exception as exc:  # noqa: BLE001 - any failure of the check is the user's to fix
+            raise ConfigError(f"config key 'reward': reward {cfg.name!r} is not ready: {exc}") from None
 
 
 def resolve_reward(cfg: RewardConfig, registry: Any) -> Callable[..., Any]:

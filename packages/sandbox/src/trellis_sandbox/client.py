@@ -129,5 +129,5 @@ class SandboxClient:
             self._down = True
             if not self._reported:
                 self._reported = True
-                logger.error("%s (after %d attempts); its requests score as sandbox errors until it answers", problem, attempts)
+                logger.error("%s (after %d attempts); its requests fail (reward/errors) until it answers", problem, attempts)
             return RunResponse(SANDBOX_ERROR, problem)

@@ -26,7 +26,7 @@ from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
 from trellis.registry import RegistryError
-from trellis.rewards import RewardConfig, RewardError, RewardManager, RewardResult, resolve_reward, unknown_sources
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, check_reward, unknown_sources
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, backend_mesh
 from trellis.runtime.plan import Plan
@@ -91,10 +91,7 @@ class RLConfig(RecipeConfig):
 
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built."""
-    try:
-        resolve_reward(instantiate_options(cfg.reward, RewardConfig), registry)
-    except (RewardError, RegistryError) as exc:
-        raise ConfigError(f"config key 'reward': {exc}") from None
+    check_reward(cfg.reward, registry)
     check_inputs(cfg)
     check_rollout_placement(cfg, registry)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
@@ -293,6 +290,7 @@ class RLRecipe:
                     **kl_metrics,
                     **_kl_summary(update_metrics, kl_metrics),
                     **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
+                    **(groups_with_signal(scored.scores, batch.group_index("uid")) if params.n > 1 else {}),
                     "response/length_mean": float(mask.sum(-1).mean()),
                     "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                     "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
@@ -362,6 +360,15 @@ def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent:
 
 def score(batch: Batch, reward_fn: RewardManager, agent: AgentRollout | None) -> RewardResult:
     return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
+
+
+def groups_with_signal(scores: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    """``reward/groups_with_signal``: the share of prompt groups whose samples differ in reward
+    (``scores``, ``groups`` ``(batch,)``); 0 means no group-relative signal at all."""
+    n = int(groups.max()) + 1
+    low = torch.full((n,), float("inf")).scatter_reduce(0, groups, scores, "amin")
+    high = torch.full((n,), float("-inf")).scatter_reduce(0, groups, scores, "amax")
+    return {"reward/groups_with_signal": float((high > low).float().mean())}
 
 
 def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:

@@ -48,6 +48,7 @@ from trellis.plugins import Plugins
 from trellis.registry import Registry
 from trellis.runtime.checkpoint import Checkpointer
 from trellis.runtime.controller import Controller, LocalController, RolloutGroup, WorkerGroup
+from trellis.runtime.signals import SignalWatch
 from trellis.runtime.threads import Threads
 from trellis.runtime.trackers import StepRows, Trackers
 from trellis.runtime.worker import RoleWorker, WorkerSpec
@@ -197,6 +198,7 @@ class Run:
         self._step_start = 0.0
         self.threads = make_threads(cfg.trainer)
         self.summary: dict[str, Any] = {}  # what the recipe returns: val_before / val_after, ...
+        self.signals = SignalWatch()
         self._rollout: RolloutGroup | None = None
         self._validate: Callable[[], dict[str, float]] | None = None
 
@@ -253,6 +255,8 @@ class Run:
             first step of a fresh run (``validate_before``), after every ``trainer.val_every_steps``
             and after the last step; logged as ``val/<name>`` and kept in :attr:`summary`
             (``val_before``, ``val_after``)."""
+        if validate is not None and rollout is None:
+            raise ValueError("Run.start(validate=...) generates on the rollout: pass rollout= too")
         self.ctx.write_config()
         start = self.checkpointer.restore(roles, state)
         self._rollout, self._validate = rollout, validate
@@ -318,6 +322,7 @@ class Run:
         metrics["timing/step_s"] = time.perf_counter() - self._step_start
         metrics["timing/threads"] = float(self.threads.check())
         self.metrics = metrics
+        self.signals.check(step, metrics)
         self.log(step, metrics)
         self.ctx.hook.trellis_step_end(step=step, metrics=metrics)
         self.checkpointer.after_step(step)
