@@ -19,6 +19,20 @@ from trellis.runtime import provenance
 from trellis.runtime import threads as threads_mod
 from trellis.runtime.checkpoint import read_manifest
 
+LOCK = Path(__file__).parents[2] / "locks" / "project.txt"
+
+
+def test_the_installed_libraries_are_the_locked_ones():
+    """nox installs every session of the project under locks/project.txt, so the versions a run
+    records are the lock's: the ones the README's figures were measured with."""
+    pins = dict(line.strip().split("==") for line in LOCK.read_text().splitlines() if "==" in line)
+    found = provenance.versions()
+    for name in ("torch", "transformers", "tokenizers", "numpy", "safetensors"):
+        assert found[name].split("+")[0] == pins[name], (
+            f"{name} {found[name]} is installed, locks/project.txt pins {pins[name]}: install through nox (pip install -c "
+            "locks/project.txt ...), or run nox -s lock when the lock is what should move"
+        )
+
 
 @pytest.fixture
 def sft(tiny_model_path, data_files):
