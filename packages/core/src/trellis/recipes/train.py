@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 from trellis import config as config_mod
 from trellis.plugins import Plugins, load_plugins
 from trellis.registry import Registry
-from trellis.runtime.checkpoint import checkpoint_step, find_resume
+from trellis.runtime.checkpoint import checkpoint_step, find_resume, read_manifest
 from trellis.runtime.harness import RunContext, make_threads
+from trellis.runtime.threads import parse_threads
 from trellis.runtime.trackers import Trackers
 
 log = logging.getLogger("trellis")
@@ -112,6 +113,16 @@ def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Pa
     return find_resume(cfg, run_dir, tuple(getattr(recipe, "resume_safe_keys", ())))
 
 
+def keep_recorded_threads(cfg: DictConfig, resume_from: Path) -> None:
+    """Under ``trainer.threads=auto`` a resumed run takes the thread count its checkpoint was written
+    with, not the one the load now suggests: the count can change torch's arithmetic, and a resumed
+    run must equal an uninterrupted one."""
+    recorded = (read_manifest(resume_from) or {}).get("torch_threads")
+    if recorded and parse_threads(cfg.trainer.threads) == "auto":
+        log.info("threads: %d, as %s recorded (trainer.threads=auto keeps one count for the whole run)", recorded, resume_from)
+        cfg.trainer.threads = str(recorded)
+
+
 def train(config_path: str | None, overrides: list[str], plugins: Plugins | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Compose and check the config (and the checkpoint to resume from) before anything is written
     or built, run the recipe (the run harness saves the config in the run folder when the run
@@ -129,6 +140,8 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
         check_data = getattr(recipe, "check_data", None)
         data = check_data(cfg, plugins.registry) if check_data is not None else "not checked (the recipe has no check_data)"
         return {"recipe": cfg.recipe, "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None, "data": data}
+    if resume_from is not None:
+        keep_recorded_threads(cfg, resume_from)
     ctx = RunContext(plugins, run_dir, resume_from, config=cfg)
     with interrupts_named(run_dir):
         summary = recipe.run(cfg, ctx)

@@ -4,7 +4,7 @@ A checkpoint holds one folder per trainable role (whatever the backend's ``save`
 rank its own shard), ``trainer_state.pt`` (the step, the state of the recipe's stateful objects
 such as the data loader and the KL controller, and this process's RNG states), the resolved
 ``config.yaml`` and, written last, ``manifest.json`` (step, every file with its size and SHA-256,
-a hash of the config, the Trellis version). It is written to ``.checkpoint-<step>.tmp`` and
+a hash of the config, the Trellis version, torch's thread count). It is written to ``.checkpoint-<step>.tmp`` and
 renamed only when complete, so a crash mid-save leaves the previous checkpoints as they were. A
 checkpoint is *complete* when its manifest parses and every file it lists is there with its size,
 and *intact* when every file also has its recorded SHA-256; a run resumes from the latest intact one.
@@ -284,6 +284,7 @@ def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], st
         "sha256": checksums(tmp, list(files)),
         "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
         "trellis_version": __version__,
+        "torch_threads": torch.get_num_threads(),  # a resumed run under trainer.threads=auto keeps it
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")

@@ -46,6 +46,7 @@ from trellis.interfaces.dispatch import Mesh
 from trellis.interfaces.rollout import RolloutSpec
 from trellis.plugins import Plugins
 from trellis.registry import Registry
+from trellis.runtime import provenance
 from trellis.runtime.checkpoint import Checkpointer
 from trellis.runtime.controller import Controller, LocalController, RolloutGroup, WorkerGroup
 from trellis.runtime.signals import SignalWatch
@@ -74,6 +75,7 @@ class RunContext:
         stopped earlier (by a data check, say) leaves no folder behind."""
         if self.config is not None and not self._written:
             save(self.config, self.run_dir / "config.yaml")
+            provenance.write(self.run_dir)  # versions, CPU, torch threads: what the figures also depend on
             log.info("run folder: %s", self.run_dir)
             self._written = True
 

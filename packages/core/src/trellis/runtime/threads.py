@@ -1,10 +1,15 @@
-"""Torch threads for this process: a fixed count, or ``auto``: the cores other processes leave free.
+"""Torch threads for this process: a fixed count, ``auto`` or ``follow``: the cores other processes leave free.
 
 Oversubscribed cores make a step 10-30x slower (OpenMP threads wait on each other while a
-neighbour holds their core). ``auto`` measures, from ``/proc``, how many cores processes outside
-this one's tree kept busy (the whole machine's busy time minus this process's and its children's)
-and uses the rest; the recipe re-checks after every step, at most once a second, so a neighbour
-that starts or stops mid-run is followed. Linux only: elsewhere ``auto`` keeps every usable core.
+neighbour holds their core). ``auto`` and ``follow`` measure, from ``/proc``, how many cores
+processes outside this one's tree kept busy (the whole machine's busy time minus this process's
+and its children's) and use the rest. ``auto`` decides once, when the run starts, and keeps that
+count: the thread count can change torch's arithmetic (a reduction or a matrix product split
+over 3 threads rounds differently than over 1), so a run's figures must not depend on when a
+neighbour came. A resumed run takes the count its checkpoint recorded. ``follow`` re-checks after
+every step, at most once a second, and follows a neighbour that starts or stops mid-run: faster
+on a busy machine, but the figures may then depend on the load. Linux only: elsewhere both keep
+every usable core.
 """
 
 from __future__ import annotations
@@ -24,16 +29,20 @@ PROC = Path("/proc")
 CHECK_EVERY_S = 1.0
 
 
-def parse_threads(value: object) -> int | None:
-    """``trainer.threads`` as a count (0: every usable core) or None for ``auto``."""
+MODES = ("auto", "follow")
+
+
+def parse_threads(value: object) -> int | str:
+    """``trainer.threads`` as a count (0: every usable core), ``"auto"`` or ``"follow"``."""
     text = str(value).strip().lower()
-    if text == "auto":
-        return None
+    if text in MODES:
+        return text
     if text.isdigit():
         return int(text)
     raise ValueError(
-        f"config key 'trainer.threads' is {value!r}; set trainer.threads to auto (follow the cores other "
-        "processes leave free), 0 (every usable core) or a number of threads"
+        f"config key 'trainer.threads' is {value!r}; set trainer.threads to auto (the cores other processes "
+        "leave free when the run starts, kept for the run), follow (re-checked every step; figures may then "
+        "depend on the load), 0 (every usable core) or a number of threads"
     )
 
 
@@ -94,16 +103,19 @@ def _tree_ticks(root: int) -> int:
 
 
 class Threads:
-    """Sets torch's thread count from ``trainer.threads`` and, under ``auto``, keeps it at the cores
-    other processes leave free. ``start()`` once before work, ``check()`` after each step."""
+    """Sets torch's thread count from ``trainer.threads``: under ``auto`` the cores other processes
+    leave free when the run starts, under ``follow`` the cores they leave free now. ``start()`` once
+    before work, ``check()`` after each step."""
 
     def __init__(self, setting: object, ranks_here: int = 1, probe_s: float = 0.25) -> None:
-        self.fixed = parse_threads(setting)
+        parsed = parse_threads(setting)
+        self.fixed = parsed if isinstance(parsed, int) else None
         self.cores = usable_cores(ranks_here)
         self.probe_s = probe_s
         self.others = 0.0
         self._last: CpuSample | None = None
         self.auto = self.fixed is None and (PROC / "stat").is_file()
+        self.follow = self.auto and parsed == "follow"
 
     def start(self) -> int:
         """Pin the thread count; under ``auto`` after watching the machine for ``probe_s`` seconds."""
@@ -117,14 +129,15 @@ class Threads:
         self.others = others_busy(before, self._last)
         n = self._choose()
         torch.set_num_threads(n)
-        log.info("threads: %d of %d cores (auto: other processes kept %.1f busy)", n, self.cores, self.others)
+        mode = "follow" if self.follow else "auto, kept for the run"
+        log.info("threads: %d of %d cores (%s: other processes kept %.1f busy)", n, self.cores, mode, self.others)
         return n
 
     def check(self) -> int:
-        """Under ``auto``, re-measure the cores others used since the last check (at most once per
+        """Under ``follow``, re-measure the cores others used since the last check (at most once per
         ``CHECK_EVERY_S``) and follow them; returns the thread count in use."""
         current = torch.get_num_threads()
-        if not self.auto or self._last is None:
+        if not self.follow or self._last is None:
             return current
         if time.monotonic() - self._last.wall < CHECK_EVERY_S:
             return current  # before reading /proc: most steps end here
@@ -133,7 +146,7 @@ class Threads:
         n = self._choose()
         if n != current:
             torch.set_num_threads(n)
-            log.info("threads: %d -> %d of %d cores (auto: other processes kept %.1f busy)", current, n, self.cores, self.others)
+            log.info("threads: %d -> %d of %d cores (follow: other processes kept %.1f busy)", current, n, self.cores, self.others)
         return n
 
     def _choose(self) -> int:
