@@ -158,7 +158,7 @@ def _flaky(data_source, solution_str, ground_truth, extra_info=None):
 def test_an_error_scores_zero_counts_and_logs_once(tok, caplog):
     reg = Registry()
     reg.add("reward", "flaky", _flaky)
-    manager = RewardManager(RewardConfig(name="flaky"), reg, tok)
+    manager = RewardManager(RewardConfig(name="flaky", max_error_rate=1.0), reg, tok)
     batch = responses(tok, ["#### 46", "#### 4", "#### 4", "nothing"])
     with caplog.at_level(logging.ERROR, logger="trellis"):
         token_scores, metrics = manager(batch)
@@ -208,7 +208,7 @@ def test_bad_results_count_as_errors(tok):
     reg.add("reward", "no_score", lambda data_source, solution_str, ground_truth, extra_info=None: {"acc": 1.0})
     reg.add("reward", "text", lambda data_source, solution_str, ground_truth, extra_info=None: "yes")
     for name in ("no_score", "text"):
-        _, metrics = RewardManager(RewardConfig(name=name), reg, tok)(responses(tok, ["#### 46"]))
+        _, metrics = RewardManager(RewardConfig(name=name, max_error_rate=1.0), reg, tok)(responses(tok, ["#### 46"]))
         assert metrics["reward/errors"] == 1.0
     with pytest.raises(RewardError, match="dict without 'score'"):
         RewardManager(RewardConfig(name="no_score", fail_fast=True), reg, tok)(responses(tok, ["#### 46"]))
@@ -294,7 +294,7 @@ def test_concurrent_errors_are_handled_as_serial_ones(tok, caplog):
     reg.add("reward", "flaky", _flaky)
     batch = responses(tok, ["#### 46", "#### 4", "#### 4", "nothing"])
     with caplog.at_level(logging.ERROR, logger="trellis"):
-        token_scores, metrics = RewardManager(RewardConfig(name="flaky", max_concurrency=4), reg, tok)(batch)
+        token_scores, metrics = RewardManager(RewardConfig(name="flaky", max_concurrency=4, max_error_rate=1.0), reg, tok)(batch)
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1  # logged once across threads
     assert metrics["reward/errors"] == 2.0 and token_scores.sum(-1).tolist() == [1.0, 0.0, 0.0, 0.0]
     with pytest.raises(RewardError, match=r"failed on sample 1 \(data_source='arithmetic'\): ZeroDivisionError"):
