@@ -25,15 +25,20 @@ class Server:
     url: str
     proc: subprocess.Popen
     home: Path
+    token: str | None = None  # sent by post() and stats() as the bearer token
+
+    def headers(self, token: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
-    def post(self, body, *, raw: bytes | None = None, timeout: float = 60.0) -> tuple[int, dict]:
-        """POST /run_code; returns (HTTP status, JSON body)."""
+    def post(self, body, *, raw: bytes | None = None, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, dict]:
+        """POST /run_code with ``headers`` (default: the server's token); returns (HTTP status, JSON body)."""
         data = raw if raw is not None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}/run_code", data=data, headers={"Content-Type": "application/json"})
+        headers = self.headers(self.token) if headers is None else headers
+        req = urllib.request.Request(f"{self.url}/run_code", data=data, headers={"Content-Type": "application/json", **headers})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.loads(resp.read())
@@ -46,13 +51,15 @@ class Server:
         return body
 
     def stats(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/stats", timeout=10) as resp:
+        req = urllib.request.Request(f"{self.url}/stats", headers=self.headers(self.token))
+        with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
 
 def start_server(home: Path, *args: str, env: dict | None = None, check: bool = True) -> Server | subprocess.Popen:
     """``trellis-sandbox serve --port 0 ARGS`` with HOME=home and a secret in its environment; waits for
-    its URL line. With ``check=False`` returns the process as soon as it prints or exits."""
+    its URL line. With ``check=False`` returns the process as soon as it prints or exits. The server's
+    token is ``TRELLIS_SANDBOX_TOKEN`` of ``env`` (or ours), as the server reads it."""
     home.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "HOME": str(home), "TRELLIS_SANDBOX_TEST_SECRET": SECRET, **(env or {})}
     cmd = [sys.executable, "-m", "trellis_sandbox.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args]
@@ -65,7 +72,7 @@ def start_server(home: Path, *args: str, env: dict | None = None, check: bool = 
     if "serving http://" not in line:
         stop(proc)
         raise RuntimeError(f"the server did not start: {line!r} {proc.communicate()[1]}")
-    return Server(line.split("serving ", 1)[1].split(" ", 1)[0], proc, home)
+    return Server(line.split("serving ", 1)[1].split(" ", 1)[0], proc, home, full_env.get("TRELLIS_SANDBOX_TOKEN") or None)
 
 
 def _die_with_parent() -> None:

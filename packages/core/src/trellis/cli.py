@@ -6,15 +6,24 @@ import argparse
 import json
 import logging
 import sys
+from importlib.resources import files
 
 from omegaconf import OmegaConf
 from pluggy import PluginValidationError
 
 from trellis import config as config_mod
 from trellis.data import DataError
+from trellis.plot import DEFAULT_METRICS
 from trellis.plugins import load_plugins
 from trellis.registry import RegistryError
 from trellis.rewards import RewardError
+
+# `trellis config init NAME` prints examples/configs/starter_NAME.yaml when there is one
+STARTERS = {
+    p.name.removeprefix("starter_").removesuffix(".yaml"): p
+    for p in (files("trellis.examples") / "configs").iterdir()
+    if p.name.startswith("starter_")
+}
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -44,11 +53,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_init(args: argparse.Namespace) -> int:
-    from importlib.resources import files
-
-    starter = files("trellis.examples") / "configs" / f"starter_{args.recipe}.yaml"
-    if starter.is_file():
-        print(starter.read_text(encoding="utf-8").rstrip())
+    if args.recipe in STARTERS:
+        print(STARTERS[args.recipe].read_text(encoding="utf-8").rstrip())
         return 0
     plugins = load_plugins()
     schema = config_mod.recipe_schema(OmegaConf.create({"recipe": args.recipe}), plugins.registry)
@@ -173,8 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")
     p.set_defaults(func=cmd_config_show)
-    p = csub.add_parser("init", help="print a commented starter config: trellis config init rl > my_run.yaml")
-    p.add_argument("recipe", help="rl, sft, or any installed recipe (its options with their defaults)")
+    starters = ", ".join(sorted(STARTERS))
+    p = csub.add_parser(
+        "init",
+        help="print a commented starter config: trellis config init rl > my_run.yaml",
+        description=f"Print a commented starter config ({starters}), or for any other installed recipe (e.g. spin) its options "
+        "with their defaults; ??? marks what you must set.",
+    )
+    p.add_argument("recipe", help=f"a starter ({starters}) or an installed recipe's name")
     p.set_defaults(func=cmd_config_init)
     p = csub.add_parser("from-verl", help="print the trellis rl config for a verl PPO/GRPO config; unconverted keys go to stderr")
     p.add_argument("verl", nargs="+", help="verl YAML files and/or key=value overrides as given to verl.trainer.main_ppo")
@@ -211,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plot",
         help="PNG curves of metrics from run folders (several runs overlaid)",
         description="trellis plot RUN_DIR [RUN_DIR ...] [METRIC ...]: arguments that are folders are runs, the others metric "
-        "names (e.g. reward/mean actor/entropy); default metrics: reward, entropy, KL, response length, step time.",
+        f"names (e.g. reward/mean actor/entropy). Without a metric: those of {', '.join(DEFAULT_METRICS)} that some run has.",
     )
     p.add_argument("runs_and_metrics", nargs="+", metavar="RUN_DIR_OR_METRIC")
     p.add_argument("--metric", action="append", dest="metrics", help="another metric to plot (repeatable)")

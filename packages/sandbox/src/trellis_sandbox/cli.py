@@ -1,4 +1,8 @@
-"""``trellis-sandbox serve``: start the local Sandbox Fusion-compatible server."""
+"""``trellis-sandbox serve``: start the local Sandbox Fusion-compatible server.
+
+On loopback it needs no token unless TRELLIS_SANDBOX_TOKEN gives one; on any other address clients
+must send ``Authorization: Bearer <token>`` (TRELLIS_SANDBOX_TOKEN, else a fresh token printed at start).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from trellis_sandbox.auth import TOKEN_ENV, Access, client_hint, decide_access
 from trellis_sandbox.isolation import IsolationUnavailable, detect
 from trellis_sandbox.languages import available_languages, default_python
 from trellis_sandbox.runner import Runner, RunnerConfig
@@ -21,10 +26,14 @@ from trellis_sandbox.server import SandboxServer, ServerConfig
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trellis-sandbox", description=__doc__)
+    p = argparse.ArgumentParser(prog="trellis-sandbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve POST /run_code on HOST:PORT")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s = sub.add_parser(
+        "serve", help="serve POST /run_code on HOST:PORT", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; any other address requires a token)"
+    )
     s.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (the URL is printed)")
     s.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="programs run at once (default: the CPU count)")
     s.add_argument("--queue-size", type=int, default=256, help="requests that may wait for a worker; more get 503")
@@ -35,6 +44,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--nproc", type=int, default=64, help="processes (and threads) per run")
     s.add_argument("--isolation", choices=["auto", "bwrap", "unshare"], default="auto", help="auto: bubblewrap, else unshare")
     s.add_argument("--unsafe-no-isolation", action="store_true", help="run programs with rlimits only: NEVER for untrusted code")
+    s.add_argument(
+        "--unsafe-no-token",
+        action="store_true",
+        help=f"serve without a token even off loopback (ignores {TOKEN_ENV}): NEVER on a network you do not trust",
+    )
     s.add_argument("--python", default=None, help="interpreter for language 'python' (default: the system's python3)")
     s.add_argument("--uid-base", type=int, default=61000, help="when root, worker i runs programs as uid UID_BASE+i")
     return p
@@ -65,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             memory_mb=args.memory_mb, output_cap=args.output_cap_kb << 10, nproc=args.nproc, uid_base=args.uid_base
         )
         runner = Runner(isolation, available_languages(args.python or default_python()), root, config)
-        server = SandboxServer(runner, ServerConfig(args.workers, args.queue_size, args.max_timeout, args.max_request_mb))
+        access = decide_access(args.host, os.environ.get(TOKEN_ENV), args.unsafe_no_token)
+        if access.warning:
+            print(f"trellis-sandbox: {access.warning}", file=sys.stderr, flush=True)
+        server = SandboxServer(runner, ServerConfig(args.workers, args.queue_size, args.max_timeout, args.max_request_mb, access.token))
         try:
-            asyncio.run(_serve(server, args.host, args.port))
+            asyncio.run(_serve(server, args.host, args.port, access))
         except CannotListen as exc:
             print(f"trellis-sandbox: {exc}", file=sys.stderr)
             return 2
@@ -80,7 +97,7 @@ class CannotListen(Exception):
     """The address is taken or not this machine's."""
 
 
-async def _serve(server: SandboxServer, host: str, port: int) -> None:
+async def _serve(server: SandboxServer, host: str, port: int, access: Access) -> None:
     app_runner = web.AppRunner(server.app(), access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port)
@@ -98,6 +115,8 @@ async def _serve(server: SandboxServer, host: str, port: int) -> None:
         f"{server.config.workers} workers, languages {langs})",
         flush=True,
     )
+    if access.token is not None:
+        print(f"trellis-sandbox: {client_hint(access)}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,7 +10,9 @@ Retries, with exponential backoff, only on infrastructure errors (connection ref
 5xx: nothing was judged); a program that failed, timed out or crashed is never run again. The HTTP
 timeout is ``compile_timeout + run_timeout + slack_s``. A server that cannot be reached is logged
 once per client, naming the URL; its requests come back as ``SandboxError`` responses, and while it
-stays down each request tries once instead of retrying.
+stays down each request tries once instead of retrying. The server's token, when it has one, comes
+from ``TRELLIS_SANDBOX_TOKEN`` (never from a config: it would be saved with the run); a server that
+refuses it (HTTP 401) is logged once too, with the reason.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import threading
 from typing import Any
 
 import aiohttp
 
 from trellis_sandbox.api import SANDBOX_ERROR, RunRequest, RunResponse
+from trellis_sandbox.auth import TOKEN_ENV
 
 logger = logging.getLogger("trellis.sandbox")
 
@@ -55,15 +59,20 @@ def get_client(url: str, max_concurrency: int = 32, **kwargs: Any) -> SandboxCli
 
 
 class SandboxClient:
-    def __init__(self, url: str, max_concurrency: int = 32, *, retries: int = 4, backoff_s: float = 0.5, slack_s: float = 30.0) -> None:
+    def __init__(
+        self, url: str, max_concurrency: int = 32, *, token: str | None = None, retries: int = 4, backoff_s: float = 0.5, slack_s: float = 30.0
+    ) -> None:
+        """token: the server's bearer token (default: ``TRELLIS_SANDBOX_TOKEN``; none sent when neither is set)."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}; give at least 1")
         self.url = normalize_url(url)
         self.max_concurrency = max_concurrency
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retries, self.backoff_s, self.slack_s = retries, backoff_s, slack_s
         self.requests = 0  # HTTP requests sent, retries included
         self._down = False
-        self._reported = False
+        self._reported: set[str] = set()  # the kinds of failure already logged: "down", "refused"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve_loop, name=f"sandbox-client {self.url}", daemon=True)
@@ -81,7 +90,7 @@ class SandboxClient:
 
     async def _open(self) -> None:
         self._semaphore = asyncio.Semaphore(self.max_concurrency)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_concurrency), headers=self._headers)
 
     async def run(self, req: RunRequest) -> RunResponse:
         """Runs ``req`` on the server; callable from any event loop."""
@@ -120,14 +129,21 @@ class SandboxClient:
                         payload = await resp.json(content_type=None)
                         self._down = False
                         if resp.status != 200:  # the server refused the request: retrying cannot help
-                            return RunResponse(SANDBOX_ERROR, f"HTTP {resp.status} from {self.url}: {payload.get('message', payload)}")
+                            problem = f"HTTP {resp.status} from {self.url}: {payload.get('message', payload)}"
+                            if resp.status == 401:  # every request will be refused: say so once, loudly
+                                self._report("refused", "%s; its requests score as sandbox errors", problem)
+                            return RunResponse(SANDBOX_ERROR, problem)
                         return RunResponse.from_json(payload)
                 except aiohttp.ClientConnectionError as exc:
                     problem = f"cannot reach the sandbox at {self.url}: {type(exc).__name__}: {exc}"
                 except asyncio.TimeoutError:
                     return RunResponse(SANDBOX_ERROR, f"no answer from the sandbox at {self.url} within {timeout.total:g} s")
             self._down = True
-            if not self._reported:
-                self._reported = True
-                logger.error("%s (after %d attempts); its requests fail (reward/errors) until it answers", problem, attempts)
+            self._report("down", "%s (after %d attempts); its requests fail (reward/errors) until it answers", problem, attempts)
             return RunResponse(SANDBOX_ERROR, problem)
+
+    def _report(self, kind: str, message: str, *args: Any) -> None:
+        """Logs ``message`` the first time this kind of failure happens on this client."""
+        if kind not in self._reported:
+            self._reported.add(kind)
+            logger.error(message, *args)

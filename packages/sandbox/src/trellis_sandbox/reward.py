@@ -3,7 +3,8 @@
 Used as ``reward.name=sandbox_fusion`` with ``reward.kwargs.url=http://127.0.0.1:8080``. The reward
 manager scores samples concurrently (this function's ``max_concurrency`` attribute, or
 ``reward.max_concurrency``), and one sample's cases run concurrently too; all of them share the
-process's one limit on requests in flight (``get_client``).
+process's one limit on requests in flight (``get_client``). A server with a token gets it from
+``TRELLIS_SANDBOX_TOKEN`` in this process's environment (not a kwarg: it would be saved with the run).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The HTTP server: ``POST /run_code`` (Sandbox Fusion's API), ``GET /v1/ping`` and ``GET /stats``.
 
+With a token (see ``auth``), every path but ``/v1/ping`` answers 401 to a request without it.
+
 At most ``workers`` programs run at once, each in its own slot; up to ``queue_size`` more requests
 wait, and past that the server answers 503 (a client retries those: nothing was run).
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from trellis_sandbox.api import SANDBOX_ERROR, RequestError, RunRequest, RunResponse
+from trellis_sandbox.auth import OPEN_PATHS, refusal
 from trellis_sandbox.runner import Runner
 
 logger = logging.getLogger("trellis.sandbox")
@@ -26,6 +29,7 @@ class ServerConfig:
     queue_size: int = 256
     max_timeout_s: float = 60.0
     max_request_mb: int = 16
+    token: str | None = None  # None: no authentication (loopback only, or --unsafe-no-token)
 
 
 class SandboxServer:
@@ -40,11 +44,19 @@ class SandboxServer:
         self.counts: collections.Counter[str] = collections.Counter(requests=0, runs=0, rejected_busy=0)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_mb << 20)
+        middlewares = [self.authenticate] if self.config.token is not None else []
+        app = web.Application(client_max_size=self.config.max_request_mb << 20, middlewares=middlewares)
         app.router.add_post("/run_code", self.run_code)
         app.router.add_get("/v1/ping", self.ping)
         app.router.add_get("/stats", self.stats)
         return app
+
+    @web.middleware
+    async def authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        reason = None if request.path in OPEN_PATHS else refusal(request.headers.get("Authorization"), self.config.token)
+        if reason is not None:
+            return self._refuse(401, reason, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     async def ping(self, request: web.Request) -> web.Response:
         return web.Response(text="pong")
@@ -104,6 +116,6 @@ class SandboxServer:
         self.counts[f"status_{response.status}"] += 1
         return web.json_response(response.to_json())
 
-    def _refuse(self, code: int, message: str) -> web.Response:
+    def _refuse(self, code: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
         self.counts[f"refused_{code}"] += 1
-        return web.json_response({"status": SANDBOX_ERROR, "message": message}, status=code)
+        return web.json_response({"status": SANDBOX_ERROR, "message": message}, status=code, headers=headers)

@@ -13,9 +13,10 @@ from trellis_sandbox.testcases import extract_code
 
 @dataclass
 class CodeInterpreterOptions:
-    """url: the Sandbox Fusion server. max_output_chars: stdout and stderr are each cut to this many
-    characters, with a marker saying how many were dropped. max_concurrency: the run-wide limit
-    (must match the reward's when both use one server)."""
+    """url: the Sandbox Fusion server (its token, if any, comes from ``TRELLIS_SANDBOX_TOKEN``).
+    max_output_chars: stdout and stderr are each cut to this many characters, with a marker saying
+    how many were dropped. max_concurrency: the run-wide limit (must match the reward's when both
+    use one server)."""
 
     url: Optional[str] = None  # noqa: UP045 (omegaconf needs typing.Optional on Python 3.10)
     language: str = "python"
