@@ -64,3 +64,21 @@ def test_opo_preset_is_on_policy_and_off_policy_settings_are_named(tmp_path, tin
     assert "actor.ppo_epochs=2 (use 1) and actor.mini_batch_samples=16 (use 0: the step's 64 samples at once)" in bad.stderr
     # the whole step as one mini-batch, written out, is on-policy too
     assert trellis("train", str(starter), "--dry-run", *paths, "actor.mini_batch_samples=64", cwd=tmp_path).returncode == 0
+
+
+def test_dapo_preset_holds_the_papers_settings_and_passes_the_dry_run(tmp_path, tiny_model_path, data_files):
+    out = trellis("config", "init", "dapo", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# A starter config for DAPO")
+    starter = tmp_path / "dapo.yaml"
+    starter.write_text(out.stdout)
+    paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
+    cfg = compose(starter, paths, load_plugins().registry)
+    loss = cfg.actor.policy_loss
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, cfg.actor.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert not cfg.actor.use_kl_loss and not cfg.algorithm.use_kl_in_reward
+    assert cfg.algorithm.dynamic_sampling.enable and cfg.reward.overlong.buffer_len == 12
+    assert trellis("train", str(starter), "--dry-run", *paths, cwd=tmp_path).returncode == 0
+    # a buffer longer than the response budget is named with the fix
+    bad = trellis("train", str(starter), "--dry-run", *paths, "sampling.max_new_tokens=8", cwd=tmp_path)
+    assert "config key 'reward.overlong.buffer_len' is 12, longer than sampling.max_new_tokens=8" in bad.stderr

@@ -370,3 +370,26 @@ def test_a_run_or_checkpoint_as_model_path_says_export_it_first(reference, rl_ov
             f"trellis: error: config key 'model.path': {str(given)!r} is a trellis {what}, not a Hugging Face model folder; "
             f"export it first: trellis export {given} {run_dir}-hf, then set model.path={run_dir}-hf"
         )
+
+
+def test_dynamic_sampling_resumes_exactly(tiny_model_path, tmp_path):
+    """Refill rounds draw extra prompts from the loader; killed inside step 3, the relaunch from
+    checkpoint-2 repeats steps 3-4 as the uninterrupted run did (same prompts, same rounds)."""
+    from test_dapo import HALF_REWARD  # beside this file
+
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_REWARD)
+    train_file = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
+    overrides = [
+        "recipe=rl", f"model.path={tiny_model_path}", f"data.train_path={train_file}", "data.train_batch_prompts=2", "sampling.n=4",
+        "sampling.max_new_tokens=6", f"reward.path={reward}", "reward.name=half", "algorithm.dynamic_sampling.enable=true",
+        "reward.overlong.buffer_len=2", "actor.mask_truncated=true", "actor.optim.lr=1e-3", "trainer.total_steps=4",
+        "trainer.save_every_steps=2", "trainer.trackers=[jsonl]", "trainer.threads=1",
+    ]  # fmt: skip
+    reference = tmp_path / "reference"
+    train(None, [*overrides, f"trainer.run_dir={reference}"])
+    run_dir = tmp_path / "run"
+    killed_run([*overrides, f"trainer.run_dir={run_dir}"], "update", 3, tmp_path)
+    train(None, [*overrides, f"trainer.run_dir={run_dir}"])
+    assert sum(r["dynamic_sampling/rounds"] for r in rows(reference)) > 4  # some steps did refill
+    assert_same_metrics(rows(run_dir), rows(reference))

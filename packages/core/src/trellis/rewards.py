@@ -140,6 +140,16 @@ def auto_score(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 
 # -- config and resolution -------------------------------------------------------------------------
 @dataclass
+class OverlongConfig:
+    """DAPO's soft overlong punishment (:func:`overlong_penalty`) on training samples: responses in
+    the last ``buffer_len`` tokens before ``sampling.max_new_tokens`` lose up to ``penalty``
+    (0: off)."""
+
+    buffer_len: int = ranged(0, ge=0)
+    penalty: float = ranged(1.0, ge=0)
+
+
+@dataclass
 class RewardConfig:
     """Which reward to use.
 
@@ -157,6 +167,8 @@ class RewardConfig:
     max_error_rate: the run stops when a larger share of a batch's samples fail to score (1: never).
         A sample that could not be scored is never a silent 0 (a reward that cannot reach its
         server raises), so the default stops a run whose reward mostly does not work.
+    overlong: length shaping added to training samples' scores (not to validation's); see
+        :class:`OverlongConfig`.
     """
 
     name: str = "gsm8k"
@@ -166,6 +178,7 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_concurrency: Optional[int] = ranged(None, ge=1)  # noqa: UP045
     max_error_rate: float = ranged(0.1, ge=0, le=1)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
 def load_function(path: str | Path, name: str) -> Callable[..., Any]:
@@ -253,6 +266,28 @@ class RewardResult(NamedTuple):
     metrics: dict[str, float]
     scores: torch.Tensor
     components: dict[str, torch.Tensor] | None = None
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, penalty: float) -> torch.Tensor:
+    """``(batch,)`` DAPO's soft overlong punishment for responses of ``lengths`` ``(batch,)`` tokens
+    (Yu et al., "DAPO", arXiv:2503.14476, section 3.4, eq. 13, there with ``penalty`` 1):
+    0 up to ``max_len - buffer_len`` tokens, then ``(max_len - buffer_len - L) / buffer_len * penalty``,
+    falling linearly to ``-penalty`` at ``max_len`` (and held there beyond it)."""
+    over = (lengths.float() - (max_len - buffer_len)).clamp(0, buffer_len)
+    return -over / buffer_len * penalty
+
+
+def add_overlong_penalty(scored: RewardResult, response_mask: torch.Tensor, max_len: int, buffer_len: int, penalty: float) -> RewardResult:
+    """``scored`` with :func:`overlong_penalty` of each response's length (its ``response_mask``
+    ``(batch, response_len)`` ones) added to its score and to its last valid token's score; the
+    penalty's mean is the metric ``reward/overlong_penalty_mean``."""
+    shaped = overlong_penalty(response_mask.sum(-1), max_len, buffer_len, penalty)
+    token_scores = scored.token_scores.clone()
+    last = last_valid_index(response_mask)
+    rows = (last >= 0).nonzero().flatten()
+    token_scores[rows, last[rows]] += shaped[rows]
+    metrics = {**scored.metrics, "reward/overlong_penalty_mean": float(shaped.mean())}
+    return RewardResult(token_scores, metrics, scored.scores + shaped, scored.components)
 
 
 class RewardManager:

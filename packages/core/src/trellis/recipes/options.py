@@ -175,6 +175,7 @@ class ActorConfig(BatchingConfig):
     kl_loss_coef: float = ranged(0.001, ge=0)
     kl_loss_type: str = choice("low_var_kl", kind="kl")
     entropy_coeff: float = ranged(0.0, ge=0)
+    mask_truncated: bool = False  # rl: samples cut by sampling.max_new_tokens leave the actor's loss (DAPO's overlong filtering)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from trellis.batch import Batch
+from trellis.batch import Batch, last_valid_index
 from trellis.config import ConfigError, choice, component, instantiate_options, ranged, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.export import save_hf_folder
@@ -24,9 +25,10 @@ from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
+from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
 from trellis.registry import RegistryError
-from trellis.rewards import RewardConfig, RewardManager, RewardResult, check_reward, unknown_sources
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, unknown_sources
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, backend_mesh
 from trellis.runtime.plan import Plan
@@ -63,7 +65,9 @@ class ValidationConfig:
 @dataclass
 class AlgorithmConfig:
     """advantage: a registered estimator. KL in the reward (verl's ``use_kl_in_reward``): token
-    rewards minus ``kl_coef`` x KL(actor || ref), with a fixed or adaptive coefficient."""
+    rewards minus ``kl_coef`` x KL(actor || ref), with a fixed or adaptive coefficient.
+    dynamic_sampling: drop prompt groups whose rewards are all equal and refill the batch
+    (``trellis.recipes.dynamic_sampling``)."""
 
     advantage: dict = component("advantage", "grpo")
     use_kl_in_reward: bool = False
@@ -72,6 +76,7 @@ class AlgorithmConfig:
     kl_coef: float = ranged(0.001, ge=0)
     target_kl: float = ranged(0.1, gt=0)
     kl_horizon: int = ranged(10000, ge=1)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass
@@ -123,10 +128,44 @@ def check(cfg: DictConfig, registry) -> None:
                 )
     check_multi_turn(cfg, registry)
     declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
+    check_length_shaping(cfg)
+    if cfg.algorithm.dynamic_sampling.enable:
+        check_dynamic_sampling(cfg, declared)
     if "on_policy_only" in declared:
         check_on_policy(cfg, samples)
     if "groups" in declared and cfg.sampling.n < 2:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
+
+
+def check_dynamic_sampling(cfg: DictConfig, declared: tuple[str, ...]) -> None:
+    """Dynamic sampling compares the samples of a prompt and regenerates prompts round by round."""
+    if cfg.sampling.n < 2:
+        raise ConfigError(
+            f"config key 'algorithm.dynamic_sampling.enable' is true with sampling.n={cfg.sampling.n}: a group of one sample "
+            "never varies, so every group would be dropped; set sampling.n to 2 or more"
+        )
+    if "greedy_baseline" in declared:
+        raise ConfigError(
+            f"config key 'algorithm.dynamic_sampling.enable' is true with advantage {cfg.algorithm.advantage.name!r}, whose greedy "
+            "baseline is generated for one batch of prompts; set algorithm.dynamic_sampling.enable=false or choose another advantage"
+        )
+
+
+def check_length_shaping(cfg: DictConfig) -> None:
+    """``reward.overlong`` needs a buffer within the response budget, and, like ``actor.mask_truncated``,
+    reads a response's length against ``sampling.max_new_tokens``: single-turn runs only."""
+    buffer = cfg.reward.overlong.buffer_len
+    if buffer > cfg.sampling.max_new_tokens:
+        raise ConfigError(
+            f"config key 'reward.overlong.buffer_len' is {buffer}, longer than sampling.max_new_tokens={cfg.sampling.max_new_tokens}; "
+            "choose a buffer within the response budget (DAPO used a quarter of it)"
+        )
+    for key, on in (("reward.overlong.buffer_len", buffer > 0), ("actor.mask_truncated", cfg.actor.mask_truncated)):
+        if on and cfg.multi_turn.enable:
+            raise ConfigError(
+                f"config key '{key}' is set with multi_turn.enable=true: a conversation's length is not one response's "
+                f"against sampling.max_new_tokens; unset {key} for multi-turn runs"
+            )
 
 
 def check_rollout_placement(cfg: DictConfig, registry) -> None:
@@ -239,20 +278,44 @@ class RLRecipe:
                 validate_before=cfg.validation.before_train,
             )
             timer = run.timer
-            for step in run.steps(start):
-                prompts = train.next_batch()
-                params = sampling.at_step(step, samples_per_step)
+            dynamic = cfg.algorithm.dynamic_sampling
+            overlong = cfg.reward.overlong
+            multiple = group_multiple(cfg, registry, samples_per_step) if dynamic.enable else 1
 
+            def generate(prompts: Batch, params: SamplingParams) -> tuple[Batch, RewardResult]:
+                with timer("gen"):
+                    batch = sample(rollout, prompts, params, agent)
+                with timer("reward"):
+                    scored = score(batch, reward_fn, agent)
+                    if overlong.buffer_len:
+                        mask = batch["response_mask"]
+                        scored = add_overlong_penalty(scored, mask, cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
+                return batch, scored
+
+            for step in run.steps(start):
+                params = sampling.at_step(step, samples_per_step)
                 with run.generating(rollout):
-                    with timer("gen"):
-                        batch = sample(rollout, prompts, params, agent)
-                        batch.meta["step"] = step
-                    with timer("reward"):
-                        scored = score(batch, reward_fn, agent)
-                        batch["token_scores"], reward_metrics = scored.token_scores, scored.metrics
-                        if "reward_components" in needs(estimator):
-                            for key, values in (scored.components or {}).items():
-                                batch[COMPONENT + key] = values
+                    if dynamic.enable:
+                        # a round's seeds move on past every earlier round's, this step's and the steps' before it
+                        def round_at(r: int, step: int = step) -> tuple[Batch, RewardResult]:
+                            return generate(train.next_batch(), sampling.at_step((step - 1) * dynamic.max_rounds + r + 1, samples_per_step))
+
+                        filled = fill(round_at, cfg.data.train_batch_prompts, dynamic, step, multiple)
+                        first, reward_metrics = filled.first, filled.first.metrics
+                        if filled.batch is None:  # nothing to train on: the step is logged, the policy unchanged
+                            signal = groups_with_signal(first.scores, first_groups(first, params.n))
+                            run.end_step(step, {**reward_metrics, **filled.metrics, **signal})
+                            continue
+                        batch, scored = filled.batch, RewardResult(filled.batch["token_scores"], {}, filled.scores, filled.components)
+                    else:
+                        prompts = train.next_batch()
+                        batch, scored = generate(prompts, params)
+                        first, reward_metrics = scored, scored.metrics
+                        batch["token_scores"] = scored.token_scores
+                    batch.meta["step"] = step
+                    if "reward_components" in needs(estimator):
+                        for key, values in (scored.components or {}).items():
+                            batch[COMPONENT + key] = values
                     run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
                     if "greedy_baseline" in needs(estimator):
                         with timer("gen_greedy"):
@@ -279,7 +342,7 @@ class RLRecipe:
                     with timer("update_critic"):
                         update_metrics.update(critic.update(batch))
                 with timer("update_actor"):
-                    update_metrics.update(actor.update(batch))
+                    update_metrics.update(actor.update(without_truncated(batch, params, tokenizer) if cfg.actor.mask_truncated else batch))
                 with timer("weight_sync"):
                     rollout.sync_weights(version=step)
 
@@ -290,7 +353,9 @@ class RLRecipe:
                     **kl_metrics,
                     **_kl_summary(update_metrics, kl_metrics),
                     **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
-                    **(groups_with_signal(scored.scores, batch.group_index("uid")) if params.n > 1 else {}),
+                    **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),
+                    **(filled.metrics if dynamic.enable else {}),
+                    **({"response/masked_truncated": float(truncated(batch, params, tokenizer).sum())} if cfg.actor.mask_truncated else {}),
                     "response/length_mean": float(mask.sum(-1).mean()),
                     "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                     "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
@@ -365,10 +430,37 @@ def score(batch: Batch, reward_fn: RewardManager, agent: AgentRollout | None) ->
 def groups_with_signal(scores: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
     """``reward/groups_with_signal``: the share of prompt groups whose samples differ in reward
     (``scores``, ``groups`` ``(batch,)``); 0 means no group-relative signal at all."""
-    n = int(groups.max()) + 1
-    low = torch.full((n,), float("inf")).scatter_reduce(0, groups, scores, "amin")
-    high = torch.full((n,), float("-inf")).scatter_reduce(0, groups, scores, "amax")
-    return {"reward/groups_with_signal": float((high > low).float().mean())}
+    return {"reward/groups_with_signal": float(group_has_signal(scores, groups).float().mean())}
+
+
+def first_groups(scored: RewardResult, n: int) -> torch.Tensor:
+    """``(batch,)`` the prompt group of each sample of a generation round (prompt i's ``n``
+    samples at rows i*n .. i*n+n-1)."""
+    return torch.arange(len(scored.scores)) // n
+
+
+def group_multiple(cfg: DictConfig, registry, samples_per_step: int) -> int:
+    """The prompt groups a step's batch must be a multiple of: its samples shared evenly over the
+    data-parallel ranks and cut into whole actor/critic mini-batches."""
+    unit = math.lcm(backend_mesh(cfg, registry).dp, *(cfg[role].mini_batch_samples or 1 for role in ("actor", "critic")))
+    return unit // math.gcd(unit, cfg.sampling.n)
+
+
+def truncated(batch: Batch, params: SamplingParams, tokenizer) -> torch.Tensor:
+    """``(batch,)`` bool: samples cut by the length limit (``max_new_tokens`` response tokens, the
+    last neither the eos token nor a stop token)."""
+    mask = batch["response_mask"]
+    last = batch["responses"].gather(1, last_valid_index(mask).clamp(min=0)[:, None])[:, 0]
+    stops = torch.tensor([tokenizer.eos_token_id, *params.stop_token_ids])
+    return (mask.sum(-1) >= params.max_new_tokens) & ~torch.isin(last, stops)
+
+
+def without_truncated(batch: Batch, params: SamplingParams, tokenizer) -> Batch:
+    """``actor.mask_truncated``: a copy of ``batch`` whose truncated samples have a zero
+    ``response_mask``, so they leave the actor's loss."""
+    out = batch[torch.arange(len(batch))]
+    out["response_mask"] = batch["response_mask"] * ~truncated(batch, params, tokenizer)[:, None]
+    return out
 
 
 def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:

