@@ -19,7 +19,7 @@ end, the step time, generated tokens per second, weight-sync time and a ``RESULT
 machine without CUDA it says so and exits 0 (``--tiny --rollout hf`` runs the same flow with a
 tiny model on CPU, to check the script itself). Meant to finish in well under 10 minutes on one GPU.
 
-    python bench/gpu_smoke.py [--rollout vllm|hf|sglang] [--steps 3] [--prompts 16] [--n 8] [--length 256] [--lr 1e-4]
+    python bench/gpu_smoke.py [--rollout vllm|hf|sglang] [--steps 3] [--prompts 16] [--n 8] [--length 256] [--lr 1e-4] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def overrides(args: argparse.Namespace, model: Path, data: Path, reward: Path, w
         f"actor.micro_batch_samples={min(32, args.prompts * args.n)}", f"actor.optim.lr={args.lr}", f"rollout.name={args.rollout}",
         "validation.before_train=false", "trainer.val_every_steps=0", "trainer.keep_checkpoints=0",
         f"trainer.total_steps={args.steps}", "trainer.trackers=[jsonl]", f"trainer.run_dir={work / 'run'}",
-        *((TRAINER_GPU + ENGINE_GPU[args.rollout]) if cuda else []),
+        *((TRAINER_GPU + ENGINE_GPU[args.rollout]) if cuda else []), *args.overrides,
     ]  # fmt: skip
 
 
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--rollout", default="vllm", choices=tuple(ENGINE_GPU))
     parser.add_argument("--lr", type=float, default=1e-4, help="the actor's learning rate (large enough to change bf16 weights)")
+    parser.add_argument("overrides", nargs="*", help="more key=value overrides, e.g. backend.padding_free=true")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 0.5B one (checks the script on CPU)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
