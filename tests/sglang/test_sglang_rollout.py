@@ -1,7 +1,7 @@
 """The SGLang rollout against the real engine (on CPU here): the shared engine tests
 (``tests/engine_cases.py``) plus SGLang's own: the distributed weight sync against the tensor one
-(each from a list and streamed),
-and tensor parallel reaching the engine."""
+(each from a list and streamed), tensor parallel reaching the engine, and the distributed sync
+refused on the trainer's own GPU."""
 
 from __future__ import annotations
 
@@ -93,3 +93,18 @@ def test_tensor_parallel_reaches_the_engine_as_tp_size(tiny_model_path):
     assert engine_args(SGLangRolloutOptions(context_length=200), spec, hf_config, on_cpu=True)["context_length"] == 200
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2: SGLang's tensor parallel .*NCCL"):
         engine_args(SGLangRolloutOptions(tensor_parallel_size=2), spec, hf_config, on_cpu=True)
+
+
+def test_distributed_sync_is_refused_on_the_trainers_own_gpu():
+    """No engine started: the options check told the building process's CUDA device. NCCL takes one
+    rank per GPU, so a broadcast from the trainer to an engine rank on its own GPU cannot start."""
+    colocated = r"rollout.sync_method=distributed with the engine on GPU 1, .*NCCL refuses .*set rollout.sync_method=tensor"
+    with pytest.raises(ValueError, match=colocated):
+        SGLangRolloutOptions(sync_method="distributed", tensor_parallel_size=2).check(trainer_gpu=1)  # engine on GPUs 0, 1
+    SGLangRolloutOptions(sync_method="distributed").check(trainer_gpu=None)  # CPU: gloo takes both ranks
+    SGLangRolloutOptions(sync_method="distributed").check(trainer_gpu=1)  # engine on GPU 0
+    spaced = SGLangRolloutOptions(sync_method="distributed", engine_kwargs={"base_gpu_id": 2, "gpu_id_step": 2}, tensor_parallel_size=2)
+    spaced.check(trainer_gpu=3)  # engine on GPUs 2, 4
+    with pytest.raises(ValueError, match=r"engine on GPU 4"):
+        spaced.check(trainer_gpu=4)
+    SGLangRolloutOptions(sync_method="tensor").check(trainer_gpu=0)  # the fix the message names

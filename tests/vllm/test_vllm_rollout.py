@@ -21,6 +21,7 @@ class TestVLLMRollout(RolloutCases):
         ({"dtype": "fp32"}, r"rollout.dtype='fp32' is not a dtype"),
         ({"tensor_parallel_size": 2}, r"set rollout.executor=mp"),
         ({"sleep_level": 3}, r"rollout.sleep_level=3"),
+        ({"in_process": False}, r"rollout.in_process=false: .*cannot be pickled into an engine core in another process.*set rollout.in_process=true"),
     ]
 
     def idle(self, engine) -> bool:

@@ -13,9 +13,11 @@ from trellis.kit.backend import DistInfo, join_process_group
 
 def init_parallel(info: DistInfo) -> None:
     """Join the default process group (core's: gloo on CPU, nccl on CUDA, loopback for ranks on one
-    machine) and build Megatron's groups for ``info.mesh``. A process already holding Megatron
-    groups of another layout is refused: colocated roles must share one mesh."""
-    device = join_process_group(info)
+    machine) and build Megatron's groups for ``info.mesh``, gloo twins included on either device:
+    Megatron's optimizer builder asks for the gloo data-parallel group even when the default group
+    is NCCL. A process already holding Megatron groups of another layout is refused: colocated
+    roles must share one mesh."""
+    join_process_group(info)
     mesh = info.mesh
     if mpu.model_parallel_is_initialized():
         have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(), mpu.get_data_parallel_world_size())
@@ -28,7 +30,7 @@ def init_parallel(info: DistInfo) -> None:
         tensor_model_parallel_size=mesh.tp,
         pipeline_model_parallel_size=mesh.pp,
         context_parallel_size=mesh.cp,
-        create_gloo_process_groups=device.type == "cpu",
+        create_gloo_process_groups=True,
     )
 
 

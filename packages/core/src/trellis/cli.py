@@ -1,4 +1,4 @@
-"""The ``trellis`` command: plugins, config show/init/from-verl, train, eval, make-tiny-model, demo, plot, export."""
+"""The ``trellis`` command: plugins, doctor, config show/init/from-verl, train, eval, make-tiny-model, demo, plot, export."""
 
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for kind, what in (("backend", "training backend"), ("rollout", "rollout engine")):
         if not plugins.registry.names(kind):
             print(f"no {what} is installed ({kind}): e.g. pip install trellis-{'backend-fsdp' if kind == 'backend' else 'rollout-hf'}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from trellis.doctor import report
+
+    for line in report():
+        print(line, flush=True)
     return 0
 
 
@@ -173,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list installed plugins, what they registered and load errors")
     p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("doctor", help="what a bug report needs: python, torch/CUDA/NCCL, devices, plugins, engine versions, namespaces, disk")
+    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("config", help="config tools")
     csub = p.add_subparsers(dest="config_command", required=True)
     p = csub.add_parser("show", help="print the composed, validated config with defaults")

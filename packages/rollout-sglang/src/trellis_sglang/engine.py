@@ -61,10 +61,10 @@ class SGLangRollout(RolloutEngine):
 
     def __init__(self, spec: RolloutSpec) -> None:
         self.opts: SGLangRolloutOptions = spec.options if spec.options is not None else SGLangRolloutOptions()
-        self.opts.check()
+        self.on_cpu = not torch.cuda.is_available()
+        self.opts.check(None if self.on_cpu else torch.cuda.current_device())
         self.tokenizer = spec.tokenizer
         self.model_path = str(spec.model_path)
-        self.on_cpu = not torch.cuda.is_available()
         if self.on_cpu:
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         try:

@@ -33,7 +33,8 @@ class SGLangRolloutOptions:
     sync_method: how a weight sync reaches the engine's processes: ``tensor`` (each bucket
         serialised through SGLang's ``update_weights_from_tensor``) or ``distributed`` (broadcast
         over a process group shared with the engine, ``update_weights_from_distributed``: gloo on
-        CPU, NCCL on GPU, no serialisation).
+        CPU, NCCL on GPU, no serialisation). ``distributed`` is refused when the engine takes the
+        GPU of the process that builds it (colocated): NCCL refuses two ranks on one GPU.
     enable_memory_saver: GPU only: let ``sleep``/``wake`` release and resume the weights and KV cache.
     log_level: SGLang's log level.
     engine_kwargs: any other ``sglang.Engine`` keyword arguments (``ServerArgs`` fields), passed through.
@@ -53,11 +54,24 @@ class SGLangRolloutOptions:
     log_level: str = "error"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def check(self) -> None:
-        """Raise ``ValueError`` naming the option for a value that cannot work."""
+    def check(self, trainer_gpu: int | None = None) -> None:
+        """Raise ``ValueError`` naming the option for a value that cannot work. ``trainer_gpu``: the
+        CUDA device of the process that builds the engine (None on CPU)."""
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} is not a dtype; valid: {', '.join(DTYPES)} (or null: by device)")
         if self.sync_method not in SYNC_METHODS:
             raise ValueError(f"rollout.sync_method={self.sync_method!r}; valid: {', '.join(SYNC_METHODS)}")
         if self.sync_bucket_mb <= 0:
             raise ValueError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be positive (MiB per weight-sync bucket)")
+        if self.sync_method == "distributed" and trainer_gpu is not None and trainer_gpu in self.engine_gpus():
+            raise ValueError(
+                f"rollout.sync_method=distributed with the engine on GPU {trainer_gpu}, this process's own (colocated): "
+                "the weight broadcast would put two NCCL ranks on one GPU, which NCCL refuses ('Duplicate GPU detected'); "
+                "set rollout.sync_method=tensor"
+            )
+
+    def engine_gpus(self) -> range:
+        """The CUDA devices the engine's tensor-parallel ranks take (SGLang's ``base_gpu_id`` and
+        ``gpu_id_step``, 0 and 1 unless ``engine_kwargs`` sets them)."""
+        base, step = self.engine_kwargs.get("base_gpu_id", 0), self.engine_kwargs.get("gpu_id_step", 1)
+        return range(base, base + step * self.tensor_parallel_size, step)

@@ -62,11 +62,10 @@ class VLLMRollout(RolloutEngine):
         self.opts.check()
         self.tokenizer = spec.tokenizer
         self.model_path = str(spec.model_path)
-        if self.opts.in_process:
-            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
-                log.warning("rollout.in_process=true: overriding VLLM_ENABLE_V1_MULTIPROCESSING=%s with 0",
-                            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])  # fmt: skip
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):  # check() refused in_process=false
+            log.warning("rollout.in_process=true: overriding VLLM_ENABLE_V1_MULTIPROCESSING=%s with 0",
+                        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])  # fmt: skip
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             from vllm import LLM
             from vllm.platforms import current_platform

@@ -28,7 +28,8 @@ class VLLMRolloutOptions:
     seed: engine seed (None: the run's seed).
     executor: vLLM's ``distributed_executor_backend``; ``uni`` runs the model in this process.
     in_process: run vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
-        weight sync hands tensors over in memory.
+        weight sync hands tensors over in memory. ``false`` is refused: the sync hands vLLM a
+        stream of the trainer's tensors, which cannot be sent to an engine core in another process.
     enable_sleep_mode: GPU only: allow ``sleep``/``wake`` to free the KV cache and weights.
     sleep_level: 2 (default) drops the weights and KV cache: the rl recipe sends the weights again
         at every sync anyway; 1 offloads the weights to CPU memory instead (keeps them for an engine
@@ -70,5 +71,11 @@ class VLLMRolloutOptions:
             raise ValueError(f"rollout.kv_cache_gib={self.kv_cache_gib} must be 0 (automatic) or positive")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level={self.sleep_level}; valid: 1 (offload weights), 2 (drop weights)")
+        if not self.in_process:
+            raise ValueError(
+                "rollout.in_process=false: the weight sync hands vLLM's reload_weights a stream of the trainer's tensors, "
+                "which cannot be pickled into an engine core in another process, and no cross-process transport exists; "
+                "set rollout.in_process=true"
+            )
         if self.max_model_len < 0 or self.max_num_seqs < 0:
             raise ValueError("rollout.max_model_len and rollout.max_num_seqs must be 0 (vLLM's default) or positive")
