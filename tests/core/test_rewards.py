@@ -284,7 +284,7 @@ def test_max_concurrency_comes_from_the_function_and_defaults_to_serial(tok):
     reg.add("reward", "where", lambda data_source, solution_str, ground_truth, extra_info=None: float(threading.current_thread() is in_main()))
     assert RewardManager(RewardConfig(name="gathered"), reg, tok).score(responses(tok, ["x"] * 6)).scores.tolist() == [0, 1, 2, 3, 4, 5]
     manager = RewardManager(RewardConfig(name="where"), reg, tok)
-    assert manager.max_concurrency == 1 and manager.score(responses(tok, ["x"] * 3)).scores.tolist() == [1.0, 1.0, 1.0]
+    assert manager.scorers[0].max_concurrency == 1 and manager.score(responses(tok, ["x"] * 3)).scores.tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(RewardError, match=r"reward.max_concurrency=0 for reward 'where'; give a whole number >= 1"):
         RewardManager(RewardConfig(name="where", max_concurrency=0), reg, tok)
 

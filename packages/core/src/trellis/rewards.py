@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -150,6 +151,20 @@ class OverlongConfig:
 
 
 @dataclass
+class RewardTerm:
+    """One term of ``reward.terms``: a reward (``name``, ``path``, ``kwargs``, ``batched`` as in
+    :class:`RewardConfig`) whose score, times ``weight``, is added to the sample's score. Its
+    unweighted score is the metric and component ``key`` (default ``name``): ``reward/<key>``."""
+
+    name: str = ""
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    path: Optional[str] = None  # noqa: UP045
+    batched: bool = False
+    key: Optional[str] = None  # noqa: UP045
+
+
+@dataclass
 class RewardConfig:
     """Which reward to use.
 
@@ -169,6 +184,10 @@ class RewardConfig:
         server raises), so the default stops a run whose reward mostly does not work.
     overlong: length shaping added to training samples' scores (not to validation's); see
         :class:`OverlongConfig`.
+    terms: several rewards summed, each with its weight (:class:`RewardTerm`); when given, ``name``,
+        ``path``, ``kwargs`` and ``batched`` are not used (leave them unset). ``fail_fast``,
+        ``max_concurrency`` and ``max_error_rate`` hold for every term; a sample that fails in any
+        term scores 0 and counts once in ``reward/errors``.
     """
 
     name: str = "gsm8k"
@@ -179,6 +198,38 @@ class RewardConfig:
     max_concurrency: Optional[int] = ranged(None, ge=1)  # noqa: UP045
     max_error_rate: float = ranged(0.1, ge=0, le=1)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    terms: list[RewardTerm] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.terms = [t if isinstance(t, RewardTerm) else RewardTerm(**t) for t in self.terms]
+
+
+# metric names of their own under reward/, which a term's key must not take
+_RESERVED_KEYS = ("mean", "max", "min", "errors", "error_rate", "overlong_penalty_mean")
+
+
+def check_terms(cfg: RewardConfig) -> None:
+    """``reward.terms`` that can be summed: not mixed with a top-level reward, each with a name and
+    a key of its own. Raises a ``RewardError`` naming the key and the fix."""
+    if not cfg.terms:
+        return
+    if cfg.path or cfg.kwargs or cfg.batched or cfg.name not in ("gsm8k", ""):
+        raise RewardError(
+            f"reward.terms is set together with reward.name={cfg.name!r}, path={cfg.path!r}, kwargs={cfg.kwargs}, batched={cfg.batched}; "
+            "with terms, give each reward as a term (reward.terms[i].name, .path, .kwargs) and leave those unset"
+        )
+    seen: dict[str, int] = {}
+    for i, term in enumerate(cfg.terms):
+        if not term.name:
+            raise RewardError(f"reward.terms[{i}].name is empty; name a registered reward (e.g. judge) or a function in reward.terms[{i}].path")
+        key = term.key or term.name
+        if key in _RESERVED_KEYS or "/" in key:
+            raise RewardError(f"reward.terms[{i}] has key {key!r}, a metric of its own or holding '/'; set reward.terms[{i}].key to another name")
+        if key in seen:
+            raise RewardError(
+                f"reward.terms[{i}] and reward.terms[{seen[key]}] both log as reward/{key}; give one of them its own reward.terms[{i}].key"
+            )
+        seen[key] = i
 
 
 def load_function(path: str | Path, name: str) -> Callable[..., Any]:
@@ -212,19 +263,26 @@ def check_reward(node: Any, registry: Any) -> None:
     ``ConfigError`` with the fix."""
     cfg = instantiate_options(node, RewardConfig)
     try:
-        fn = resolve_reward(cfg, registry)
-    except (RewardError, RegistryError) as exc:
-        raise ConfigError(f"config key 'reward': {exc}") from None
-    preflight = getattr(fn, "preflight", None)
-    if preflight is not None:
+        check_terms(cfg)
+    except RewardError as exc:
+        raise ConfigError(f"config key 'reward.terms': {exc}") from None
+    named = [(f"reward.terms[{i}].name", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
+    for key, source in named:
         try:
-            preflight(**dict(cfg.kwargs or {}))
-        except Exception as exc:  # noqa: BLE001 - any failure of the check is the user's to fix
-            raise ConfigError(f"config key 'reward': reward {cfg.name!r} is not ready: {exc}") from None
+            fn = resolve_reward(source, registry)
+        except (RewardError, RegistryError) as exc:
+            raise ConfigError(f"config key {key!r}: {exc}") from None
+        preflight = getattr(fn, "preflight", None)
+        if preflight is not None:
+            try:
+                preflight(**dict(source.kwargs or {}))
+            except Exception as exc:  # noqa: BLE001 - any failure of the check is the user's to fix
+                raise ConfigError(f"config key {key!r}: reward {source.name!r} is not ready: {exc}") from None
 
 
-def resolve_reward(cfg: RewardConfig, registry: Any) -> Callable[..., Any]:
-    """The reward function ``cfg`` names, with ``cfg.kwargs`` checked against its signature.
+def resolve_reward(cfg: RewardConfig | RewardTerm, registry: Any) -> Callable[..., Any]:
+    """The reward function ``cfg`` (a config or one of its terms) names, with ``cfg.kwargs``
+    checked against its signature.
 
     Call it while checking a config: it builds nothing and fails with the fix.
     """
@@ -290,8 +348,24 @@ def add_overlong_penalty(scored: RewardResult, response_mask: torch.Tensor, max_
     return RewardResult(token_scores, metrics, scored.scores + shaped, scored.components)
 
 
+class _Scorer:
+    """One reward function with its kwargs: called per sample (in a pool of ``max_concurrency``
+    threads when above 1) or once per batch. ``key`` and ``weight``: its term's, or None and 1."""
+
+    def __init__(self, source: RewardConfig | RewardTerm, registry: Any, max_concurrency: int | None, key: str | None, weight: float) -> None:
+        self.fn = resolve_reward(source, registry)
+        self.kwargs = dict(source.kwargs or {})
+        self.batched = bool(source.batched or getattr(self.fn, "batched", False))
+        self.name = f"{source.name} ({source.path})" if source.path else source.name
+        self.key, self.weight = key, float(weight)
+        limit = max_concurrency if max_concurrency is not None else getattr(self.fn, "max_concurrency", 1)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise RewardError(f"reward.max_concurrency={limit!r} for reward {self.name!r}; give a whole number >= 1 (1 = one sample at a time)")
+        self.max_concurrency = limit
+
+
 class RewardManager:
-    """Scores a batch of responses with the reward ``cfg`` names.
+    """Scores a batch of responses with the reward ``cfg`` names, or the weighted sum of its ``terms``.
 
     ``manager(batch) -> (token_scores, metrics)``; ``manager.score(batch)`` returns a
     :class:`RewardResult` that adds the per-sample ``scores`` ``(batch,)``.
@@ -309,19 +383,21 @@ class RewardManager:
 
     With a ``max_concurrency`` above 1 (``cfg.max_concurrency``, else the function's attribute of
     that name) the per-sample calls run in a thread pool of that size; scores keep the batch order.
+
+    With ``terms`` each term is scored in turn; a sample's score is the sum of ``weight * score``,
+    each term's unweighted score is the component ``<key>`` and the metric ``reward/<key>`` (its
+    mean over the batch), and a number a term's dict returns besides ``score`` is ``<key>/<name>``.
     """
 
     def __init__(self, cfg: RewardConfig, registry: Any, tokenizer: Any) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.fn = resolve_reward(cfg, registry)
-        self.kwargs = dict(cfg.kwargs or {})
-        self.batched = bool(cfg.batched or getattr(self.fn, "batched", False))
-        self.name = f"{cfg.name} ({cfg.path})" if cfg.path else cfg.name
-        limit = cfg.max_concurrency if cfg.max_concurrency is not None else getattr(self.fn, "max_concurrency", 1)
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise RewardError(f"reward.max_concurrency={limit!r} for reward {self.name!r}; give a whole number >= 1 (1 = one sample at a time)")
-        self.max_concurrency = limit
+        check_terms(cfg)
+        if cfg.terms:
+            self.scorers = [_Scorer(t, registry, cfg.max_concurrency, t.key or t.name, t.weight) for t in cfg.terms]
+        else:
+            self.scorers = [_Scorer(cfg, registry, cfg.max_concurrency, None, 1.0)]
+        self.name = " + ".join(f"{s.weight:g}*{s.key}" for s in self.scorers) if cfg.terms else self.scorers[0].name
         self._logged_error = False
         self._error_lock = threading.Lock()
 
@@ -338,32 +414,40 @@ class RewardManager:
         ground_truths = _ground_truths(batch)
         extra_infos = list(batch["extra_info"]) if "extra_info" in batch else [None] * n
 
-        if self.batched:
-            raw = self._call_batched(data_sources, solutions, ground_truths, extra_infos)
-        elif self.max_concurrency > 1 and n > 1:
-            with ThreadPoolExecutor(min(self.max_concurrency, n), thread_name_prefix="trellis-reward") as pool:
-                raw = list(pool.map(self._call_one, range(n), data_sources, solutions, ground_truths, extra_infos))
-        else:
-            raw = [self._call_one(i, data_sources[i], solutions[i], ground_truths[i], extra_infos[i]) for i in range(n)]
-
         scores = torch.zeros(n, dtype=torch.float32)
+        failed = torch.zeros(n, dtype=torch.bool)
         extras: dict[str, list[float]] = {}
         components: dict[str, torch.Tensor] = {}
-        errors = 0
-        for i, r in enumerate(raw):
-            if isinstance(r, _Failed):
-                errors += 1
-                continue
-            try:
-                value, extra = _as_score(r)
-            except RewardError as exc:
-                errors += 1
-                self._failed(i, data_sources[i], exc)
-                continue
-            scores[i] = value
-            for k, v in extra.items():
-                extras.setdefault(k, []).append(v)
-                components.setdefault(k, torch.zeros(n, dtype=torch.float32))[i] = v
+        for scorer in self.scorers:
+            if scorer.batched:
+                raw = self._call_batched(scorer, data_sources, solutions, ground_truths, extra_infos)
+            elif scorer.max_concurrency > 1 and n > 1:
+                with ThreadPoolExecutor(min(scorer.max_concurrency, n), thread_name_prefix="trellis-reward") as pool:
+                    raw = list(pool.map(partial(self._call_one, scorer), range(n), data_sources, solutions, ground_truths, extra_infos))
+            else:
+                raw = [self._call_one(scorer, i, data_sources[i], solutions[i], ground_truths[i], extra_infos[i]) for i in range(n)]
+            values = torch.zeros(n, dtype=torch.float32)
+            for i, r in enumerate(raw):
+                if isinstance(r, _Failed):
+                    failed[i] = True
+                    continue
+                try:
+                    value, extra = _as_score(r)
+                except RewardError as exc:
+                    failed[i] = True
+                    self._failed(scorer, i, data_sources[i], exc)
+                    continue
+                values[i] = value
+                for k, v in extra.items():
+                    k = k if scorer.key is None else f"{scorer.key}/{k}"
+                    extras.setdefault(k, []).append(v)
+                    components.setdefault(k, torch.zeros(n, dtype=torch.float32))[i] = v
+            scores += scorer.weight * values
+            if scorer.key is not None:
+                components[scorer.key] = values
+                extras[scorer.key] = values.tolist()
+        scores[failed] = 0.0  # a sample that failed in any term has no score, not a partial sum
+        errors = int(failed.sum())
 
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         rows = torch.nonzero(last >= 0).flatten()
@@ -380,33 +464,33 @@ class RewardManager:
                 f"reward {self.name!r} failed on {errors} of {n} samples ({errors / n:.0%}), above reward.max_error_rate="
                 f"{self.cfg.max_error_rate:g}; the first failure's traceback is logged above; fix the reward or raise reward.max_error_rate"
             )
-        metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items()})
+        metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
         return RewardResult(token_scores, metrics, scores, components)
 
-    def _call_one(self, i: int, data_source: Any, solution: str, ground_truth: Any, extra_info: Any) -> Any:
+    def _call_one(self, scorer: _Scorer, i: int, data_source: Any, solution: str, ground_truth: Any, extra_info: Any) -> Any:
         try:
-            return self.fn(data_source=data_source, solution_str=solution, ground_truth=ground_truth, extra_info=extra_info, **self.kwargs)
+            return scorer.fn(data_source=data_source, solution_str=solution, ground_truth=ground_truth, extra_info=extra_info, **scorer.kwargs)
         except Exception as exc:
-            self._failed(i, data_source, exc)
+            self._failed(scorer, i, data_source, exc)
             return _Failed()
 
-    def _call_batched(self, data_sources: list, solutions: list[str], ground_truths: list, extra_infos: list) -> list[Any]:
+    def _call_batched(self, scorer: _Scorer, data_sources: list, solutions: list[str], ground_truths: list, extra_infos: list) -> list[Any]:
         n = len(solutions)
         try:
             out = list(
-                self.fn(data_sources=data_sources, solution_strs=solutions, ground_truths=ground_truths, extra_infos=extra_infos, **self.kwargs)
+                scorer.fn(data_sources=data_sources, solution_strs=solutions, ground_truths=ground_truths, extra_infos=extra_infos, **scorer.kwargs)
             )
             if len(out) != n:
-                raise RewardError(f"batched reward {self.name!r} returned {len(out)} scores for {n} samples")
+                raise RewardError(f"batched reward {scorer.name!r} returned {len(out)} scores for {n} samples")
             return out
         except Exception as exc:
-            self._failed(None, data_sources[0] if data_sources else None, exc)
+            self._failed(scorer, None, data_sources[0] if data_sources else None, exc)
             return [_Failed() for _ in range(n)]
 
-    def _failed(self, i: int | None, data_source: Any, exc: Exception) -> None:
+    def _failed(self, scorer: _Scorer, i: int | None, data_source: Any, exc: Exception) -> None:
         what = f"sample {i} (data_source={data_source!r})" if i is not None else "a batch"
         if self.cfg.fail_fast:
-            raise RewardError(f"reward {self.name!r} failed on {what}: {type(exc).__name__}: {exc} (reward.fail_fast=true)") from exc
+            raise RewardError(f"reward {scorer.name!r} failed on {what}: {type(exc).__name__}: {exc} (reward.fail_fast=true)") from exc
         with self._error_lock:
             first, self._logged_error = not self._logged_error, True
         if first:
@@ -414,7 +498,7 @@ class RewardManager:
             logger.error(
                 "reward %r failed on %s; it scores 0 and counts in reward/errors (later failures are counted, not logged; "
                 "set reward.fail_fast=true to stop instead)\n%s",
-                self.name, what, tb,
+                scorer.name, what, tb,
             )
 
 
