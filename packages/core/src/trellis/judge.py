@@ -7,8 +7,9 @@ reward manager already calls a reward from a pool of threads, so each call block
 
 One ``Endpoint`` per URL is shared by the whole process (the first call fixes its limits): a
 token bucket of requests per minute (no burst: requests are spaced ``60 / requests_per_minute``
-seconds apart), optionally one of tokens per minute (each reply's ``usage.total_tokens`` is spent
-after it arrives; a request waits while the bucket is in debt), and a cap on requests in flight.
+seconds apart), optionally one of tokens per minute (holding one second's worth: a request reserves
+its prompt's characters / 4 plus ``max_tokens``, settled by the reply's ``usage.total_tokens``), and
+a cap on requests in flight.
 Retries, with exponential backoff (or the server's ``Retry-After``), on HTTP 429 and 5xx only;
 any other HTTP error, a dead endpoint, a timeout or a reply no rule can parse raises at once, so the
 reward manager counts the sample in ``reward/errors`` (never a silent 0).
@@ -111,10 +112,10 @@ class TokenBucket:
             time.sleep(wait)
 
     def spend(self, cost: float) -> None:
-        """Spend ``cost`` without waiting (the bucket may go into debt)."""
+        """Spend ``cost`` without waiting (into debt, or, when negative, a refund up to ``capacity``)."""
         with self.lock:
             self._refill()
-            self.level -= cost
+            self.level = min(self.capacity, self.level - cost)
 
 
 class Endpoint:
@@ -131,9 +132,11 @@ class Endpoint:
     def post(self, body: dict[str, Any], timeout_s: float, retries: int, backoff_s: float) -> dict[str, Any]:
         """The JSON reply of ``/v1/chat/completions`` for ``body``, retried on 429 and 5xx only."""
         data = json.dumps(body).encode()
+        # reserved before sending (about 4 characters a token, plus the whole reply), settled with the reply's usage
+        estimate = -(-sum(len(m["content"]) for m in body["messages"]) // 4) + body["max_tokens"]
         for attempt in range(retries + 1):
             if self.tokens is not None:
-                self.tokens.take(0.0, 0.0)
+                self.tokens.take(min(estimate, self.tokens.capacity), estimate)
             self.requests.take(1.0, 1.0)
             with self.in_flight:
                 self.sent += 1
@@ -150,7 +153,7 @@ class Endpoint:
                     raise JudgeError(f"judge at {self.url} answered with no JSON: {raw[:300]!r}") from None
                 else:
                     if self.tokens is not None:
-                        self.tokens.spend(float((reply.get("usage") or {}).get("total_tokens") or 0))
+                        self.tokens.spend(float((reply.get("usage") or {}).get("total_tokens") or estimate) - estimate)
                     return reply
             if status != 429 and status < 500:
                 raise JudgeError(f"judge at {self.url} refused the request: HTTP {status}: {detail}")
