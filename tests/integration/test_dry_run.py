@@ -67,6 +67,7 @@ def test_data_paths_take_a_list_of_files_read_one_after_another(trellis_cli, dat
         (["sampling.n=0"], "config key 'sampling.n' is 0; it must be >= 1"),
         (["data.train_batch_prompts=100"], "the dataset has 64 prompts, fewer than one batch of 100; lower data.train_batch_prompts or add data"),
         (["reward.name=auto"], "config key 'reward.name' is auto, which has no reward for data_source 'arithmetic' (in data.train_path"),
+        (["reward.terms=[{name: gsm8k},{name: gsm8kk}]"], "config key 'reward.terms[1].name': reward 'gsm8kk' is not installed"),
     ],
 )
 def test_dry_run_and_train_stop_at_the_same_check_without_a_run_folder(trellis_cli, tmp_path, overrides, error):
