@@ -39,10 +39,10 @@ OWN_LOCK = {"vllm": "vllm", "sglang": "sglang", "parity": "parity"}  # session -
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "core": (["packages/core[math,tensorboard,wandb,mlflow]", "tests/plugins/example"], [], "tests/core"),
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
-    "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp", "tests/plugins/plain"], [], "tests/fsdp"),
+    "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
     "integration": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "tests/plugins/plain"],
+        ["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "tests/plugins/plain"],
         ["tensorboard>=2.14"],
         "tests/integration",
     ),

@@ -7,6 +7,11 @@ rollout engine in the same process can generate from the module itself (:meth:`f
 Only the model: build, forwards, backward, optimizer step, checkpoints and weights. Losses come
 from the objective layer through ``trellis.runtime.worker.RoleWorker``.
 
+LoRA (``BackendSpec.adapter``): PEFT's adapter layers in the plain model (:mod:`trellis_fsdp.lora`);
+only the adapter trains and is checkpointed, exports merge it into plain Hugging Face names, and
+the ``base_log_probs`` output runs the model with the adapter off (a reference without a second
+model).
+
 Memory: the model is built on the meta device and sharded before any weight exists; rank 0 alone
 reads the folder and broadcasts one tensor at a time into the shards. Weight export gathers one
 parameter at a time (cast to the export dtype first). Optimizer state and parameters can leave
@@ -36,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from trellis import Batch, choice, ranged
 from trellis.kit.backend import (
     IMPLEMENTATIONS,
+    OUTPUTS,
     Backend,
     BackendSpec,
     LossFn,
@@ -55,6 +61,7 @@ from trellis.kit.backend import (
     weight_buckets,
 )
 from trellis_fsdp.distributed import all_reduce_sum, ensure_process_group
+from trellis_fsdp.lora import ADAPTER, adapted_layers, adapter_off, add_adapter, hf_name, is_adapter, merged
 from trellis_fsdp.offload import HostCopy
 
 log = logging.getLogger("trellis")
@@ -94,8 +101,14 @@ class FSDPBackend(Backend):
     """One role's model on one rank, fully sharded over the data-parallel ranks (a plain module
     on a single rank that casts nothing)."""
 
+    adapters = True
+
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
+        self.adapter = spec.adapter
+        if self.adapter is not None and spec.head != "lm":
+            raise ValueError(f"config key '{spec.role}.adapter.rank'={self.adapter.rank}: adapters are for the lm head only; set it to 0")
+        self.outputs = OUTPUTS + ("base_log_probs",) * (self.adapter is not None)
         self.opts: FSDPOptions = spec.options if spec.options is not None else FSDPOptions()
         self.device = device_for(spec.dist)
         self.offloaded: list[HostCopy] = []
@@ -126,7 +139,9 @@ class FSDPBackend(Backend):
         self.mesh = ensure_process_group(self.spec.dist)
         torch.manual_seed(self.spec.seed)
         # no weights yet: shard the meta-device model, then give each rank room for its shards only
-        self.model = empty_hf_model(self.spec.model_path, self.spec.head, dtype)
+        self.model = self._with_adapter(empty_hf_model(self.spec.model_path, self.spec.head, dtype))
+        self.layers = adapted_layers(self.model) if self.adapter is not None else {}
+        self.merges = {f"{name}.weight": layer for name, layer in self.layers.items()}  # exported weight -> its LoRA layer
         if self.opts.activation_checkpointing and self.spec.trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # one rank and no cast: FSDP2 would shard nothing and cast nothing
@@ -139,16 +154,32 @@ class FSDPBackend(Backend):
             self.model.tie_weights()  # to_empty made a parameter per module: share a tied head's again
         restore_buffers()
         # rank 0 reads the folder; every tensor is broadcast and each rank keeps its shard
-        full = load_hf_model(self.spec.model_path, self.spec.head, dtype).state_dict() if dist.get_rank() == 0 else {}
+        # (its adapter initialised there too, from the seed, and broadcast with the rest)
+        full = self._with_adapter(load_hf_model(self.spec.model_path, self.spec.head, dtype)).state_dict() if dist.get_rank() == 0 else {}
         self._set_full_state(full, broadcast=True)
         del full
-        self.params = list(self.model.parameters())
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self.scheduler = None
         if self.spec.trainable:
+            self._report_trainable()
             self.optimizer, self.scheduler = make_optimizer(self.params, self.spec.optim, self.spec.total_steps, self.opts.optimizer)
             self.model.train()
         else:
             self.model.eval()
+
+    def _with_adapter(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model if self.adapter is None else add_adapter(model, self.adapter, self.spec.role, self.spec.seed)
+
+    def _report_trainable(self) -> None:
+        """Log trainable / total parameters; refuse a trained role where nothing would train."""
+        total = sum(p.numel() for p in self.model.parameters())
+        trained = sum(p.numel() for p in self.params)
+        what = f"a LoRA adapter of rank {self.adapter.rank} on {len(self.layers)} layers" if self.adapter is not None else "full weights"
+        if trained == 0:
+            raise ValueError(
+                f"role {self.spec.role!r} would train no parameter ({what}); check {self.spec.role}.adapter.target_modules"
+            )
+        log.info("%s: %d of %d parameters train (%.2f%%): %s", self.spec.role, trained, total, 100 * trained / total, what)
 
     def _shard(self, mp: MixedPrecisionPolicy) -> None:
         # Decoder layers are the classes a model declares it must not split across devices.
@@ -174,11 +205,22 @@ class FSDPBackend(Backend):
 
     # -- forward and backward -------------------------------------------------------------------
     def _outputs(self, micro: Batch, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return forward_outputs(self.model, micro, outputs, self.spec.head, self.opts.entropy_chunk_size, self.opts.padding_free)
+        def run(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+            return forward_outputs(self.model, micro, names, self.spec.head, self.opts.entropy_chunk_size, self.opts.padding_free)
+
+        if "base_log_probs" not in outputs:
+            return run(outputs)
+        with adapter_off(self.layers):
+            base = run(("log_probs",))["log_probs"]
+        rest = tuple(o for o in outputs if o != "base_log_probs")
+        return {**(run(rest) if rest else {}), "base_log_probs": base}
 
     def forward(self, micros: list[Batch], outputs: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+        training = self.model.training
+        self.model.eval()  # no dropout (an adapter's) in forwards without gradient
         with torch.no_grad():
             results = [{k: v.cpu() for k, v in self._outputs(m, outputs).items()} for m in micros]
+        self.model.train(training)
         self._reshard()
         return results
 
@@ -202,19 +244,25 @@ class FSDPBackend(Backend):
         return {name: tuple(t.shape) for name, t in self._state()}
 
     def _state(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Hugging Face names (an adapter's base weights under their plain names, the adapter
+        itself left out: it is merged on export); DTensors when sharded."""
         self._reshard()
-        return self.model.state_dict(keep_vars=True).items()  # Hugging Face names; DTensors when sharded
+        state = self.model.state_dict(keep_vars=True)
+        return [(hf_name(n), t) for n, t in state.items() if not is_adapter(n)] if self.layers else state.items()
 
     def _full_tensors(self, dtype: torch.dtype | None, to_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor gathered alone, cast to ``dtype`` shard-side first (a bf16 export moves and
-        holds half the bytes); the previous one is the caller's to drop."""
+        holds half the bytes); the previous one is the caller's to drop. A weight with a LoRA
+        adapter is gathered in its own dtype with the adapter, merged, then cast."""
         for name, tensor in self._state():
-            tensor = tensor.detach()
             cast = dtype if dtype is not None and tensor.is_floating_point() else None
-            if isinstance(tensor, DTensor):
-                tensor = _gather(tensor, cast)
-            elif cast is not None:
-                tensor = tensor.to(cast)
+            layer = self.merges.get(name)
+            if layer is None:
+                tensor = _full(tensor, cast)
+            else:
+                a, b = (_full(m[ADAPTER].weight, None) for m in (layer.lora_A, layer.lora_B))
+                tensor = merged(layer, _full(tensor, None), a, b)
+                tensor = tensor if cast is None else tensor.to(cast)
             yield name, tensor.cpu() if to_cpu else tensor
 
     def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
@@ -232,6 +280,8 @@ class FSDPBackend(Backend):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors (every rank gets all of them) into this rank's shards."""
+        if self.adapter is not None:
+            raise ValueError(f"role {self.spec.role!r} trains a LoRA adapter: full weights cannot replace its base weights and adapter")
         self._set_full_state(dict(weights))
 
     def full_module(self) -> torch.nn.Module | None:
@@ -249,7 +299,7 @@ class FSDPBackend(Backend):
         tensors: list[torch.Tensor] = []
         if self.opts.offload_params:
             self._reshard()
-            tensors += self.params
+            tensors += list(self.model.parameters())
         if self.opts.offload_optimizer and self.optimizer is not None:
             tensors += [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         self.offloaded = HostCopy.of(tensors)
@@ -262,16 +312,26 @@ class FSDPBackend(Backend):
         self.offloaded = []
 
     # -- checkpoints ------------------------------------------------------------------------------------
+    def _state_options(self) -> StateDictOptions:
+        """With an adapter the frozen base weights stay out of checkpoints (the run's
+        ``model.path`` holds them): the adapter and its optimizer state only."""
+        adapter = self.adapter is not None
+        return StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
+
     def _sharded_state(self) -> dict:
         self._reshard()
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim}
+            model, optim = get_model_state_dict(self.model, options=self._state_options()), None
+        else:
+            model, optim = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        if self.adapter is not None:  # ignore_frozen_params keeps a tied head's second name (lm_head.weight)
+            model = {k: v for k, v in model.items() if is_adapter(k)}
+        return {"model": model} if optim is None else {"model": model, "optim": optim}
 
     def save(self, path: Path) -> None:
-        """Model and optimizer through ``torch.distributed.checkpoint`` (each rank writes its own
-        shard into ``path``), plus ``rank<r>.pt``: this rank's LR scheduler and RNG states."""
+        """Model (with an adapter: the adapter alone) and optimizer through
+        ``torch.distributed.checkpoint`` (each rank writes its own shard into ``path``), plus
+        ``rank<r>.pt``: this rank's LR scheduler and RNG states."""
         path = Path(path)
         dcp.save(self._sharded_state(), checkpoint_id=path)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler else None, "rng": get_rng_state()}
@@ -284,9 +344,10 @@ class FSDPBackend(Backend):
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=path)
         if self.optimizer is None:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=self._state_options())
         else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            options = self._state_options()
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
         extra_file = path / f"rank{self.spec.dist.rank}.pt"
         if extra_file.is_file():
             extra = torch.load(extra_file, weights_only=True)
@@ -304,6 +365,14 @@ class FSDPBackend(Backend):
 GATHER_BYTES = 2 << 20
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _full(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The whole of a (sharded or plain) tensor, in ``dtype`` (None: its own), without gradient."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        return _gather(tensor, dtype)
+    return tensor if dtype is None else tensor.to(dtype)
 
 
 def _gather(tensor: DTensor, dtype: torch.dtype | None) -> torch.Tensor:

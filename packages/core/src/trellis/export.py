@@ -51,7 +51,8 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     registry = (plugins or load_plugins()).registry
     controller = LocalController()
     try:
-        policy = spawn_worker(controller, registry, cfg, "actor", cfg.model.path, None)  # no objectives: weights only, no optimizer
+        # no objectives: weights only, no optimizer; the actor's section brings its adapter (merged on export)
+        policy = spawn_worker(controller, registry, cfg, "actor", cfg.model.path, cfg.get("actor"))
         policy.load(path / "actor")
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.get("tokenizer_path") or cfg.model.path)
         return save_hf_folder(cfg.model.path, chain.from_iterable(policy.export_weights()), tokenizer, Path(out_dir))

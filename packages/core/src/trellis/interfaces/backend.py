@@ -53,6 +53,9 @@ LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str
 #   values         (batch, response_len)  the value head at the positions predicting each response token
 #   label_log_probs (batch, seq_len - 1)  log p(input_ids[:, 1:]) (supervised losses)
 #   scores         (batch,)               the value head at the last attended token (reward models)
+#   base_log_probs (batch, response_len)  log_probs with the role's adapter off (the base model: a
+#                                         reference without a second model); only a backend
+#                                         training an adapter declares it
 # A backend declares its own set in ``Backend.outputs`` (e.g. adding auxiliary outputs such as
 # router logits); objectives and forwards asking for one it lacks are refused by name.
 OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", "scores")
@@ -117,6 +120,8 @@ class BackendSpec:
         reward model); a backend refuses a head it cannot build.
     options: the backend's options dataclass instance. optim: the role's ``OptimConfig`` section.
     total_steps: trainer steps of the run (for LR schedules).
+    adapter: the role's ``AdapterConfig`` when it trains a LoRA adapter (``rank > 0``), else None;
+        only a backend with ``adapters = True`` is given one (the role worker refuses the rest).
     """
 
     role: str
@@ -128,6 +133,7 @@ class BackendSpec:
     dist: DistInfo = field(default_factory=DistInfo)
     seed: int = 0
     total_steps: int = 0
+    adapter: Any = None
 
 
 class Backend(ABC):
@@ -136,10 +142,12 @@ class Backend(ABC):
 
     outputs: the forward outputs it can return (default :data:`OUTPUTS`).
     model_inputs: the ``Batch`` fields its forwards read (default :data:`MODEL_INPUTS`);
-    controllers ship these (and what the objective reads) to the ranks, nothing more."""
+    controllers ship these (and what the objective reads) to the ranks, nothing more.
+    adapters: it trains a LoRA adapter when ``BackendSpec.adapter`` is set (else such a role is refused)."""
 
     outputs: tuple[str, ...] = OUTPUTS
     model_inputs: tuple[str, ...] = MODEL_INPUTS
+    adapters: bool = False
 
     @abstractmethod
     def build(self) -> None:

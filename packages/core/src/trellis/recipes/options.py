@@ -163,6 +163,26 @@ class BatchingConfig:
     shuffle: bool = False
 
 
+# how a LoRA adapter starts; each starts with B = 0, so the adapted model is the base model at step 0
+ADAPTER_INITS = ("default", "gaussian")
+
+
+@dataclass
+class AdapterConfig:
+    """A LoRA adapter trained instead of the full weights (rank 0: off, every weight trains).
+    Each targeted linear layer computes ``W x + (alpha / rank) * B A x`` with ``A`` ``(rank, in)``
+    and ``B`` ``(out, rank)``; only ``A`` and ``B`` get gradients and optimizer state.
+    target_modules: module-name suffixes (``q_proj``...) or ``all-linear`` (every linear layer
+    but the LM head). init: ``default`` (A Kaiming-uniform) or ``gaussian`` (A normal, std
+    1/rank); B starts at 0 either way."""
+
+    rank: int = ranged(0, ge=0)
+    alpha: float = ranged(16.0, gt=0)
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    init: str = choice("default", ADAPTER_INITS)
+
+
 @dataclass
 class ActorConfig(BatchingConfig):
     """The policy's update: a registered policy loss, optional KL loss and entropy bonus."""
@@ -176,6 +196,7 @@ class ActorConfig(BatchingConfig):
     kl_loss_type: str = choice("low_var_kl", kind="kl")
     entropy_coeff: float = ranged(0.0, ge=0)
     mask_truncated: bool = False  # rl: samples cut by sampling.max_new_tokens leave the actor's loss (DAPO's overlong filtering)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)  # rank > 0: train a LoRA adapter, not the full weights
 
 
 @dataclass

@@ -262,7 +262,9 @@ class RLRecipe:
             reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
-            ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref else None  # the actor's micro-batching, no optimizer
+            # the reference: the actor with its adapter off (no second model), else a frozen copy with the actor's micro-batching
+            adapter_ref = use_ref and cfg.actor.adapter.rank > 0
+            ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref and not adapter_ref else None
             critic_path = cfg.critic.model_path or cfg.model.path
             critic = run.spawn("critic", critic_path, cfg.critic, head="value", objectives={"update": "value"}) if use_critic else None
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
@@ -329,9 +331,10 @@ class RLRecipe:
                         batch["old_log_probs"] = old["log_probs"]
                         if "sum_sq_probs" in old:
                             batch["sum_sq_probs"] = old["sum_sq_probs"]
-                if ref is not None:
+                if use_ref:
                     with timer("ref"):
-                        batch["ref_log_probs"] = ref.log_prob(batch)["log_probs"]
+                        reference = actor.forward(batch, ("base_log_probs",))["base_log_probs"] if adapter_ref else ref.log_prob(batch)["log_probs"]
+                        batch["ref_log_probs"] = reference
                 if critic is not None:
                     with timer("values"):
                         batch["values"] = critic.values(batch)["values"]

@@ -110,9 +110,16 @@ class RoleWorker(Worker):
         }
         trainable = bool(self.objectives)  # a role with objectives trains: it gets an optimizer
         optim = spec.role_options.optim if trainable else None
+        adapter = getattr(spec.role_options, "adapter", None)
+        adapter = adapter if adapter is not None and adapter.rank > 0 else None
         self.backend = spec.make_backend(
-            BackendSpec(spec.role, spec.model_path, spec.options, trainable, spec.head, optim, spec.dist, spec.seed, spec.total_steps)
+            BackendSpec(spec.role, spec.model_path, spec.options, trainable, spec.head, optim, spec.dist, spec.seed, spec.total_steps, adapter)
         )
+        if adapter is not None and not self.backend.adapters:
+            raise ValueError(
+                f"config key '{spec.role}.adapter.rank'={adapter.rank}: backend {type(self.backend).__name__} trains full weights only; "
+                f"set {spec.role}.adapter.rank=0 or use backend.name=fsdp"
+            )
         for verb, objective in self.objectives.items():
             self._check_outputs(objective.outputs, f"objective {spec.objectives[verb]!r} of verb {verb!r}")
         self.backend.build()

@@ -1,0 +1,92 @@
+"""LoRA adapters through PEFT: injected into the plain Hugging Face model, switched off for the
+base model's forwards, and merged (W + s·BA) into plain Hugging Face names for export.
+
+PEFT's ``inject_adapter_in_model`` keeps the model's own class (its forward, ``_no_split_modules``
+and config stay as they are); each targeted linear layer becomes a PEFT ``LoraLayer`` holding the
+original as ``<name>.base_layer`` and the adapter as ``<name>.lora_A.default`` /
+``<name>.lora_B.default``. Only the adapter's parameters require gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+ADAPTER = "default"  # PEFT's adapter name: one adapter per model
+BASE = ".base_layer"
+PEFT_INIT = {"default": True, "gaussian": "gaussian"}
+
+
+def add_adapter(model: torch.nn.Module, adapter, role: str, seed: int) -> torch.nn.Module:
+    """``model`` with a LoRA adapter as the role's ``AdapterConfig`` says (initialised from
+    ``seed``, whatever the global RNG holds), its base weights frozen."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.utils.error import NoMatchingPeftModuleError
+    except ImportError as e:
+        raise ImportError(
+            f"config key '{role}.adapter.rank'={adapter.rank} needs peft: pip install 'trellis-backend-fsdp[lora]', or set {role}.adapter.rank=0"
+        ) from e
+    targets = list(adapter.target_modules)
+    config = LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        init_lora_weights=PEFT_INIT[adapter.init],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        except (NoMatchingPeftModuleError, ValueError) as e:
+            raise ValueError(
+                f"config key '{role}.adapter.target_modules'={targets}: {e}; name linear layers of the model "
+                f"(e.g. q_proj, v_proj) or use ['all-linear']"
+            ) from e
+
+
+def is_adapter(name: str) -> bool:
+    """A parameter of the adapter (``lora_A`` / ``lora_B``), not of the base model."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def hf_name(name: str) -> str:
+    """The plain Hugging Face name of a base weight (``...q_proj.base_layer.weight`` -> ``...q_proj.weight``)."""
+    return name.replace(BASE + ".", ".")
+
+
+def peft_name(name: str, adapted: set[str]) -> str:
+    """The reverse of :func:`hf_name`: a plain name under a layer in ``adapted`` goes under its ``base_layer``."""
+    module, _, leaf = name.rpartition(".")
+    return f"{module}{BASE}.{leaf}" if module in adapted else name
+
+
+def adapted_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Plain module name -> PEFT LoRA layer, for every layer the adapter wraps."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+@contextlib.contextmanager
+def adapter_off(layers: dict[str, torch.nn.Module]) -> Iterator[None]:
+    """Forwards inside the block run the base model (every LoRA layer skips its adapter)."""
+    for layer in layers.values():
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers.values():
+            layer.enable_adapters(True)
+
+
+def merged(layer: torch.nn.Module, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``W + s·BA`` of one LoRA layer from its full ``weight`` ``(out, in)`` and adapter ``a``
+    ``(rank, in)``, ``b`` ``(out, rank)``, computed in float32 and returned in ``weight``'s dtype."""
+    delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]
+    if getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D stores the weight transposed
+        delta = delta.T
+    return (weight.float() + delta).to(weight.dtype)
