@@ -21,11 +21,13 @@ CORE_SCHEMAS = sorted(
 )
 # string options whose values are open: paths, names, free text
 OPEN_ENDED = {
+    "AdapterConfig": {"target_modules"},  # module-name suffixes of the model at hand, or all-linear
     "CriticConfig": {"model_path"},
     "InteractionConfig": {"name", "component", "verl_class"},  # component: a registered name, checked with the section
     "ModelConfig": {"path", "tokenizer_path"},
     "RLConfig": {"recipe"},
     "RewardConfig": {"name", "path"},  # a registered reward or a function in reward.path
+    "RewardTerm": {"name", "path", "key"},
     "SFTConfig": {"recipe"},
     "SFTData": {"response_key"},
     "ToolConfig": {"component", "verl_class"},
@@ -36,8 +38,9 @@ OPEN_ENDED = {
 def test_every_core_string_option_with_a_fixed_set_of_values_declares_and_enforces_it(assert_choices_enforced):
     checked = sum(assert_choices_enforced(s, CORE, OPEN_ENDED.get(s.__qualname__, ())) for s in CORE_SCHEMAS)
     # 3 loss_agg_mode, lr_schedule, controller, trackers, separate_pools, kl_ctrl_type, tool_parser, score,
-    # agent_loop, dynamic_sampling.metric (actor.kl_loss_type and algorithm.kl_penalty name kl estimators: tests/algos, where they are installed)
-    assert checked == 12
+    # agent_loop, dynamic_sampling.metric, adapter.init (actor.kl_loss_type and algorithm.kl_penalty name kl estimators:
+    # tests/algos, where they are installed)
+    assert checked == 13
 
 
 def test_compose_names_key_value_valid_values_and_closest():

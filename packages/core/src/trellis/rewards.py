@@ -157,7 +157,7 @@ class RewardTerm:
     unweighted score is the metric and component ``key`` (default ``name``): ``reward/<key>``."""
 
     name: str = ""
-    weight: float = 1.0
+    weight: float = ranged(1.0, ge=-1e6, le=1e6)  # any sign (a negative weight is a penalty), finite
     kwargs: dict[str, Any] = field(default_factory=dict)
     path: Optional[str] = None  # noqa: UP045
     batched: bool = False
