@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trellis.config import ConfigError
+from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.examples.tiny import make_tiny_model
 from trellis.recipes.rl import RLRecipe
 
@@ -84,3 +85,32 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(run_rl, tiny_mo
 def test_a_teacher_exactly_when_the_advantage_reads_one(run_rl, overrides, message):
     with pytest.raises(ConfigError, match=message):
         run_rl(*overrides)
+
+
+def test_multi_turn_environment_tokens_get_no_advantage(run_rl, tiny_untied_model_path, tmp_path, monkeypatch):
+    """Conversations of two model turns around the interaction's feedback: the feedback tokens
+    (response mask 0) inside the response get 0, every model token its own log-ratio."""
+    train_file = write_rows(make_arithmetic_split(16, 0, max_value=30, interaction="gsm8k"), tmp_path / "train.parquet")
+    seen = []
+    advantages = RLRecipe.compute_advantages
+    monkeypatch.setattr(RLRecipe, "compute_advantages", staticmethod(lambda batch, *a: (seen.append(batch), advantages(batch, *a))[1]))
+    run_rl(
+        *DISTILL,
+        f"teacher.path={tiny_untied_model_path}",
+        f"data.train_path={train_file}",
+        "data.val_path=null",
+        "trainer.total_steps=1",
+        "multi_turn.enable=true",
+        "multi_turn.max_assistant_turns=2",
+        "multi_turn.max_user_turns=1",
+        "multi_turn.max_response_tokens=48",
+        "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]",
+    )
+    batch = seen[0]
+    mask = batch["response_mask"].bool()
+    # an environment token between model tokens: a 0 in the mask followed by a 1 later in the row
+    inside = ~mask & (mask.flip(-1).cummax(-1).values.flip(-1))
+    assert inside.any()
+    assert batch["advantages"][~mask].abs().sum() == 0
+    expected = -(batch["old_log_probs"] - batch["teacher_log_probs"])
+    assert torch.allclose(batch["advantages"][mask], expected[mask])
