@@ -28,6 +28,7 @@ OPEN_ENDED = {
     "RewardConfig": {"name", "path"},  # a registered reward or a function in reward.path
     "SFTConfig": {"recipe"},
     "SFTData": {"response_key"},
+    "TeacherConfig": {"path"},
     "ToolConfig": {"component", "verl_class"},
     "TrainerConfig": {"run_dir", "threads", "resume", "resume_allow_changes"},  # threads: auto or a count; resume: auto, never or a path
 }
