@@ -20,7 +20,7 @@ EXPECTED = {
     "advantage": {
         *("gae", "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized"),
         *("reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"),
-        *("optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"),
+        *("optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "reverse_kl_teacher"),
     },
     "policy_loss": {
         *("vanilla", "clip_cov", "kl_cov", "gspo", "sapo", "cispo", "gmpo", "geo_mean"),

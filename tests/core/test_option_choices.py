@@ -30,6 +30,7 @@ OPEN_ENDED = {
     "RewardTerm": {"name", "path", "key"},
     "SFTConfig": {"recipe"},
     "SFTData": {"response_key"},
+    "TeacherConfig": {"path"},
     "ToolConfig": {"component", "verl_class"},
     "TrainerConfig": {"run_dir", "threads", "resume", "resume_allow_changes"},  # threads: auto or a count; resume: auto, never or a path
 }

@@ -82,3 +82,17 @@ def test_dapo_preset_holds_the_papers_settings_and_passes_the_dry_run(tmp_path, 
     # a buffer longer than the response budget is named with the fix
     bad = trellis("train", str(starter), "--dry-run", *paths, "sampling.max_new_tokens=8", cwd=tmp_path)
     assert "config key 'reward.overlong.buffer_len' is 12, longer than sampling.max_new_tokens=8" in bad.stderr
+
+
+def test_distill_preset_needs_a_teacher_with_the_students_tokenizer(tmp_path, tiny_model_path, tiny_untied_model_path, data_files):
+    out = trellis("config", "init", "distill", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# A starter config for on-policy distillation")
+    starter = tmp_path / "distill.yaml"
+    starter.write_text(out.stdout)
+    paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
+    cfg = compose(starter, [*paths, f"teacher.path={tiny_untied_model_path}"], load_plugins().registry)
+    assert (cfg.algorithm.advantage.name, cfg.algorithm.advantage.reward_weight) == ("reverse_kl_teacher", 0.0)
+    assert trellis("train", str(starter), "--dry-run", *paths, f"teacher.path={tiny_untied_model_path}", cwd=tmp_path).returncode == 0
+    missing = trellis("train", str(starter), "--dry-run", *paths, cwd=tmp_path)
+    assert missing.returncode != 0 and "teacher.path" in missing.stderr

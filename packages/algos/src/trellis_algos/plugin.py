@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trellis import hookimpl
-from trellis_algos import advantages, kl, objectives, policy_losses, preference, sft_losses, token_baseline
+from trellis_algos import advantages, distill, kl, objectives, policy_losses, preference, sft_losses, token_baseline
 from trellis_algos.spin import SPINRecipe
 
 
@@ -14,6 +14,7 @@ def trellis_register(registry):
     for kind, table in (
         ("advantage", advantages.ESTIMATORS),
         ("advantage", token_baseline.ESTIMATORS),
+        ("advantage", distill.ESTIMATORS),
         ("policy_loss", policy_losses.LOSSES),
         ("sft_loss", sft_losses.LOSSES),
         ("preference_loss", preference.LOSSES),

@@ -36,6 +36,8 @@ class AdvantageInputs:
         distribution at each token (optimal token baselines).
     reward_components: ``{key: (batch,)}`` the per-sample numbers a dict-returning reward gave
         besides ``score`` (gdpo).
+    teacher_log_probs: ``(batch, response_len)`` a frozen teacher's log-prob of each token the
+        policy sampled (on-policy distillation).
     """
 
     token_rewards: torch.Tensor
@@ -46,6 +48,7 @@ class AdvantageInputs:
     old_log_probs: torch.Tensor | None = None
     sum_sq_probs: torch.Tensor | None = None
     reward_components: dict[str, torch.Tensor] | None = None
+    teacher_log_probs: torch.Tensor | None = None
 
 
 class AdvantageEstimator(Protocol):
@@ -58,6 +61,8 @@ class AdvantageEstimator(Protocol):
     - ``"old_log_probs"``: the behaviour policy's log-probs, before the update; fills ``old_log_probs``.
     - ``"sum_sq_probs"``: the old-log-prob forward also returns them; fills ``sum_sq_probs``.
     - ``"reward_components"``: the reward's per-sample components; fills ``reward_components``.
+    - ``"teacher_log_probs"``: a frozen ``teacher`` role from the model folder ``teacher.path``
+      (same tokenizer) scores the policy's samples; fills ``teacher_log_probs``.
     - ``"groups"``: it compares samples of one prompt (with one sample per prompt every
       advantage is 0: the recipe warns).
     - ``"on_policy_only"``: exact on-policy, one update per batch of fresh samples (the recipe

@@ -11,7 +11,7 @@ from itertools import chain
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from trellis.batch import Batch, last_valid_index
@@ -27,6 +27,7 @@ from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
+from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, unknown_sources
 from trellis.runtime.controller import RolloutGroup
@@ -44,6 +45,7 @@ ADVANTAGE_FIELDS = {
     "greedy_baseline": ("baseline_rewards", "baseline_rewards"),
     "old_log_probs": ("old_log_probs", "old_log_probs"),
     "sum_sq_probs": ("sum_sq_probs", "sum_sq_probs"),
+    TEACHER_NEED: ("teacher_log_probs", "teacher_log_probs"),
 }
 
 
@@ -88,6 +90,7 @@ class RLConfig(RecipeConfig):
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -129,6 +132,7 @@ def check(cfg: DictConfig, registry) -> None:
     check_multi_turn(cfg, registry)
     declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
     check_length_shaping(cfg)
+    check_teacher(cfg, declared)
     if cfg.algorithm.dynamic_sampling.enable:
         check_dynamic_sampling(cfg, declared)
     if "on_policy_only" in declared:
@@ -185,13 +189,13 @@ def on_policy_update(cfg: DictConfig, registry, estimator, samples: int) -> bool
     """Whether the actor's update can take the old log-probs from its own first forward instead of
     a separate pass (exact): the policy objective declares it can (``first_forward``), one
     optimizer step per batch, and nothing before the update reads them (the in-reward KL, an
-    estimator that needs them)."""
+    estimator that needs them or a teacher's, which are compared with them)."""
     objective = registry.get("objective", "policy").obj(cfg.actor, registry)
     return (
         getattr(objective, "first_forward", None) == "old_log_probs"
         and Plan.of(cfg.actor).one_update(samples)  # the same rule the actor's worker checks the batch against
         and not cfg.algorithm.use_kl_in_reward
-        and not {"old_log_probs", "sum_sq_probs"} & set(needs(estimator))
+        and not {"old_log_probs", "sum_sq_probs", TEACHER_NEED} & set(needs(estimator))
     )
 
 
@@ -267,6 +271,8 @@ class RLRecipe:
             ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref and not adapter_ref else None
             critic_path = cfg.critic.model_path or cfg.model.path
             critic = run.spawn("critic", critic_path, cfg.critic, head="value", objectives={"update": "value"}) if use_critic else None
+            frozen = OmegaConf.merge(cfg.actor, {"adapter": {"rank": 0}})  # the actor's micro-batching, no adapter
+            teacher = run.spawn("teacher", cfg.teacher.path, frozen) if TEACHER_NEED in needs(estimator) else None
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
             samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
@@ -335,6 +341,11 @@ class RLRecipe:
                     with timer("ref"):
                         reference = actor.forward(batch, ("base_log_probs",))["base_log_probs"] if adapter_ref else ref.log_prob(batch)["log_probs"]
                         batch["ref_log_probs"] = reference
+                teacher_metrics = {}
+                if teacher is not None:
+                    with timer("teacher"):
+                        batch["teacher_log_probs"] = teacher.log_prob(batch)["log_probs"]
+                        teacher_metrics = reverse_kl(batch["old_log_probs"], batch["teacher_log_probs"], batch["response_mask"])
                 if critic is not None:
                     with timer("values"):
                         batch["values"] = critic.values(batch)["values"]
@@ -354,6 +365,7 @@ class RLRecipe:
                     **reward_metrics,
                     **update_metrics,
                     **kl_metrics,
+                    **teacher_metrics,
                     **_kl_summary(update_metrics, kl_metrics),
                     **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
                     **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),
