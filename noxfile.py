@@ -41,8 +41,18 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
     "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
+    # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin
     "integration": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "tests/plugins/plain"],
+        [
+            "packages/core",
+            "packages/algos",
+            "packages/backend-fsdp[lora]",
+            "packages/rollout-hf",
+            "packages/interactions",
+            "packages/sandbox",
+            "tests/plugins/plain",
+            "tests/plugins/example",
+        ],
         ["tensorboard>=2.14"],
         "tests/integration",
     ),
