@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from trellis.batch import Batch
 from trellis.config import ConfigError, validate
+from trellis.interfaces.dispatch import DP_SPLIT, Route
 from trellis.plugins import load_plugins
 from trellis.recipes.options import ActorConfig
 from trellis.runtime.controller import LocalController
@@ -111,6 +112,9 @@ class DiesOnRankOne(Worker):
 
     def build(self):
         pass
+
+    def routes(self):
+        return {**super().routes(), "log_prob": Route(DP_SPLIT, None)}
 
     def log_prob(self, batch, with_entropy=False):
         if self.dist.rank == 1:
@@ -420,7 +424,7 @@ def recording_plugins():
 
 def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_cache_for_the_sync(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
     """Every rank's engine, through the rl recipe: built with the recipe's prompt + response length,
-    sleep after each step's generation, then wake(weights) -> load -> wake(kv_cache) at the sync;
+    sleep after each generation (validation too), then wake(weights) -> load -> wake(kv_cache) at the sync;
     per-request seeds (opted in) are the step's base plus each rank's first global sample index;
     the ranks get LOCAL_RANK from their place on the node and the driver's NCCL_* / HF_HOME; the
     engines are closed at shutdown."""
@@ -439,14 +443,15 @@ def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_ca
     assert sorted(b["env"]["LOCAL_RANK"] for b in builds) == ["0", "1"]
     assert all(b["env"]["NCCL_DEBUG"] == "WARN" and b["env"]["HF_HOME"] == str(tmp_path / "hf-home") for b in builds)
     step = ["generate", "sleep", "wake", "load_weights", "wake"]
+    validation = ["generate", "generate", "sleep"]  # greedy, sampled; the engines sleep after it as after any generation
     for calls in ranks:
         names = [c["call"] for c in calls]
-        # build, validation (greedy, sampled), 2 steps, validation, close
-        assert names == ["build", "generate", "generate", *step, *step, "generate", "generate", "close"]
+        # build, validation, a wake (no sync followed it), 2 steps, validation, close
+        assert names == ["build", *validation, "wake", *step, *step, *validation, "close"]
         wakes = [c["tags"] for c in calls if c["call"] == "wake"]
-        assert wakes == [["weights"], ["kv_cache"]] * 2
+        assert wakes == [["weights", "kv_cache"]] + [["weights"], ["kv_cache"]] * 2
     # 4 prompts x 2 samples a step, 2 prompts per rank: rank 1's first sample is the step's 4th
-    train_seeds = sorted(c["seed"] for calls in ranks for c in calls[3 : 3 + 2 * len(step)] if c["call"] == "generate")
+    train_seeds = sorted(c["seed"] for calls in ranks for c in calls[5 : 5 + 2 * len(step)] if c["call"] == "generate")
     assert train_seeds[:4] == [11, 11 + 4, 11 + 8, 11 + 8 + 4]
 
 
