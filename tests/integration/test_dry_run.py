@@ -112,8 +112,18 @@ GSM8K = "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]"
              "function: {name: run, parameters: {type: object, properties: {code: {type: string}}, required: [src]}}}}]"],  # fmt: skip
             "config key 'multi_turn.tools[0].schema.function.parameters.required' names 'src', which parameters.properties does not define",
         ),
+        (
+            ["multi_turn.enable=true", "multi_turn.tools=[{component: code_interpreter}]"],  # its server's address is missing
+            "config key 'multi_turn.tools[0].options': tool code_interpreter needs the server's address: set its option url=",
+        ),
     ],
-    ids=["interactions-while-disabled", "rows-without-interaction-kwargs", "misspelled-schema-key", "schema-requires-undefined-argument"],
+    ids=[
+        "interactions-while-disabled",
+        "rows-without-interaction-kwargs",
+        "misspelled-schema-key",
+        "schema-requires-undefined-argument",
+        "tool-without-its-server",
+    ],
 )
 def test_multi_turn_settings_that_would_be_ignored_or_fail_later_stop_both(trellis_cli, tmp_path, overrides, error):
     for flag in (["--dry-run"], []):

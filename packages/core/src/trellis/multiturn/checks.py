@@ -22,7 +22,8 @@ log = logging.getLogger("trellis")
 
 
 def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
-    """Settings that would be silently ignored, interactions and tools that cannot be built, data
+    """Settings that would be silently ignored, interactions and tools that cannot be built (each
+    registered one is built once here), data
     rows that lack what their interaction needs to start, and a token budget with no room for
     feedback: errors naming the key, except the budget (a warning)."""
     mt = cfg.multi_turn
@@ -40,6 +41,12 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
             f"config key 'reward.path' is {cfg.reward.path!r}, but multi_turn.score={mt.score} takes each sample's reward from the "
             "interaction's scores and never calls it; set multi_turn.score=reward to score trajectories with your function, or drop reward.path"
         )
+    for i, icfg in enumerate(spec.settings.interactions):
+        if icfg.component:
+            build_once(spec.interactions[icfg.name], f"multi_turn.interactions[{i}]")
+    for i, (make, tcfg) in enumerate(spec.tools):
+        if tcfg.component:
+            build_once(make, f"multi_turn.tools[{i}]")
     needs = {icfg.name: start_needs(icfg, registry) for icfg in spec.settings.interactions}
     loops = {}
     for key, rows in zip(("train_path", "val_path"), load_prompt_rows(cfg.data)):
@@ -57,6 +64,15 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
             "the replies you expect",
             new, turns, new * turns, new * turns,
         )  # fmt: skip
+
+
+def build_once(make: Any, key: str) -> None:
+    """Build a registered tool or interaction once and drop it, so the checks of its own options
+    (a sandbox tool without the server's address...) stop the run now, not after the models load."""
+    try:
+        make()
+    except Exception as exc:  # noqa: BLE001 - whatever its constructor refuses is the user's to fix
+        raise ConfigError(f"config key '{key}.options': {exc}") from None
 
 
 def start_needs(icfg: InteractionConfig, registry: Registry) -> tuple[str, ...]:
