@@ -67,6 +67,17 @@ class GPGOptions:
     f_norm: float = ranged(1.0, gt=0)
 
 
+def require_inputs(data: AdvantageInputs, name: str, fields: tuple[str, ...], hint: str = "") -> None:
+    """Every ``AdvantageInputs`` field in ``fields`` (what estimator ``name`` declares in ``needs``)
+    is given; a recipe that does not read ``needs`` is told which one is missing and how to fill it."""
+    for field in fields:
+        if getattr(data, field) is None:
+            raise ValueError(
+                f"advantage {name!r} needs AdvantageInputs.{field}, which is None; the rl recipe fills it from the estimator's "
+                f"needs ({', '.join(fields)}{hint}); a custom recipe must pass it"
+            )
+
+
 def _scores(data: AdvantageInputs) -> torch.Tensor:
     return masked_sum(data.token_rewards, data.response_mask, dim=-1)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from trellis import AdvantageInputs, ranged
-from trellis_algos.advantages import GRPOOptions, grpo
+from trellis_algos.advantages import GRPOOptions, grpo, require_inputs
 
 
 @dataclass
@@ -39,12 +39,7 @@ def reverse_kl_teacher(data: AdvantageInputs, options: ReverseKLTeacherOptions |
     """``A = -(old_log_probs - teacher_log_probs) + reward_weight x grpo(R)`` on valid tokens, 0
     elsewhere, ``(batch, response_len)``. Returns = A."""
     opts = options if options is not None else ReverseKLTeacherOptions()
-    for field in ("old_log_probs", "teacher_log_probs"):
-        if getattr(data, field) is None:
-            raise ValueError(
-                f"advantage 'reverse_kl_teacher' needs AdvantageInputs.{field}, which is None; the rl recipe fills it from "
-                "the estimator's needs (a teacher from teacher.path); a custom recipe must pass it"
-            )
+    require_inputs(data, "reverse_kl_teacher", ("old_log_probs", "teacher_log_probs"), hint="; a teacher from teacher.path")
     valid = data.response_mask.bool()
     gap = data.old_log_probs.to(data.token_rewards.dtype) - data.teacher_log_probs.to(data.token_rewards.dtype)
     adv = torch.where(valid, -gap, torch.zeros_like(gap))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from trellis import AdvantageInputs, ranged
+from trellis_algos.advantages import require_inputs
 from trellis_algos.stats import group_index
 
 
@@ -33,12 +34,7 @@ class TokenBaselineOptions:
 
 def _path_terms(data: AdvantageInputs, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, W)``: reward-to-go and cumulative path variance, each ``(batch, response_len)``."""
-    for field in ("old_log_probs", "sum_sq_probs"):
-        if getattr(data, field) is None:
-            raise ValueError(
-                f"advantage {name!r} needs AdvantageInputs.{field}, which is None; the rl recipe fills "
-                "it from the estimator's needs ('old_log_probs', 'sum_sq_probs'); a custom recipe must pass it"
-            )
+    require_inputs(data, name, ("old_log_probs", "sum_sq_probs"))
     valid = data.response_mask.bool()
     zero = torch.zeros((), dtype=data.token_rewards.dtype, device=data.token_rewards.device)
     rewards = torch.where(valid, data.token_rewards, zero)
