@@ -48,12 +48,19 @@ def test_unknown_recipe_is_named(tmp_path):
     assert out.returncode == 2 and "recipe 'rll' is not installed" in out.stderr and "did you mean 'rl'?" in out.stderr
 
 
-def test_opo_preset_is_on_policy_and_off_policy_settings_are_named(tmp_path, tiny_model_path, data_files):
-    out = trellis("config", "init", "opo", cwd=tmp_path)
+def written_preset(name: str, heading: str, folder):
+    """``trellis config init NAME`` saved as ``NAME.yaml`` in ``folder``, after checking it ran and
+    opens with its heading."""
+    out = trellis("config", "init", name, cwd=folder)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("# A starter config for OPO")
-    starter = tmp_path / "opo.yaml"
+    assert out.stdout.startswith(f"# A starter config for {heading}")
+    starter = folder / f"{name}.yaml"
     starter.write_text(out.stdout)
+    return starter
+
+
+def test_opo_preset_is_on_policy_and_off_policy_settings_are_named(tmp_path, tiny_model_path, data_files):
+    starter = written_preset("opo", "OPO", tmp_path)
     paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
     cfg = compose(starter, paths, load_plugins().registry)
     assert (cfg.algorithm.advantage.name, cfg.actor.ppo_epochs, cfg.actor.mini_batch_samples, cfg.actor.use_kl_loss) == ("opo", 1, 0, False)
@@ -67,11 +74,7 @@ def test_opo_preset_is_on_policy_and_off_policy_settings_are_named(tmp_path, tin
 
 
 def test_dapo_preset_holds_the_papers_settings_and_passes_the_dry_run(tmp_path, tiny_model_path, data_files):
-    out = trellis("config", "init", "dapo", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("# A starter config for DAPO")
-    starter = tmp_path / "dapo.yaml"
-    starter.write_text(out.stdout)
+    starter = written_preset("dapo", "DAPO", tmp_path)
     paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
     cfg = compose(starter, paths, load_plugins().registry)
     loss = cfg.actor.policy_loss
@@ -85,11 +88,7 @@ def test_dapo_preset_holds_the_papers_settings_and_passes_the_dry_run(tmp_path, 
 
 
 def test_distill_preset_needs_a_teacher_with_the_students_tokenizer(tmp_path, tiny_model_path, tiny_untied_model_path, data_files):
-    out = trellis("config", "init", "distill", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("# A starter config for on-policy distillation")
-    starter = tmp_path / "distill.yaml"
-    starter.write_text(out.stdout)
+    starter = written_preset("distill", "on-policy distillation", tmp_path)
     paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
     cfg = compose(starter, [*paths, f"teacher.path={tiny_untied_model_path}"], load_plugins().registry)
     assert (cfg.algorithm.advantage.name, cfg.algorithm.advantage.reward_weight) == ("reverse_kl_teacher", 0.0)
