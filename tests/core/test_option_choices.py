@@ -4,8 +4,6 @@ values and the closest of them before anything is built."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -86,13 +84,8 @@ def test_none_passes_an_optional_choice_and_a_choice_must_hold_its_default():
         choice("x")
 
 
-def test_train_with_a_misspelt_lr_schedule_stops_before_any_model_or_run_folder(tmp_path, tiny_model_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}\n')
-    config = tmp_path / "run.yaml"
-    config.write_text(f"recipe: rl\nmodel: {{path: {tiny_model_path}}}\ndata: {{train_path: {data}}}\n")
-    args = ["train", str(config), "actor.optim.lr_schedule=cosin"]
-    proc = subprocess.run([sys.executable, "-m", "trellis.cli", *args], cwd=tmp_path, capture_output=True, text=True)
+def test_train_with_a_misspelt_lr_schedule_stops_before_any_model_or_run_folder(tmp_path, train_with):
+    proc = train_with("actor.optim.lr_schedule=cosin")
     assert proc.returncode == 2
     expected = "trellis: error: config key 'actor.optim.lr_schedule' is 'cosin'; valid values: constant, cosine; did you mean 'cosine'?"
     assert proc.stderr.strip().splitlines() == [expected]

@@ -3,8 +3,6 @@ enforces them, and the error names the key, the value and the range before anyth
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -56,13 +54,8 @@ def test_optional_numbers_accept_none_and_plugins_use_the_same_mechanism():
     assert [str(Range(ge=1)), str(Range(lt=0)), str(Range(ge=0, le=1))] == [">= 1", "< 0", "in [0, 1]"]
 
 
-def test_train_with_an_out_of_range_value_stops_before_any_model_or_run_folder(tmp_path, tiny_model_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}\n')
-    config = tmp_path / "run.yaml"
-    config.write_text(f"recipe: rl\nmodel: {{path: {tiny_model_path}}}\ndata: {{train_path: {data}}}\n")
-    args = ["train", str(config), "actor.optim.lr=-1e-5"]
-    proc = subprocess.run([sys.executable, "-m", "trellis.cli", *args], cwd=tmp_path, capture_output=True, text=True)
+def test_train_with_an_out_of_range_value_stops_before_any_model_or_run_folder(tmp_path, train_with):
+    proc = train_with("actor.optim.lr=-1e-5")
     assert proc.returncode == 2
     expected = "trellis: error: config key 'actor.optim.lr' is -1e-05; it must be > 0; set actor.optim.lr to a value > 0"
     assert proc.stderr.strip().splitlines() == [expected]
