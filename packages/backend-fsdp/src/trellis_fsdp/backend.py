@@ -96,6 +96,12 @@ class FSDPOptions:
     offload_optimizer: bool = False
     offload_params: bool = False
 
+    def activation_dtype(self, device_type: str) -> str:
+        """The dtype the forward computes in on ``device_type`` (``cuda`` or ``cpu``): ``param_dtype``,
+        ``auto`` resolved, else ``dtype`` (what the activation-memory check counts in)."""
+        compute = AUTO_PRECISION[device_type]["param_dtype"] if self.param_dtype == "auto" else self.param_dtype
+        return compute or self.dtype
+
 
 class FSDPBackend(Backend):
     """One role's model on one rank, fully sharded over the data-parallel ranks (a plain module

@@ -24,6 +24,10 @@ class MegatronOptions:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
 
+    def activation_dtype(self, device_type: str) -> str:
+        """The dtype the forward computes in (what the activation-memory check counts in)."""
+        return self.dtype
+
     def mesh(self, world_size: int) -> Mesh:
         """tp x pp ranks per model replica, the rest data parallel. One process (``trellis
         export``, a notebook) runs the whole model: Megatron's checkpoints reshard on load."""

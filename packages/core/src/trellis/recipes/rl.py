@@ -20,6 +20,7 @@ from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_pro
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AdvantageInputs
+from trellis.memory import check_activation_memory
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import agent_spec
@@ -98,7 +99,8 @@ class RLConfig(RecipeConfig):
 
 
 def check(cfg: DictConfig, registry) -> None:
-    """Errors a user can fix, found before any model is built."""
+    """Errors a user can fix, found before any model is built (and, on CUDA, a warning when the
+    actor's micro-batches cannot fit the device: ``trellis.memory``)."""
     check_reward(cfg.reward, registry)
     check_inputs(cfg)
     check_rollout_placement(cfg, registry)
@@ -137,6 +139,8 @@ def check(cfg: DictConfig, registry) -> None:
         check_dynamic_sampling(cfg, declared)
     if "on_policy_only" in declared:
         check_on_policy(cfg, samples)
+    seq_len = longest_sequence(cfg)
+    check_activation_memory(cfg, registry, "actor", seq_len, seq_len - cfg.data.max_prompt_length)
     if "groups" in declared and cfg.sampling.n < 2:
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
 
