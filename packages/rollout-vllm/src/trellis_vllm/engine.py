@@ -3,19 +3,22 @@ at the sampling temperature, in-memory weight sync from the actor, sleep/wake on
 
 The engine runs in the trainer's process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
 ``uni`` executor), so a weight sync hands the actor's tensors to vLLM's ``reload_weights`` without
-a copy through disk or a socket.
+a copy through disk or a socket. Building it changes process-wide state the trainer relies on;
+:func:`trainer_state_kept` puts that back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +42,7 @@ from trellis.kit.engine import (
     sleep_skipped,
     stop_ids,
 )
+from trellis.rng import get_rng_state, set_rng_state
 from trellis_vllm.options import VLLMRolloutOptions
 
 log = logging.getLogger("trellis")
@@ -114,7 +118,8 @@ class VLLMRollout(RolloutEngine):
             kwargs["enable_chunked_prefill"] = False
         kwargs.update(self.opts.engine_kwargs)
         start = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        with trainer_state_kept():
+            self.llm = LLM(**kwargs)
         VLLMRollout._open += 1
         self.startup_s = time.perf_counter() - start
         self.packed = self._packed_modules()
@@ -321,6 +326,45 @@ class VLLMRollout(RolloutEngine):
             while VLLMRollout._closing:
                 VLLMRollout._closing.pop().llm_engine.engine_core.shutdown()
             gc.collect()  # their KV caches and weights go now, not at some later collection
+
+
+@contextlib.contextmanager
+def trainer_state_kept() -> Iterator[None]:
+    """Build a vLLM engine in this process without changing what the trainer relies on. vLLM 0.32's
+    engine construction reseeds python, numpy and torch (CPU and every CUDA device) with the
+    engine's seed, sets torch's threads to 1 on GPU (unless ``OMP_NUM_THREADS`` is set), freezes the
+    garbage collector's heap (``gc.freeze()``: what is alive then is never collected) and keeps its
+    compile cache under ``VLLM_CACHE_ROOT``, where every rank's engine (each vLLM's rank 0) would
+    write the same files. Around construction: the random states (CUDA: the current device's) and
+    the thread count are put back, the heap unfrozen if it was not frozen before, and vLLM's cache
+    root is one of this rank's own (:func:`rank_cache_root`). On CPU, vLLM also turns
+    ``torch.set_num_threads`` into a no-op for the process; that stays (see the README)."""
+    rng, threads, set_threads = get_rng_state(), torch.get_num_threads(), torch.set_num_threads
+    frozen = gc.get_freeze_count()
+    user_root = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = rank_cache_root()  # read while the engine is built, then cached by vLLM
+    try:
+        yield
+    finally:
+        if user_root is None:
+            os.environ.pop("VLLM_CACHE_ROOT")
+        else:
+            os.environ["VLLM_CACHE_ROOT"] = user_root
+        set_rng_state(rng)
+        if torch.get_num_threads() != threads:
+            set_threads(threads)
+        if not frozen and gc.get_freeze_count():
+            gc.unfreeze()
+
+
+def rank_cache_root() -> str:
+    """vLLM's cache root (``VLLM_CACHE_ROOT``, default ``~/.cache/vllm``) for this rank alone: a
+    folder in it named by host and ``LOCAL_RANK``, kept across runs so a rank's compiled graphs are
+    reused and never written by another rank (vLLM writes parts of its compile cache in place)."""
+    from vllm.envs import get_default_cache_root
+
+    root = os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(get_default_cache_root(), "vllm"))
+    return os.path.join(root, f"trellis-{socket.gethostname()}-rank{os.environ.get('LOCAL_RANK', '0')}")
 
 
 def _sampled_log_probs(sample) -> list[float]:

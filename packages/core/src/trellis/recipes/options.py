@@ -64,8 +64,8 @@ class PromptData:
 @dataclass
 class SamplingConfig:
     """Rollout sampling for training: ``n`` samples per prompt (``SamplingParams(**cfg.sampling)``).
-    seed: opt-in per-request seeds (None: each engine samples from its own generator, seeded with
-    the run's seed); a number seeds every sample with it plus the sample's index in the run, the
+    seed: opt-in per-request seeds (None: each engine samples from its generator, seeded from the
+    run's seed; vLLM in the trainer's process samples from torch's, the trainer's); a number seeds every sample with it plus the sample's index in the run, the
     same however the samples are dealt over engines, but vLLM's GPU sampler then takes a slow path."""
 
     n: int = ranged(4, ge=1)
