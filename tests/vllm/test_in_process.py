@@ -1,5 +1,6 @@
 """A vLLM engine built in the trainer's process leaves the trainer's process state as it was: random
-states, torch's thread count, the garbage collector's heap, and a compile cache of its own rank."""
+states, torch's thread count, the garbage collector's heap, and a compile cache of its own rank; a
+second sleep-mode engine in one process is refused."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import gc
 import os
 import random
 import socket
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from engine_cases import build
 
@@ -77,3 +80,36 @@ def test_each_rank_has_its_own_compile_cache(monkeypatch, tmp_path):
     host = socket.gethostname()
     assert roots == [str(tmp_path / f"trellis-{host}-rank0"), str(tmp_path / f"trellis-{host}-rank1")]
     assert rank_cache_root() == roots[1]  # LOCAL_RANK=1
+
+
+class GpuLLM:
+    """Stands in for ``vllm.LLM`` where a test takes the GPU branch on CPU: records its arguments."""
+
+    built: list[dict] = []
+
+    def __init__(self, **kwargs):
+        GpuLLM.built.append(kwargs)
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
+
+
+def test_a_second_sleep_mode_engine_is_refused_before_it_is_built(tiny_model_path, monkeypatch):
+    """vLLM's CuMem allocator serves one sleep-mode engine per process; taken on CPU through the GPU
+    branch (vLLM's platform says GPU, vllm.LLM is a stand-in)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(vllm, "LLM", GpuLLM)
+    GpuLLM.built.clear()
+    first = build("vllm", tiny_model_path)
+    assert GpuLLM.built[0]["enable_sleep_mode"] is True  # the default on GPU
+    with pytest.raises(RuntimeError, match=r"second sleep-mode engine in this process.*set rollout.enable_sleep_mode=false"):
+        build("vllm", tiny_model_path)
+    assert len(GpuLLM.built) == 1  # refused before vLLM was called
+    awake = build("vllm", tiny_model_path, enable_sleep_mode=False)  # no CuMem allocator: allowed
+    first.close()
+    with pytest.raises(RuntimeError, match="second sleep-mode engine"):
+        build("vllm", tiny_model_path)  # closed, but kept (and its memory held) until the last engine closes
+    awake.close()
+    build("vllm", tiny_model_path).close()  # every engine shut down: a sleep-mode engine again
+    assert len(GpuLLM.built) == 3

@@ -59,7 +59,8 @@ class VLLMRollout(RolloutEngine):
     """A ``vllm.LLM`` behind the Trellis rollout interface."""
 
     _open = 0  # engines built and not closed in this process
-    _closing: ClassVar[list[Any]] = []  # closed engines' LLMs, freed with the last open one
+    _closing: ClassVar[list[tuple[Any, bool]]] = []  # closed engines' (LLM, sleep mode), freed with the last open one
+    _sleep_mode_llms = 0  # sleep-mode LLMs in this process not shut down yet (open or closing)
 
     def __init__(self, spec: RolloutSpec) -> None:
         self.opts: VLLMRolloutOptions = spec.options if spec.options is not None else VLLMRolloutOptions()
@@ -117,10 +118,19 @@ class VLLMRollout(RolloutEngine):
             # requests joining a busy engine crashed it.
             kwargs["enable_chunked_prefill"] = False
         kwargs.update(self.opts.engine_kwargs)
+        self.sleep_mode = bool(kwargs.get("enable_sleep_mode"))
+        if self.sleep_mode and VLLMRollout._sleep_mode_llms:
+            raise RuntimeError(
+                "rollout 'vllm': a second sleep-mode engine in this process; vLLM's CuMem allocator, which "
+                "rollout.enable_sleep_mode=true uses, serves one engine per process, and the first fails the second's "
+                "weight load. Close every other vLLM engine here first (the last close frees them), build one engine "
+                "per process (the Ray controller gives each rank its own), or set rollout.enable_sleep_mode=false"
+            )
         start = time.perf_counter()
         with trainer_state_kept():
             self.llm = LLM(**kwargs)
         VLLMRollout._open += 1
+        VLLMRollout._sleep_mode_llms += self.sleep_mode
         self.startup_s = time.perf_counter() - start
         self.packed = self._packed_modules()
 
@@ -319,12 +329,14 @@ class VLLMRollout(RolloutEngine):
         until that one closes too."""
         if self.llm is None:
             return
-        VLLMRollout._closing.append(self.llm)
+        VLLMRollout._closing.append((self.llm, self.sleep_mode))
         self.llm = None
         VLLMRollout._open -= 1
         if not VLLMRollout._open:
             while VLLMRollout._closing:
-                VLLMRollout._closing.pop().llm_engine.engine_core.shutdown()
+                llm, sleep_mode = VLLMRollout._closing.pop()
+                llm.llm_engine.engine_core.shutdown()
+                VLLMRollout._sleep_mode_llms -= sleep_mode
             gc.collect()  # their KV caches and weights go now, not at some later collection
 
 
