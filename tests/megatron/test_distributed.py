@@ -42,3 +42,35 @@ def test_trainable_role_builds_with_cuda_group_setup(tiny_untied_model_path):
     (result,) = run_ranks(_actor_on_cuda_groups, Mesh(), tiny_untied_model_path)
     assert result["gloo_dp"] == 1  # the one rank's gloo data-parallel group
     assert result["optimizer_params"] > 0  # the optimizer holds the model's weights
+
+
+def _reference_on_cuda(info, path: str) -> dict:
+    """Build a frozen role with the backend told its device is CUDA (the CPU shim runs it; a
+    trainable one cannot build here: Megatron's bf16 optimizer asks for torch.cuda tensor types)."""
+    from trellis_megatron import backend
+
+    backend.device_for = lambda dist_info: torch.device("cuda", 0)
+    worker = build_worker(load_plugins().registry, "megatron", "ref", path, dist=info)
+    model = worker.backend.model
+    return {
+        "weights": {p.dtype for p in model.parameters()},
+        "not_bf16": [n for n, p in model.named_parameters() if p.dtype != torch.bfloat16],
+        "fusions": (model.config.bias_activation_fusion, model.config.bias_dropout_fusion, model.config.masked_softmax_fusion),
+    }
+
+
+def test_cuda_default_is_bf16_with_compiled_fusions(tiny_untied_model_path):
+    """backend.dtype=auto (the default) is bfloat16 on CUDA; SwiGLU and bias-dropout-add use
+    Megatron's compiled fusions (the softmax fusion needs Apex: off)."""
+    (result,) = run_ranks(_reference_on_cuda, Mesh(), tiny_untied_model_path)
+    assert result["weights"] == {torch.bfloat16}, result["not_bf16"]
+    assert result["fusions"] == (True, True, False)
+
+
+def test_cpu_default_stays_float32():
+    from trellis_megatron.backend import fusions
+    from trellis_megatron.options import MegatronOptions
+
+    assert (MegatronOptions().activation_dtype("cpu"), MegatronOptions().activation_dtype("cuda")) == ("float32", "bfloat16")
+    assert MegatronOptions(dtype="float32").activation_dtype("cuda") == "float32"
+    assert not any(fusions("cpu").values())

@@ -17,6 +17,7 @@ from trellis.interfaces.dispatch import DP_SPLIT, Mesh
 from trellis.plugins import load_plugins
 from trellis.recipes.options import ActorConfig, CriticConfig
 from trellis.runtime.worker import build_worker
+from trellis_fsdp.backend import FSDPOptions
 from trellis_megatron.options import MegatronOptions
 
 PROMPT, RESPONSE, SAMPLES = 5, 6, 8
@@ -66,7 +67,8 @@ def role_options(registry, role: str):
 def _update(info, backend: str, path: str, role: str, tp: int, pp: int):
     """One ``update`` on this rank's share of the batch; the metrics and the full weights after it."""
     registry = load_plugins().registry
-    options = MegatronOptions(tensor_parallel=tp, pipeline_parallel=pp) if backend == "megatron" else None
+    # float32 on both sides, so the comparison holds on a GPU too (where each defaults to bfloat16 compute)
+    options = MegatronOptions(tensor_parallel=tp, pipeline_parallel=pp, dtype="float32") if backend == "megatron" else FSDPOptions(param_dtype=None)
     objectives = {"update": "policy" if role == "actor" else "value"}
     head = "value" if role == "critic" else "lm"
     worker = build_worker(registry, backend, role, path, role_options(registry, role), objectives, options=options, dist=info, head=head)

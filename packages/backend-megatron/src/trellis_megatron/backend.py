@@ -43,15 +43,22 @@ from trellis_megatron.distributed import all_reduce_sum, init_parallel
 from trellis_megatron.options import DTYPES, MegatronOptions
 from trellis_megatron.outputs import role_outputs
 
-# Kernels that need Apex or Transformer Engine (absent here): the local layers' plain PyTorch paths
-NO_FUSIONS = {
+# Megatron's fused kernels on the local layer spec. Softmax, gradient accumulation, RoPE and
+# persistent layer norm need Apex or Transformer Engine (absent here): their plain PyTorch paths.
+# SwiGLU and bias-dropout-add are PyTorch functions Megatron compiles (torch.compile): on CUDA.
+FUSIONS = {
     "masked_softmax_fusion": False,
     "gradient_accumulation_fusion": False,
-    "bias_activation_fusion": False,
-    "bias_dropout_fusion": False,
     "apply_rope_fusion": False,
     "persist_layer_norm": False,
 }
+COMPILED_FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion")
+
+
+def fusions(device_type: str) -> dict[str, bool]:
+    """The ``TransformerConfig`` fusion flags on ``device_type``: the compiled ones on CUDA only
+    (on CPU, compiling them costs more than it saves)."""
+    return {**FUSIONS, **dict.fromkeys(COMPILED_FUSIONS, device_type == "cuda")}
 
 
 class MegatronBackend(Backend):
@@ -64,13 +71,13 @@ class MegatronBackend(Backend):
 
     # -- set-up -----------------------------------------------------------------------------
     def build(self) -> None:
-        if self.opts.dtype not in DTYPES:
-            raise ValueError(f"backend.dtype={self.opts.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
+        if self.opts.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"backend.dtype={self.opts.dtype!r} is not a dtype; valid: {', '.join(DTYPES)}, auto")
         init_parallel(self.spec.dist)
         torch.manual_seed(self.spec.seed)
         if self.device.type == "cuda":
             model_parallel_cuda_manual_seed(self.spec.seed)
-        dtype = DTYPES[self.opts.dtype]
+        dtype = DTYPES[self.opts.activation_dtype(self.device.type)]
         self.hf_config = AutoConfig.from_pretrained(self.spec.model_path)
         self.bridge = make_bridge(
             self.hf_config,
@@ -84,9 +91,12 @@ class MegatronBackend(Backend):
             # no averaging over micro-batches or data-parallel ranks (gradients are summed)
             calculate_per_token_loss=True,
             variable_seq_lengths=True,
-            **NO_FUSIONS,
+            **fusions(self.device.type),
         )
         model = build_gpt(self.bridge, self.spec.head, self.spec.seed).to(self.device)
+        with torch.no_grad():  # Megatron's local RMSNorm is built in float32 whatever params_dtype says
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
         # a causal LM's folder has no value head: a critic starts from a fresh one
         load_hf(self.bridge, model, _read_safetensors(self.spec.model_path), optional=("score.weight", "score.bias"))
         self.model = model
@@ -206,8 +216,9 @@ class MegatronBackend(Backend):
     def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
         """Full tensors under HF names (cast to ``dtype`` if given), in buckets of about
         ``bucket_bytes``, gathered one tensor at a time as the buckets are consumed: every rank
-        takes part in the gathers; ranks other than 0 get nothing unless ``all_ranks``."""
-        stream = ((name, tensor if dtype is None else tensor.to(dtype)) for name, tensor in export_hf(self.bridge, self.model))
+        takes part in the gathers; ranks other than 0 get nothing unless ``all_ranks`` (then
+        every rank gets the tensors on its device, for an engine beside it; else on CPU)."""
+        stream = ((name, tensor if dtype is None else tensor.to(dtype)) for name, tensor in export_hf(self.bridge, self.model, to_cpu=not all_ranks))
         if all_ranks or dist.get_rank() == 0:
             yield from weight_buckets(stream, bucket_bytes)
         else:

@@ -181,10 +181,11 @@ def hf_shapes(bridge, model) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def export_hf(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(bridge, model, to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors under HF names, gathered over the tensor-parallel group and broadcast from
     the pipeline stage that holds each (every rank of the model-parallel group must iterate it
-    to the end; every rank gets every tensor). Tied embeddings yield no ``lm_head.weight``."""
+    to the end; every rank gets every tensor), copies on the CPU or (``to_cpu=False``) on the
+    model's device. Tied embeddings yield no ``lm_head.weight``."""
     from mbridge.core.util import broadcast_from_megatron_pp, broadcast_str_from_megatron_pp
 
     local_to_global = bridge._weight_name_mapping_mcore_local_to_global(model)
@@ -202,11 +203,16 @@ def export_hf(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
                 name, value_head = broadcast_str_from_megatron_pp(key)
                 tensor = broadcast_from_megatron_pp(param)
                 if value_head:
-                    yield name.replace("output_layer.", "score."), tensor.detach().cpu().clone()
+                    yield name.replace("output_layer.", "score."), _copy(tensor, to_cpu)
                     continue
                 if getattr(tensor, "tensor_model_parallel", False) and tp > 1:
                     parts = [torch.empty_like(tensor) for _ in range(tp)]
                     dist.all_gather(parts, tensor.contiguous(), group=tp_group)
                     tensor = bridge._weight_merge_across_tp(name, parts, tensor)
                 for hf_name, value in zip(*bridge._weight_to_hf_format(name, tensor)):
-                    yield hf_name, value.detach().cpu().clone()
+                    yield hf_name, _copy(value, to_cpu)
+
+
+def _copy(tensor: torch.Tensor, to_cpu: bool) -> torch.Tensor:
+    """A copy that shares no memory with the model's parameters, on the CPU or where it is."""
+    return tensor.detach().to("cpu" if to_cpu else tensor.device, copy=True)

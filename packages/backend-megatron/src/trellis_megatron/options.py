@@ -15,18 +15,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class MegatronOptions:
     """tensor_parallel / pipeline_parallel: ranks a model is split over (the rest are data
-    parallel). dtype: weights and compute. sequence_parallel, distributed_optimizer: Megatron's
-    features of those names (CUDA only: they fail on gloo/CPU)."""
+    parallel). dtype: weights and compute (``auto``: bfloat16 on CUDA, with Megatron's optimizer
+    keeping float32 master weights; float32 on CPU). sequence_parallel, distributed_optimizer:
+    Megatron's features of those names (CUDA only: they fail on gloo/CPU)."""
 
     tensor_parallel: int = ranged(1, ge=1)
     pipeline_parallel: int = ranged(1, ge=1)
-    dtype: str = choice("float32", tuple(DTYPES))
+    dtype: str = choice("auto", (*DTYPES, "auto"))
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
 
     def activation_dtype(self, device_type: str) -> str:
-        """The dtype the forward computes in (what the activation-memory check counts in)."""
-        return self.dtype
+        """The dtype the model is kept and computes in on ``device_type`` (``cuda`` or ``cpu``),
+        ``auto`` resolved."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device_type == "cuda" else "float32"
 
     def mesh(self, world_size: int) -> Mesh:
         """tp x pp ranks per model replica, the rest data parallel. One process (``trellis
