@@ -35,14 +35,15 @@ from trellis.kit.engine import (
     context_length,
     engine_dtype,
     engine_weights,
+    get_rng_state,
     option_dtype,
     pad_id,
     prepare_update,
     samples_batch,
+    set_rng_state,
     sleep_skipped,
     stop_ids,
 )
-from trellis.rng import get_rng_state, set_rng_state
 from trellis_vllm.options import VLLMRolloutOptions
 
 log = logging.getLogger("trellis")

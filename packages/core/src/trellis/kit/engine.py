@@ -21,6 +21,7 @@ from trellis.interfaces.rollout import (
     stop_ids,
 )
 from trellis.interfaces.weights import DEFAULT_PACKED, WeightSyncError, engine_weights, prepare_update
+from trellis.rng import get_rng_state, set_rng_state
 
 __all__ = [
     # the interface
@@ -51,4 +52,7 @@ __all__ = [
     "WeightSyncError",
     "WeightBucket",
     "weight_buckets",
+    # the process's random states (python, numpy, torch, CUDA): an engine built in the trainer's process must leave them as found
+    "get_rng_state",
+    "set_rng_state",
 ]

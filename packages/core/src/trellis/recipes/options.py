@@ -65,8 +65,9 @@ class PromptData:
 class SamplingConfig:
     """Rollout sampling for training: ``n`` samples per prompt (``SamplingParams(**cfg.sampling)``).
     seed: opt-in per-request seeds (None: each engine samples from its generator, seeded from the
-    run's seed; vLLM in the trainer's process samples from torch's, the trainer's); a number seeds every sample with it plus the sample's index in the run, the
-    same however the samples are dealt over engines, but vLLM's GPU sampler then takes a slow path."""
+    run's seed; vLLM in the trainer's process samples from torch's, the trainer's); a number seeds
+    every sample with it plus the sample's index in the run, the same however the samples are dealt
+    over engines, but vLLM's GPU sampler then takes a slow path."""
 
     n: int = ranged(4, ge=1)
     temperature: float = ranged(1.0, ge=0)
