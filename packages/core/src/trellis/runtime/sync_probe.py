@@ -32,7 +32,7 @@ class SyncCheckConfig:
 
     enable: bool = True
     max_gap: float | None = ranged(None, gt=0)
-    tokens: int = ranged(8, ge=1)
+    tokens: int = ranged(4, ge=1)
 
 
 class SyncProbe:
