@@ -242,7 +242,7 @@ class LocalRollout(RolloutGroup):
     def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup | None) -> None:
         self.engine = engine
         self.actor = actor  # None: generation alone, nothing to sync from
-        self.weight_dtype, self.engine_name = engine.weight_dtype, type(engine).__name__
+        self.weight_dtype, self.engine_name = getattr(engine, "weight_dtype", None), type(engine).__name__
         module = actor.workers[0].full_module() if actor is not None else None
         self.shared = module is not None and engine.adopt_module(module)
         if self.shared:
