@@ -1,6 +1,7 @@
-"""A test-only agent loop where the environment speaks first, and the in-process plugin that
-registers it: ``load_plugins(extra=[("agent_loops", agent_loops)])`` adds the agent loop
-``observation_first`` and the interaction ``contains_answer``."""
+"""Test-only agent loops (one where the environment speaks first, one with the classic re-encoding
+bug) and the in-process plugin that registers them: ``load_plugins(extra=[("agent_loops",
+agent_loops)])`` adds the agent loops ``observation_first`` and ``retokenized`` and the
+interaction ``contains_answer``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import uuid
 
 import trellis
 from trellis.interfaces.agents import AgentLoop, Interaction, InteractionTurn, Trajectory
+from trellis.interfaces.rollout import Generation
 from trellis.multiturn.chat import ChatDeltas
 from trellis.multiturn.environment import interaction_name
 
@@ -56,6 +58,19 @@ class ObservationFirst(AgentLoop):
         return traj
 
 
+class Retokenized(AgentLoop):
+    """The classic multi-turn bug, on purpose: the model's turn decoded to text and encoded again
+    (here with a newline added, as a chat template might), so the trained ids are not the sampled ones."""
+
+    async def sample(self, prompt_ids, raw_prompt, extra_info, params):
+        gen = await self.engine.agenerate(prompt_ids, params)
+        again = self.tokenizer.encode(self.tokenizer.decode(gen.token_ids, skip_special_tokens=True) + "\n", add_special_tokens=False)
+        traj = Trajectory()
+        traj.add_model(Generation(again, [-1.0] * len(again), gen.finish_reason))
+        traj.finish = "stop"
+        return traj
+
+
 class ContainsAnswer(Interaction):
     """Done and 1.0 when the last message holds ``ground_truth`` (an interaction kwarg, default "46"),
     else 0.0 and "wrong, try again"; records each conversation it scores in ``SEEN``."""
@@ -79,4 +94,5 @@ class ContainsAnswer(Interaction):
 @trellis.hookimpl
 def trellis_register(registry):
     registry.add("agent_loop", "observation_first", ObservationFirst)
+    registry.add("agent_loop", "retokenized", Retokenized)
     registry.add("interaction", "contains_answer", ContainsAnswer)

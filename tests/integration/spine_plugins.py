@@ -1,6 +1,7 @@
 """Test-only plugins that open the spine from outside core: a ``teacher_distill`` recipe (a
 ``teacher`` role from another model folder, a training verb ``distill``, a registry kind
-``teacher_loss`` of its own), and stand-ins that make the generation choreography visible on CPU.
+``teacher_loss`` of its own), and stand-ins that make the generation choreography (and a sync that
+silently drops the weights) visible on CPU.
 
 Nothing here is imported by trellis: the tests load it with ``load_plugins(extra=...)``.
 """
@@ -156,6 +157,25 @@ class StrictSleepEngine(RolloutEngine):
         self.inner.close()
 
 
+class SkipSyncEngine(RolloutEngine):
+    """Stand-in for a weight sync that silently keeps the old weights (verl #7495, TRL #5312): the
+    HF engine with weights of its own, whose ``load_weights`` reads the update and drops it."""
+
+    def __init__(self, spec) -> None:
+        self.inner = make_hf_engine(spec)
+        self.weight_dtype = self.inner.weight_dtype
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self.inner.generate(prompts, params)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        for _ in weights:
+            pass
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class RecordingBackend:
     """The FSDP backend, recording when its role offloads and onloads (which the real one does
     only as its options ask, invisibly on CPU)."""
@@ -189,6 +209,7 @@ class SpinePlugin:
         registry.add("objective", "teacher_kl", TeacherKL)
         registry.add("recipe", "teacher_distill", TeacherDistill(), options=DistillConfig)
         registry.add("rollout", "strict_sleep", StrictSleepEngine, options=HFRolloutOptions)
+        registry.add("rollout", "skip_sync", SkipSyncEngine, options=HFRolloutOptions)
         registry.add("backend", "recording", RecordingBackend, options=FSDPOptions)
 
     @hookimpl

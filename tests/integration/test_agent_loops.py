@@ -11,6 +11,7 @@ import pytest
 
 from trellis.config import ConfigError
 from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.multiturn.sampled import NotSampled
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 
@@ -32,6 +33,7 @@ def files(tmp_path_factory):
         "train": str(write_rows(rows(16, "train", ["observation_first"]), folder / "train.parquet")),
         "test": str(write_rows(rows(8, "test", ["observation_first", None]), folder / "test.jsonl")),  # both loops in one batch
         "unknown": str(write_rows(rows(4, "train", [None, "react"]), folder / "unknown.jsonl")),
+        "retokenized": str(write_rows(rows(8, "train", ["retokenized"]), folder / "retokenized.parquet")),
     }
 
 
@@ -76,7 +78,7 @@ def test_rl_trains_on_a_loop_where_the_environment_speaks_first(tiny_model_path,
 def test_unknown_agent_loop_in_the_data_is_found_before_any_model_is_built(tiny_model_path, files, tmp_path):
     plugins = load_plugins(extra=[("agent_loops", agent_loops)])
     args = [*overrides(tiny_model_path, files, tmp_path / "bad"), f"data.train_path={files['unknown']}"]
-    installed = "example_one_turn, observation_first, tool_agent"  # the example plugin's, the test plugin's, core's
+    installed = "example_one_turn, observation_first, retokenized, tool_agent"  # the example plugin's, the test plugin's, core's
     unknown = rf"data.train_path '.*unknown.jsonl': row 1 has agent_name='react', which is not an installed agent loop \(installed: {installed}\)"
     with pytest.raises(ConfigError, match=unknown):
         train(None, args, plugins=plugins, dry_run=True)
@@ -87,3 +89,12 @@ def test_unknown_agent_loop_in_the_data_is_found_before_any_model_is_built(tiny_
     with pytest.raises(ConfigError, match=misspelt):
         train(None, [*overrides(tiny_model_path, files, tmp_path / "bad"), "multi_turn.agent_loop=observation_frist"], plugins=plugins, dry_run=True)
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_loop_that_re_encodes_the_models_turn_stops_the_run_before_training_on_it(tiny_model_path, files, tmp_path):
+    """Trained ids must be sampled ids: the first step's rollout stops, naming the loop."""
+    plugins = load_plugins(extra=[("agent_loops", agent_loops)])
+    args = [*overrides(tiny_model_path, files, tmp_path / "retok"), f"data.train_path={files['retokenized']}", "data.val_path=null"]
+    with pytest.raises(NotSampled, match=r"agent loop 'retokenized' trains on token \d+ .* at response position \d+, which"):
+        train(None, args, plugins=plugins)
+    assert not (tmp_path / "retok" / "metrics.jsonl").exists() or "actor/pg_loss" not in (tmp_path / "retok" / "metrics.jsonl").read_text()

@@ -87,8 +87,16 @@ def cmd_config_from_verl(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import shlex
 
+    from trellis.plugins import load_plugins
     from trellis.recipes.train import Interrupted, train
+    from trellis.runtime import netns
 
+    if netns.inside():
+        netns.loopback_up()
+    elif not args.dry_run:  # a single-machine Ray run goes into a loopback-only network namespace
+        command = netns.relaunch_command(config_mod.compose(args.config, args.overrides, load_plugins().registry), args.argv)
+        if command:
+            return netns.run(command)
     try:
         result = train(args.config, args.overrides, dry_run=args.dry_run)
     except Interrupted as stop:
@@ -263,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}{tip}")
     if rest:
         args.overrides += rest
+    args.argv = argv
     try:
         return args.func(args)
     except (config_mod.ConfigError, RegistryError, DataError, RewardError, PluginValidationError) as exc:

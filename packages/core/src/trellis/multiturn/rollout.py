@@ -17,6 +17,7 @@ from trellis.interfaces.agents import AgentLoop, Trajectory
 from trellis.interfaces.backend import MODEL_INPUTS
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams, pad_id, rollout_batch
 from trellis.multiturn.environment import AgentSpec, Environment
+from trellis.multiturn.sampled import RecordingEngine, check_sampled, recording
 from trellis.registry import Registry, RegistryError
 
 AGENT_COLUMN = "agent_name"  # verl's column: the agent loop of a row
@@ -45,13 +46,17 @@ class AgentRollout:
         ``raw_prompt`` (chat messages), ``extra_info`` and, if the data has it, ``agent_name`` per
         prompt."""
         env = Environment(self.spec)
-        built = {name: cls(engine, self.spec, env) for name, cls in self.loops.items()}
+        recorded = RecordingEngine(engine)
+        built = {name: cls(recorded, self.spec, env) for name, cls in self.loops.items()}
         names = self.loop_names(prompts)
         limit = asyncio.Semaphore(self.spec.settings.max_concurrent_samples)
 
-        async def one(loop: AgentLoop, *args: Any) -> Trajectory:
+        async def one(name: str, *args: Any) -> Trajectory:
             async with limit:
-                return await loop.sample(*args)
+                turns = recording()  # this sample's task's own record
+                traj = await built[name].sample(*args)
+                check_sampled(traj, turns, name, self.spec.tokenizer)
+                return traj
 
         jobs = []
         for i in range(len(prompts)):
@@ -59,7 +64,7 @@ class AgentRollout:
             for j in range(params.n):
                 single = dataclasses.replace(params, n=1, seed=params.sample_seed(i * params.n + j))
                 args = (ids, prompts["raw_prompt"][i], prompts["extra_info"][i] or {}, single)
-                jobs.append(one(built[names[i]], *args))
+                jobs.append(one(names[i], *args))
         out = assemble(prompts, params, await asyncio.gather(*jobs), pad_id(self.spec.tokenizer))
         out[AGENT_COLUMN] = [name for name in names for _ in range(params.n)]
         return out

@@ -40,6 +40,7 @@ class TrainerConfig:
     separate_pools: list[str] = choice(values=("critic", "reward_model"), default_factory=list)  # ray: roles on pools of their own
     ray_timeout_s: float = ranged(120.0, gt=0)  # ray: placement must succeed within this
     ray_call_timeout_s: float = ranged(3600.0, gt=0)  # ray: any one call to the ranks must finish within this
+    ray_network: str = choice("private", ("private", "host"))  # ray, CLI: a private one-machine cluster in a loopback-only network namespace
     save_hf_model: bool = False  # write the final policy as a Hugging Face folder in <run_dir>/hf_model
     save_every_steps: int = ranged(0, ge=0)  # a checkpoint every N steps (0: only at the last step)
     keep_checkpoints: int = ranged(2, ge=0)  # the latest complete checkpoints kept (0: write none)

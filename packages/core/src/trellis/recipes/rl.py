@@ -34,6 +34,7 @@ from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overl
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, backend_mesh
 from trellis.runtime.plan import Plan
+from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
 
 log = logging.getLogger("trellis")
 
@@ -95,6 +96,7 @@ class RLConfig(RecipeConfig):
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -279,6 +281,7 @@ class RLRecipe:
             teacher = run.spawn("teacher", cfg.teacher.path, frozen) if TEACHER_NEED in needs(estimator) else None
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
+            probe = SyncProbe(instantiate_options(cfg.sync_check, SyncCheckConfig), rollout, sampling)
             samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
             on_policy = on_policy_update(cfg, registry, estimator, samples_per_step)
             validate = functools.partial(self.validate, rollout, val, reward_fn, cfg, agent) if val is not None else None
@@ -363,6 +366,8 @@ class RLRecipe:
                     update_metrics.update(actor.update(without_truncated(batch, params, tokenizer) if cfg.actor.mask_truncated else batch))
                 with timer("weight_sync"):
                     rollout.sync_weights(version=step)
+                with timer("sync_check"):
+                    sync_metrics = probe.check(actor, batch, step)
 
                 mask = batch["response_mask"].float()
                 run.end_step(step, {
@@ -370,6 +375,7 @@ class RLRecipe:
                     **update_metrics,
                     **kl_metrics,
                     **teacher_metrics,
+                    **sync_metrics,
                     **_kl_summary(update_metrics, kl_metrics),
                     **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
                     **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),

@@ -131,6 +131,10 @@ class RolloutGroup:
 
     version = 0
     asleep = False  # the engines slept and nothing has woken them since
+    shared = False  # the engine generates from the actor's own module: nothing to sync
+    engines = 1  # engine groups the prompts are dealt over, in contiguous chunks
+    weight_dtype: torch.dtype | None = None  # what the engines hold their weights in (None: unknown)
+    engine_name = ""  # the engines' class, for messages
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """The engines get the prompts' token ids only; the other fields (data source, ground
@@ -238,6 +242,7 @@ class LocalRollout(RolloutGroup):
     def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup | None) -> None:
         self.engine = engine
         self.actor = actor  # None: generation alone, nothing to sync from
+        self.weight_dtype, self.engine_name = getattr(engine, "weight_dtype", None), type(engine).__name__
         module = actor.workers[0].full_module() if actor is not None else None
         self.shared = module is not None and engine.adopt_module(module)
         if self.shared:

@@ -19,6 +19,8 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
@@ -115,8 +117,10 @@ class RankProcess:
     def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
         return _timed(getattr(self.workers[role], method), *args, **kwargs)
 
-    def add_rollout(self, make_engine: Callable[[], RolloutEngine]) -> None:
+    def add_rollout(self, make_engine: Callable[[], RolloutEngine]) -> tuple[torch.dtype | None, str]:
+        """Build this rank's engine; returns its weight dtype and class name."""
         self.engine = make_engine()
+        return self.engine.weight_dtype, type(self.engine).__name__
 
     def generate(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, float]:
         if not len(prompts):  # a short batch left this engine group without prompts
@@ -257,6 +261,7 @@ class RayWorkerGroup(WorkerGroup):
 class RayRollout(RolloutGroup):
     def __init__(self, pool: RayPool, actor_role: str, mesh: Mesh) -> None:
         self.pool, self.actor_role, self.mesh = pool, actor_role, mesh
+        self.engines = mesh.dp
         # agenerate takes the engine groups in turn (their collecting ranks drive the engine)
         self._next = itertools.cycle([r for i, r in enumerate(pool.ranks) if mesh.collects(i)])
 
@@ -367,8 +372,10 @@ class RayController(Controller):
 
     def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
         pool = self._pool("actor")
-        pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
-        return RayRollout(pool, actor.role, mesh or Mesh.data_parallel(self.world))
+        built = pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
+        rollout = RayRollout(pool, actor.role, mesh or Mesh.data_parallel(self.world))
+        rollout.weight_dtype, rollout.engine_name = built[0]
+        return rollout
 
     def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
         if source.pool is not target.pool:

@@ -1,0 +1,78 @@
+"""The check after every weight sync: each rollout engine's log-probs of a fixed probe must equal
+the trainer's, else the run stops naming the engine (a sync that silently kept old weights)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trellis.batch import Batch, position_ids
+from trellis.config import ranged
+from trellis.interfaces.rollout import SamplingParams
+from trellis.runtime.controller import RolloutGroup, WorkerGroup
+
+# mean |engine - trainer| log-prob per token that a correct sync stays under, by the engines' weight
+# dtype: float32 kernels differ in summation order only (1e-6-ish); 16-bit rounding of activations
+# moves log-probs by about 1e-2 (None: the dtype is the model config's, unknown here)
+DEFAULT_MAX_GAP = {torch.float32: 1e-3, torch.float64: 1e-3}
+SIXTEEN_BIT_MAX_GAP = 0.1
+
+
+class SyncCheckFailed(RuntimeError):
+    """An engine's weights differ from the trainer's after a weight sync."""
+
+
+@dataclass
+class SyncCheckConfig:
+    """After every weight sync each engine samples ``tokens`` greedy tokens of a fixed prompt (the
+    first training prompt) and the trainer scores them: ``sync/probe_gap`` is the largest per-engine
+    mean |engine - trainer| log-prob. Above ``max_gap`` the run stops, naming the engine.
+    max_gap: None picks it from the engines' weight dtype (1e-3 in float32, 0.1 in 16-bit)."""
+
+    enable: bool = True
+    max_gap: float | None = ranged(None, gt=0)
+    tokens: int = ranged(4, ge=1)
+
+
+class SyncProbe:
+    """Holds the probe prompt and checks one sync at a time (:meth:`check`)."""
+
+    def __init__(self, options: SyncCheckConfig, rollout: RolloutGroup, params: SamplingParams) -> None:
+        self.options = options
+        self.rollout = rollout
+        self.params = SamplingParams(n=1, greedy=True, max_new_tokens=options.tokens, stop_token_ids=list(params.stop_token_ids))
+        self.max_gap = options.max_gap or DEFAULT_MAX_GAP.get(rollout.weight_dtype, SIXTEEN_BIT_MAX_GAP)
+        self.prompt: Batch | None = None
+
+    @property
+    def active(self) -> bool:
+        """Off when disabled, or when the engine generates from the actor's own module (nothing to sync)."""
+        return self.options.enable and not self.rollout.shared
+
+    def check(self, actor: WorkerGroup, batch: Batch, step: int) -> dict[str, float]:
+        """``{"sync/probe_gap": ...}`` after the sync of ``step``; the first call fixes the probe to
+        the prompt of ``batch``'s first sample (``prompts`` ``(batch, prompt_len)``, left-padded).
+        Raises :class:`SyncCheckFailed` naming the engine above ``max_gap``."""
+        if not self.active:
+            return {}
+        if self.prompt is None:
+            width = batch["prompts"].shape[1]
+            mask = batch["attention_mask"][:1, :width]
+            self.prompt = Batch({"input_ids": batch["prompts"][:1], "attention_mask": mask, "position_ids": position_ids(mask)})
+        engines = self.rollout.engines
+        # one copy per engine: the rollout deals prompts to its engines in contiguous chunks
+        sampled = self.rollout.generate(self.prompt[[0] * engines], self.params)
+        trainer = actor.log_prob(sampled)["log_probs"]
+        mask = sampled["response_mask"].float()
+        gaps = ((sampled["rollout_log_probs"] - trainer).abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        worst = int(gaps.argmax())
+        if float(gaps[worst]) > self.max_gap:
+            raise SyncCheckFailed(
+                f"step {step}: after the weight sync, rollout engine {worst} of {engines} ({self.rollout.engine_name}) gives the "
+                f"probe's tokens log-probs {float(gaps[worst]):.3g} apart from the trainer's on average (sync_check.max_gap="
+                f"{self.max_gap:g}): the engine is not sampling from the weights being trained. Check the engine's weight "
+                "loading (the names and dtype it receives); if the gap is only numerical (e.g. another dtype), raise "
+                "sync_check.max_gap"
+            )
+        return {"sync/probe_gap": float(gaps.max())}
