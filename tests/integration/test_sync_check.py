@@ -66,7 +66,8 @@ def test_an_engine_with_weights_of_its_own_matches_the_trainer_after_every_sync(
 
 
 def test_a_sync_that_silently_keeps_the_old_weights_stops_the_run_naming_the_engine(plugins, tiny_model_path, data_files, tmp_path):
-    with pytest.raises(SyncCheckFailed, match=r"step 1: after the weight sync, rollout engine 0 of 1 \(SkipSyncEngine\) .*\(sync_check.max_gap=0.001\)"):
+    named = r"step 1: after the weight sync, rollout engine 0 of 1 \(SkipSyncEngine\) .*\(sync_check.max_gap=0.001\)"
+    with pytest.raises(SyncCheckFailed, match=named):
         train(None, _rl(tiny_model_path, data_files, tmp_path / "run", "rollout.name=skip_sync"), plugins=plugins)
 
 
