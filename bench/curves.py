@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 GREEDY = "val/greedy_reward_mean"
+SAMPLED = "val/reward_mean"  # validation.n samples a prompt at validation.temperature
 
 
 def train_seconds(run_dir: Path, offset_s: float = 0.0) -> dict[int, float]:

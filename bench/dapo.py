@@ -15,7 +15,7 @@ read against training seconds summed from ``timing/step_s`` less ``timing/val_s`
 accuracy at its last validation made by T. Writes ``dapo.png`` (accuracy against steps and
 seconds), ``dapo_metrics.png`` (rounds, entropy, reward), ``summary.json``; ends with ``RESULT``.
 
-    .venv/bin/python bench/dapo.py [--seeds 0 1 2] [--grpo-steps 60] [--dapo-steps 40] [--val-every 10]
+    .venv/bin/python bench/dapo.py [--seeds 0 1 2] [--grpo-steps 150] [--dapo-steps 110] [--val-every 10]
         [--threads 1] [--out runs/bench-dapo]
 """
 
@@ -47,15 +47,15 @@ def dapo_sizes() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--grpo-steps", type=int, default=60)
-    parser.add_argument("--dapo-steps", type=int, default=40)
+    parser.add_argument("--grpo-steps", type=int, default=150)
+    parser.add_argument("--dapo-steps", type=int, default=110)
     parser.add_argument("--val-every", type=int, default=10)
     parser.add_argument("--sft-steps", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="runs/bench-dapo")
     args = parser.parse_args()
 
-    from curves import at_time, mean_std, plot_curves, val_curve
+    from curves import SAMPLED, at_time, mean_std, plot_curves, val_curve
     from demo_start import demo_settings, demo_start
 
     from trellis.examples.demo import config_path
@@ -78,6 +78,7 @@ def main() -> None:
             ])  # fmt: skip
             runs[method].append(run_dir)
     curves = {m: [val_curve(d) for d in dirs] for m, dirs in runs.items()}
+    sampled = {m: [val_curve(d, SAMPLED) for d in dirs] for m, dirs in runs.items()}
     plot_curves(curves, out / "dapo.png", "held-out greedy accuracy")
     panels = ["dynamic_sampling/rounds", "dynamic_sampling/dropped_zero_variance", "actor/entropy", "reward/mean", "reward/groups_with_signal"]
     plot_metrics([d for dirs in runs.values() for d in dirs], out / "dapo_metrics.png", panels)
@@ -103,12 +104,16 @@ def main() -> None:
         figures[m] = {
             "final": statistics.mean(c[-1][2] for c in curves[m]),
             "at_equal_time": statistics.mean(at_time(c, t_equal) for c in curves[m]),
+            "sampled_final": statistics.mean(c[-1][2] for c in sampled[m]),
+            "sampled_at_equal_time": statistics.mean(at_time(c, t_equal) for c in sampled[m]),
             "train_s_per_step": statistics.mean(c[-1][1] for c in curves[m]) / methods[m][2],
             "entropy_mean": step_mean(m, "actor/entropy"),
             "entropy_last": statistics.mean(last(m, "actor/entropy")),
         }
         print(
-            f"{m}: {figures[m]['train_s_per_step']:.2f} training s/step; at {t_equal:.0f} s {mean_std([at_time(c, t_equal) for c in curves[m]])}; "
+            f"{m}: {figures[m]['train_s_per_step']:.2f} training s/step; at {t_equal:.0f} s greedy "
+            f"{mean_std([at_time(c, t_equal) for c in curves[m]])}, sampled {mean_std([at_time(c, t_equal) for c in sampled[m]])} "
+            f"(start {sampled[m][0][0][2]:.3f}, last step {mean_std([c[-1][2] for c in sampled[m]])}); "
             f"entropy mean {figures[m]['entropy_mean']:.3f}, last step {mean_std(last(m, 'actor/entropy'))}"
         )
     rounds = step_mean("DAPO", "dynamic_sampling/rounds")
@@ -119,7 +124,7 @@ def main() -> None:
         f"(no reward variance); first-round groups with signal {figures['DAPO']['groups_with_signal']:.2f} (GRPO: "
         f"{step_mean('GRPO', 'reward/groups_with_signal'):.2f})"
     )
-    (out / "summary.json").write_text(json.dumps({"equal_time_s": t_equal, "figures": figures, "curves": curves}, indent=2))
+    (out / "summary.json").write_text(json.dumps({"equal_time_s": t_equal, "figures": figures, "greedy": curves, "sampled": sampled}, indent=2))
     fields = " ".join(f"{m.lower()}_{k}={v:.3f}" for m in methods for k, v in figures[m].items())
     print(f"RESULT {fields} equal_time_s={t_equal:.0f} seeds={len(args.seeds)} grpo_steps={args.grpo_steps} dapo_steps={args.dapo_steps}")
 

@@ -10,8 +10,8 @@ once per ``--out`` folder. Student: the same initial tiny model (same tokenizer)
   ``teacher.path`` = the teacher and the demo's data, lengths, prompts per step and learning rate;
 - GRPO: the demo's RL stage (16 prompts x 8 samples, rewarded by the task);
 - SFT: the demo's SFT stage (``demo_sft.yaml``) on the teacher's greedy answers to the RL prompts
-  (a parquet in the demo's schema, ``extra_info.answer`` replaced); checkpoints every
-  ``--val-every`` steps, each exported and scored by ``trellis eval`` (the SFT recipe validates
+  (a parquet in the demo's schema, ``extra_info.answer`` replaced); a checkpoint every
+  ``--sft-eval-every`` steps is exported and scored by ``trellis eval`` (the SFT recipe validates
   held-out loss only). Its clock starts at the seconds the teacher's answers took to generate.
 
 Each arm runs a fixed number of steps (``--distill-steps``, ``--grpo-steps``, ``--sft-arm-steps``);
@@ -19,8 +19,8 @@ training seconds are summed from ``timing/step_s`` less ``timing/val_s`` in ``me
 the table compares the arms at T, the shortest run's training time (each run's last validation
 made by T). Writes ``distill.png``, ``distill_metrics.png``, ``summary.json``; ends with ``RESULT``.
 
-    .venv/bin/python bench/distill.py [--seeds 0 1 2] [--distill-steps 60] [--grpo-steps 60] [--sft-arm-steps 200]
-        [--val-every 10] [--student-sft-steps 300] [--threads 1] [--out runs/bench-distill]
+    .venv/bin/python bench/distill.py [--seeds 0 1 2] [--distill-steps 200] [--grpo-steps 150] [--sft-arm-steps 200]
+        [--val-every 10] [--sft-eval-every 20] [--student-sft-steps 300] [--threads 1] [--out runs/bench-distill]
 """
 
 from __future__ import annotations
@@ -78,29 +78,31 @@ def teacher_answers(teacher: Path, rl_data: Path, path: Path, max_new_tokens: in
     return write_rows(out, path), seconds, right
 
 
-def greedy_accuracy(model: Path, rl_data: Path, test_data: Path, seed: int, threads: int) -> float:
-    """``trellis eval`` of ``model`` with the demo's RL settings: held-out greedy accuracy."""
+def held_out(model: Path, rl_data: Path, test_data: Path, seed: int, threads: int) -> tuple[float, float]:
+    """``trellis eval`` of ``model`` with the demo's RL settings: held-out (greedy accuracy, sampled reward)."""
     from trellis.examples.demo import config_path
     from trellis.recipes.train import evaluate
 
     overrides = [f"model.path={model}", f"data.train_path={rl_data}", f"data.val_path={test_data}", f"seed={seed}", f"trainer.threads={threads}"]
-    return evaluate(config_path("demo_rl.yaml"), overrides)["greedy_reward_mean"]
+    figures = evaluate(config_path("demo_rl.yaml"), overrides)
+    return figures["greedy_reward_mean"], figures["reward_mean"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--distill-steps", type=int, default=60)
-    parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--distill-steps", type=int, default=200)
+    parser.add_argument("--grpo-steps", type=int, default=150)
     parser.add_argument("--sft-arm-steps", type=int, default=200)
     parser.add_argument("--val-every", type=int, default=10)
+    parser.add_argument("--sft-eval-every", type=int, default=20, help="SFT arm: steps between checkpoints scored (each export + eval ~6 s)")
     parser.add_argument("--sft-steps", type=int, default=2000, help="the teacher's SFT stage")
     parser.add_argument("--student-sft-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="runs/bench-distill")
     args = parser.parse_args()
 
-    from curves import at_time, mean_std, plot_curves, train_seconds, val_curve
+    from curves import SAMPLED, at_time, mean_std, plot_curves, train_seconds, val_curve
     from demo_start import demo_settings, demo_start
 
     from trellis.examples.demo import config_path
@@ -113,9 +115,9 @@ def main() -> None:
     teacher = demo_teacher(out, start, rl_data, test_data, args.threads)
     student, _, _ = demo_start(out, args.student_sft_steps, args.threads, stage="student")
     samples, gen_s, samples_right = teacher_answers(teacher, rl_data, out / "data" / "teacher_answers.parquet", 12)
-    teacher_acc = greedy_accuracy(teacher, rl_data, test_data, 0, args.threads)
+    teacher_acc, teacher_sampled = held_out(teacher, rl_data, test_data, 0, args.threads)
     print(
-        f"teacher: held-out greedy accuracy {teacher_acc:.3f}; its greedy answers to the RL prompts: "
+        f"teacher: held-out greedy accuracy {teacher_acc:.3f}, sampled reward {teacher_sampled:.3f}; its greedy answers to the RL prompts: "
         f"{samples_right:.3f} right, generated in {gen_s:.1f} s"
     )
 
@@ -126,7 +128,8 @@ def main() -> None:
         "GRPO": (config_path("demo_rl.yaml"), [], args.grpo_steps),
     }
     runs: dict[str, list[Path]] = {m: [] for m in [*arms, "SFT"]}
-    curves: dict[str, list[list[tuple[int, float, float]]]] = {m: [] for m in runs}
+    curves: dict[str, list[list[tuple[int, float, float]]]] = {m: [] for m in runs}  # greedy accuracy
+    sampled: dict[str, list[list[tuple[int, float, float]]]] = {m: [] for m in runs}
     for arm, (config, settings, steps) in arms.items():
         for seed in args.seeds:
             run_dir = out / f"{arm.lower()}-seed{seed}"
@@ -134,20 +137,22 @@ def main() -> None:
                            f"trainer.run_dir={run_dir}"])  # fmt: skip
             runs[arm].append(run_dir)
             curves[arm].append(val_curve(run_dir))
+            sampled[arm].append(val_curve(run_dir, SAMPLED))
     for seed in args.seeds:
         run_dir = out / f"sft-seed{seed}"
         train(config_path("demo_sft.yaml"), [
             f"model.path={student}", f"data.train_path={samples}", f"data.val_path={test_data}", f"seed={seed}",
-            f"trainer.total_steps={args.sft_arm_steps}", "trainer.val_every_steps=0", f"trainer.save_every_steps={args.val_every}",
+            f"trainer.total_steps={args.sft_arm_steps}", "trainer.val_every_steps=0", f"trainer.save_every_steps={args.sft_eval_every}",
             "trainer.keep_checkpoints=1000", f"trainer.threads={args.threads}", "trainer.trackers=[jsonl]", f"trainer.run_dir={run_dir}",
         ])  # fmt: skip
         seconds = train_seconds(run_dir, offset_s=gen_s)
-        curve = [(0, gen_s, greedy_accuracy(student, rl_data, test_data, seed, args.threads))]
-        for step in range(args.val_every, args.sft_arm_steps + 1, args.val_every):
+        points = [(0, held_out(student, rl_data, test_data, seed, args.threads))]
+        for step in range(args.sft_eval_every, args.sft_arm_steps + 1, args.sft_eval_every):
             exported = export_checkpoint(run_dir / f"checkpoint-{step}", out / "sft-exports" / f"seed{seed}-step{step}")
-            curve.append((step, seconds[step], greedy_accuracy(exported, rl_data, test_data, seed, args.threads)))
+            points.append((step, held_out(exported, rl_data, test_data, seed, args.threads)))
         runs["SFT"].append(run_dir)
-        curves["SFT"].append(curve)
+        curves["SFT"].append([(step, seconds[step], greedy) for step, (greedy, _) in points])
+        sampled["SFT"].append([(step, seconds[step], value) for step, (_, value) in points])
     plot_curves(curves, out / "distill.png", "held-out greedy accuracy")
     plot_metrics([d for arm in arms for d in runs[arm]], out / "distill_metrics.png", ["teacher/reverse_kl", "reward/mean", "actor/entropy"])
 
@@ -166,7 +171,11 @@ def main() -> None:
                    "train_s_per_step": statistics.mean(c[-1][1] - c[0][1] for c in cs) / steps[m]}
                for m, cs in curves.items()}  # fmt: skip
     for m, cs in curves.items():
-        print(f"{m}: {figures[m]['train_s_per_step']:.2f} training s/step; at {t_equal:.0f} s {mean_std([at_time(c, t_equal) for c in cs])}")
+        figures[m] |= {"sampled_final": statistics.mean(c[-1][2] for c in sampled[m]),
+                       "sampled_at_equal_time": statistics.mean(at_time(c, t_equal) for c in sampled[m])}  # fmt: skip
+        print(f"{m}: {figures[m]['train_s_per_step']:.2f} training s/step; at {t_equal:.0f} s greedy {mean_std([at_time(c, t_equal) for c in cs])}, "
+              f"sampled {mean_std([at_time(c, t_equal) for c in sampled[m]])} (start {sampled[m][0][0][2]:.3f}, last step "
+              f"{mean_std([c[-1][2] for c in sampled[m]])})")  # fmt: skip
     kl = [[r["teacher/reverse_kl"] for r in read_metrics(d) if "teacher/reverse_kl" in r] for d in runs["distill"]]
     figures["distill"] |= {"reverse_kl_first10": statistics.mean(k for ks in kl for k in ks[:10]),
                            "reverse_kl_last10": statistics.mean(k for ks in kl for k in ks[-10:])}  # fmt: skip
@@ -174,8 +183,8 @@ def main() -> None:
         f"distill: teacher/reverse_kl {figures['distill']['reverse_kl_first10']:.3f} (first 10 steps) -> "
         f"{figures['distill']['reverse_kl_last10']:.3f} (last 10)"
     )
-    summary = {"teacher_greedy": teacher_acc, "teacher_answers_right": samples_right, "teacher_answers_s": gen_s,
-               "equal_time_s": t_equal, "figures": figures, "curves": curves}  # fmt: skip
+    summary = {"teacher_greedy": teacher_acc, "teacher_sampled": teacher_sampled, "teacher_answers_right": samples_right,
+               "teacher_answers_s": gen_s, "equal_time_s": t_equal, "figures": figures, "greedy": curves, "sampled": sampled}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     fields = " ".join(f"{m.lower()}_{k}={v:.3f}" for m in figures for k, v in figures[m].items())
     print(
