@@ -80,8 +80,9 @@ def main() -> None:
     curves = {m: [val_curve(d) for d in dirs] for m, dirs in runs.items()}
     sampled = {m: [val_curve(d, SAMPLED) for d in dirs] for m, dirs in runs.items()}
     plot_curves(curves, out / "dapo.png", "held-out greedy accuracy")
-    panels = ["dynamic_sampling/rounds", "dynamic_sampling/dropped_zero_variance", "actor/entropy", "reward/mean", "reward/groups_with_signal"]
-    plot_metrics([d for dirs in runs.values() for d in dirs], out / "dapo_metrics.png", panels)
+    # DAPO's runs first and a first panel every run has: a run keeps its colour in every panel and the legend names them all
+    panels = ["actor/entropy", "reward/mean", "reward/groups_with_signal", "dynamic_sampling/rounds", "dynamic_sampling/dropped_zero_variance"]
+    plot_metrics([*runs["DAPO"], *runs["GRPO"]], out / "dapo_metrics.png", panels)
 
     def step_mean(method: str, key: str) -> float:
         """``key`` averaged over every training step of every seed of ``method``."""

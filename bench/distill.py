@@ -154,7 +154,7 @@ def main() -> None:
         curves["SFT"].append([(step, seconds[step], greedy) for step, (greedy, _) in points])
         sampled["SFT"].append([(step, seconds[step], value) for step, (_, value) in points])
     plot_curves(curves, out / "distill.png", "held-out greedy accuracy")
-    plot_metrics([d for arm in arms for d in runs[arm]], out / "distill_metrics.png", ["teacher/reverse_kl", "reward/mean", "actor/entropy"])
+    plot_metrics([d for arm in arms for d in runs[arm]], out / "distill_metrics.png", ["reward/mean", "actor/entropy", "teacher/reverse_kl"])
 
     t_equal = min(c[-1][1] for cs in curves.values() for c in cs)
     print(f"\nheld-out greedy accuracy (200 prompts), mean ± std over seeds {args.seeds}; teacher {teacher_acc:.3f}")
