@@ -114,7 +114,7 @@ def main() -> None:
         print(
             f"{m}: {figures[m]['train_s_per_step']:.2f} training s/step; at {t_equal:.0f} s greedy "
             f"{mean_std([at_time(c, t_equal) for c in curves[m]])}, sampled {mean_std([at_time(c, t_equal) for c in sampled[m]])} "
-            f"(start {sampled[m][0][0][2]:.3f}, last step {mean_std([c[-1][2] for c in sampled[m]])}); "
+            f"(start {statistics.mean(c[0][2] for c in sampled[m]):.3f}, last step {mean_std([c[-1][2] for c in sampled[m]])}); "
             f"entropy mean {figures[m]['entropy_mean']:.3f}, last step {mean_std(last(m, 'actor/entropy'))}"
         )
     rounds = step_mean("DAPO", "dynamic_sampling/rounds")

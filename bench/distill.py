@@ -174,7 +174,7 @@ def main() -> None:
         figures[m] |= {"sampled_final": statistics.mean(c[-1][2] for c in sampled[m]),
                        "sampled_at_equal_time": statistics.mean(at_time(c, t_equal) for c in sampled[m])}  # fmt: skip
         print(f"{m}: {figures[m]['train_s_per_step']:.2f} training s/step; at {t_equal:.0f} s greedy {mean_std([at_time(c, t_equal) for c in cs])}, "
-              f"sampled {mean_std([at_time(c, t_equal) for c in sampled[m]])} (start {sampled[m][0][0][2]:.3f}, last step "
+              f"sampled {mean_std([at_time(c, t_equal) for c in sampled[m]])} (start {statistics.mean(c[0][2] for c in sampled[m]):.3f}, last step "
               f"{mean_std([c[-1][2] for c in sampled[m]])})")  # fmt: skip
     kl = [[r["teacher/reverse_kl"] for r in read_metrics(d) if "teacher/reverse_kl" in r] for d in runs["distill"]]
     figures["distill"] |= {"reverse_kl_first10": statistics.mean(k for ks in kl for k in ks[:10]),
