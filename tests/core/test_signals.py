@@ -37,3 +37,12 @@ def test_a_learning_step_resets_the_streak_and_says_nothing(caplog):
         assert watch.check(2, {"actor/grad_norm": 0.3, "reward/groups_with_signal": 0.5}) == []
         watch.check(3, {"actor/grad_norm": 0.0})
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["step 1", "step 3"]
+
+
+def test_without_watch_reward_equal_rewards_say_nothing_but_a_zero_gradient_still_does(caplog):
+    watch = SignalWatch(every=10, watch_reward=False)  # as the rl recipe sets it for a teacher's advantage
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        assert watch.check(1, {"actor/grad_norm": 0.4, "reward/groups_with_signal": 0.0, "reward/mean": 0.0}) == []
+        assert len(watch.check(2, {"actor/grad_norm": 0.0, "reward/groups_with_signal": 0.0})) == 1
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["step 2"]
+    assert "actor/grad_norm=0" in caplog.records[0].getMessage()

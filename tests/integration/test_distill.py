@@ -4,6 +4,8 @@ the student gives zero advantage, and a teacher with another tokenizer is refuse
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,23 +44,27 @@ def exact_reverse_kl(student, teacher, sequences: torch.Tensor, prompt_len: int)
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-def test_the_student_reverse_kl_to_the_teacher_falls(run_rl, tiny_model_path, tiny_untied_model_path, tmp_path):
+def test_the_student_reverse_kl_to_the_teacher_falls(run_rl, tiny_model_path, tiny_untied_model_path, tmp_path, caplog):
     """Two random tiny models with one tokenizer; enough samples a step for the KL to move. The
     KL is measured exactly (full vocabulary) on fixed samples of the initial student: the logged
-    ``teacher/reverse_kl`` is a one-batch sample estimate, too noisy at this scale to compare."""
-    _, rows = run_rl(
-        *DISTILL,
-        f"teacher.path={tiny_untied_model_path}",
-        "data.train_batch_prompts=16",
-        "actor.optim.lr=3e-3",
-        "actor.micro_batch_samples=64",
-        "trainer.total_steps=12",
-        "trainer.save_hf_model=true",
-        "validation.before_train=false",
-        "data.val_path=null",
-        run_dir=tmp_path / "distill",
-    )
+    ``teacher/reverse_kl`` is a one-batch sample estimate, too noisy at this scale to compare.
+    Every reward is 0 (random models): no warning may say the policy learns nothing."""
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        _, rows = run_rl(
+            *DISTILL,
+            f"teacher.path={tiny_untied_model_path}",
+            "data.train_batch_prompts=16",
+            "actor.optim.lr=3e-3",
+            "actor.micro_batch_samples=64",
+            "trainer.total_steps=12",
+            "trainer.save_hf_model=true",
+            "validation.before_train=false",
+            "data.val_path=null",
+            run_dir=tmp_path / "distill",
+        )
     assert len([r for r in rows if "teacher/reverse_kl" in r]) == 12
+    assert all(r["reward/groups_with_signal"] == 0.0 for r in rows if "teacher/reverse_kl" in r)
+    assert not [r.getMessage() for r in caplog.records if "learns nothing" in r.getMessage()]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     before, teacher = (AutoModelForCausalLM.from_pretrained(p) for p in (tiny_model_path, tiny_untied_model_path))
     prompts = tokenizer(["1+2=", "13+4=", "20+31=", "7+7="], return_tensors="pt", padding=True).input_ids

@@ -279,6 +279,7 @@ class RLRecipe:
             critic = run.spawn("critic", critic_path, cfg.critic, head="value", objectives={"update": "value"}) if use_critic else None
             frozen = OmegaConf.merge(cfg.actor, {"adapter": {"rank": 0}})  # the actor's micro-batching, no adapter
             teacher = run.spawn("teacher", cfg.teacher.path, frozen) if TEACHER_NEED in needs(estimator) else None
+            run.signals.watch_reward = teacher is None  # a teacher's log-probs give advantages when every reward is equal
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
             probe = SyncProbe(instantiate_options(cfg.sync_check, SyncCheckConfig), rollout, sampling)

@@ -10,17 +10,19 @@ log = logging.getLogger("trellis")
 
 
 class SignalWatch:
-    """Reads each step's metrics (``Run.end_step``) for ``<role>/grad_norm == 0`` and
-    ``reward/groups_with_signal == 0``."""
+    """Reads each step's metrics (``Run.end_step``) for ``<role>/grad_norm == 0`` and, with
+    ``watch_reward``, ``reward/groups_with_signal == 0`` (a recipe turns it off when its advantages
+    do not come from the reward alone, e.g. a teacher's log-probs)."""
 
-    def __init__(self, every: int = 10) -> None:
+    def __init__(self, every: int = 10, watch_reward: bool = True) -> None:
         self.every = every
+        self.watch_reward = watch_reward
         self.streaks: dict[str, int] = {}
 
     def check(self, step: int, metrics: dict[str, float]) -> list[str]:
         """The problems of this step, each logged as a warning when due; returns them."""
         problems = {k: _no_gradient(k) for k, v in metrics.items() if k.endswith("/grad_norm") and v == 0.0}
-        if metrics.get("reward/groups_with_signal") == 0.0:
+        if self.watch_reward and metrics.get("reward/groups_with_signal") == 0.0:
             problems["reward"] = _no_reward_signal(metrics.get("reward/mean", 0.0))
         self.streaks = {k: self.streaks.get(k, 0) + 1 for k in problems}
         for key, message in problems.items():
