@@ -100,3 +100,25 @@ def test_preference_objective_forwards_chosen_then_rejected_and_takes_its_share(
     margins = torch.tensor([(-1.0 - -1.0) - (-3.0 - -1.5), (-1.0 - -2.0) - (-0.5 - -1.0)])  # (chosen - ref) - (rejected - ref)
     expected = -torch.nn.functional.logsigmoid(0.5 * margins).mean() * 2 / 4
     assert float(loss) == pytest.approx(float(expected), abs=1e-6) and metrics["loss"] == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_bradley_terry_objective_by_hand_on_three_pairs(registry):
+    from trellis.recipes.rm import RMTrainConfig
+
+    objective = make(registry, "bradley_terry", RMTrainConfig)
+    sides = {
+        f"{side}_{k}": torch.tensor([[5, 6, 7], [5, 6, 0], [5, 0, 0]]) if k == "input_ids" else mask
+        for side, mask in (("chosen", torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])), ("rejected", torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0]])))
+        for k in ("input_ids", "attention_mask", "position_ids")
+    }
+    pairs = Batch({**sides, "margin": torch.tensor([0.0, 1.0, 0.0])})
+    rows = objective.rows(pairs)
+    assert len(rows) == 6 and torch.equal(rows["margin"], torch.tensor([0.0, 1.0, 0.0] * 2))  # chosen rows, then rejected rows
+    assert torch.equal(rows["attention_mask"][3:], pairs["rejected_attention_mask"])
+    scores = torch.tensor([2.0, 0.5, -1.0, 1.0, 1.0, 0.0])  # r_chosen = 2, 0.5, -1; r_rejected = 1, 1, 0
+    loss, metrics = objective.loss(rows, {"scores": scores}, Aggregation(global_seqs=6.0))  # 3 of the mini-batch's 6 pairs
+    # -log sigmoid(x) = log(1 + e^-x) for d - margin = 1, -1.5, -1
+    expected = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(1.5)) + math.log(1 + math.exp(1))) / 6
+    assert float(loss) == pytest.approx(expected, abs=1e-6) and metrics["loss"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["accuracy"] == pytest.approx(1 / 6)  # one pair of the 6 has r_chosen > r_rejected
+    assert metrics["margin"] == pytest.approx((1.0 - 0.5 - 1.0) / 6)

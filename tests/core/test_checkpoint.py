@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trellis.config import ConfigError
-from trellis.data import _EpochLoader
+from trellis.data import EpochLoader
 from trellis.runtime import checkpoint
 from trellis.runtime.checkpoint import config_changes, find_resume, latest_checkpoint, read_manifest, restore, save
 
@@ -128,14 +128,14 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_and_the_next_save_clean
 
 
 def test_restore_brings_back_roles_loader_position_and_every_rng(tmp_path):
-    loader = _EpochLoader(10, 3, seed=0, shuffle=True, drop_last=True)
+    loader = EpochLoader(10, 3, seed=0, shuffle=True, drop_last=True)
     for _ in range(4):  # into the second epoch
         loader.next_indices()
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     save(tmp_path, 4, cfg(), {"actor": FakeRole(4.0)}, {"data": loader}, 2)
     expected = (loader.next_indices(), torch.rand(3), random.random(), np.random.rand())
 
-    role, fresh = FakeRole(), _EpochLoader(10, 3, seed=0, shuffle=True, drop_last=True)
+    role, fresh = FakeRole(), EpochLoader(10, 3, seed=0, shuffle=True, drop_last=True)
     torch.manual_seed(9), random.seed(9), np.random.seed(9)
     assert restore(tmp_path / "checkpoint-4", {"actor": role}, {"data": fresh}) == 4
     assert role.value == 4.0

@@ -26,6 +26,8 @@ OPEN_ENDED = {
     "RLConfig": {"recipe"},
     "RewardConfig": {"name", "path"},  # a registered reward or a function in reward.path
     "RewardTerm": {"name", "path", "key"},
+    "RewardModelConfig": {"path", "key"},
+    "RMConfig": {"recipe"},
     "SFTConfig": {"recipe"},
     "SFTData": {"response_key"},
     "TeacherConfig": {"path"},

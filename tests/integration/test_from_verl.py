@@ -286,3 +286,21 @@ trainer: {total_training_steps: 3}
         "offload_optimizer": True,
     }
     assert "verl keys not converted" not in out.stderr, out.stderr
+
+
+def test_a_reward_model_converts_to_the_reward_model_role():
+    def converted(*args: str):
+        conversion = convert(read_verl(list(args)), load_plugins().registry)
+        return conversion.config["reward"], {key: reason for key, _, reason in conversion.unmapped}
+
+    reward, why = converted(
+        "reward_model.enable=True", "reward_model.model.path=/models/rm", "reward_model.model.input_tokenizer=/models/other",
+        "reward_model.micro_batch_size_per_gpu=4",
+    )
+    assert reward == {"model": {"path": "/models/rm"}}  # verl's reward model alone is the reward
+    assert "refused" in why["reward_model.model.input_tokenizer"] and "micro-batching" in why["reward_model.micro_batch_size_per_gpu"]
+    assert "reward_model.enable" not in why and "reward_model.model.path" not in why
+    reward, why = converted("reward_model.enable=False", "reward_model.model.path=/models/rm")
+    assert reward == {"name": "auto"} and not [k for k in why if k.startswith("reward_model")]  # off: verl ignores the path too
+    _, why = converted("reward_model.enable=True")
+    assert "reward_model.model.path is not given" in why["reward_model.enable"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trellis import PAIR_FIELDS, Aggregation, Batch, PolicyLossInputs, PreferenceInputs, aggregation_for, resolve_component
+from trellis import PAIR_FIELDS, SCORED_PAIR_FIELDS, Aggregation, Batch, PolicyLossInputs, PreferenceInputs, aggregation_for, resolve_component
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, mismatch_metrics, rejection_mask, rollout_correction
@@ -203,6 +203,47 @@ class PreferenceObjective:
         return share, {**metrics, "loss": float(share.detach())}
 
 
+class BradleyTerryObjective:
+    """A reward model's Bradley-Terry loss on preference pairs (a batch of
+    ``trellis.SCORED_PAIR_FIELDS``): ``-log sigmoid(r_chosen - r_rejected - margin)``, the mean
+    over the global mini-batch's pairs, each ``r`` the model's ``scores`` (its head at the
+    sequence's last attended token). Each micro-batch of pairs is forwarded as one batch of its
+    chosen rows then its rejected rows. Metrics (``rm/``): ``loss``, ``accuracy`` (the share of
+    pairs with ``r_chosen > r_rejected``) and ``margin`` (the mean ``r_chosen - r_rejected``),
+    each a share of the mini-batch's pairs, so exact however the pairs are cut."""
+
+    summed = frozenset({"loss", "accuracy", "margin"})
+    outputs = ("scores",)
+    inputs = SCORED_PAIR_FIELDS
+    prefix = "rm"
+
+    def __init__(self, options: Any, registry: Any) -> None:
+        self.options = options
+
+    def rows(self, batch: Batch) -> Batch:
+        sides = []
+        for side in ("chosen", "rejected"):
+            prefix = f"{side}_"
+            fields = {k[len(prefix) :]: batch[k] for k in batch.tensors.keys() if k.startswith(prefix)}
+            sides.append(Batch({**fields, "margin": batch["margin"]}, meta=batch.meta))
+        return Batch.cat(sides, pad=True).trim_padding()
+
+    def counts(self, batch: Batch) -> Aggregation:
+        return Aggregation(mode="seq-mean-token-sum", global_seqs=float(len(batch)))
+
+    def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
+        scores = outputs["scores"]
+        pairs = len(micro) // 2
+        diff = scores[:pairs] - scores[pairs:]
+        loss = -torch.nn.functional.logsigmoid(diff - micro["margin"][:pairs].to(diff.device)).sum() / agg.global_seqs
+        diff = diff.detach()
+        return loss, {
+            "loss": float(loss.detach()),
+            "accuracy": float((diff > 0).sum()) / agg.global_seqs,
+            "margin": float(diff.sum()) / agg.global_seqs,
+        }
+
+
 class KLInReward:
     """KL in the reward (verl's ``use_kl_in_reward``): ``token_scores - beta * KL(old || ref)`` with
     a fixed or adaptive ``beta`` (the ``algorithm`` section's ``kl_*`` keys). Stateful: the
@@ -234,5 +275,6 @@ OBJECTIVES = {
     "value": ValueObjective,
     "sft": SFTObjective,
     "preference": PreferenceObjective,
+    "bradley_terry": BradleyTerryObjective,
     "kl_in_reward": KLInReward,
 }

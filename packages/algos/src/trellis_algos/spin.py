@@ -65,7 +65,7 @@ def check(cfg: DictConfig, registry: Any) -> None:
     check_inputs(cfg)
     if cfg.pairs == "ranked" and cfg.sampling.n < 2:
         raise ConfigError(f"config key 'sampling.n' is {cfg.sampling.n}; pairs: ranked compares samples of a prompt, so it needs at least 2")
-    check_reward(cfg.reward, registry)
+    check_reward(cfg.reward, registry, cfg.recipe)
 
 
 def check_answers(prompts: PromptDataset) -> None:

@@ -68,6 +68,11 @@ class MegatronBackend(Backend):
         self.spec = spec
         self.opts: MegatronOptions = spec.options if spec.options is not None else MegatronOptions()
         self.device = device_for(spec.dist)
+        if spec.head not in ("lm", "value"):
+            raise ValueError(
+                f"role {spec.role!r} asks for head {spec.head!r}, which the megatron backend does not build (it builds lm and value); "
+                "use backend.name=fsdp for this role's recipe"
+            )
 
     # -- set-up -----------------------------------------------------------------------------
     def build(self) -> None:

@@ -70,6 +70,7 @@ _API = {
     "Objective": "trellis.interfaces.signatures",
     "pair_batch": "trellis.interfaces.signatures",
     "PAIR_FIELDS": "trellis.interfaces.signatures",
+    "SCORED_PAIR_FIELDS": "trellis.interfaces.signatures",
     "Interaction": "trellis.interfaces.agents",
     "InteractionTurn": "trellis.interfaces.agents",
     "Tool": "trellis.interfaces.agents",

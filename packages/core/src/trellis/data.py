@@ -105,7 +105,7 @@ def _get_path(row: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def _messages(value: Any, where: str) -> list[dict[str, Any]]:
+def chat_messages(value: Any, where: str) -> list[dict[str, Any]]:
     """Chat messages from a row's prompt: a list of {role, content}, or a plain string (one user turn)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -131,7 +131,7 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def _pad_id(tokenizer: Any) -> int:
+def require_pad_id(tokenizer: Any) -> int:
     pad = pad_id(tokenizer)
     if pad is None:
         raise DataError("the tokenizer has neither a pad token nor an eos token; set tokenizer.pad_token")
@@ -160,14 +160,14 @@ class PromptDataset:
             raise DataError(f"max_prompt_length={max_prompt_length} must be positive")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
-        self.pad_token_id = _pad_id(tokenizer)
+        self.pad_token_id = require_pad_id(tokenizer)
         kwargs = dict(chat_template_kwargs or {})
         self.items: list[dict[str, Any]] = []
         too_long: list[int] = []
         for i, row in enumerate(rows):
             if prompt_key not in row:
                 raise DataError(f"row {i} has no {prompt_key!r} column (columns: {sorted(row)}); {_SCHEMA_HINT}")
-            messages = _messages(row[prompt_key], f"row {i} column {prompt_key!r}")
+            messages = chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}")
             ids = encode_text(tokenizer, render_chat(tokenizer, messages, True, kwargs))
             if len(ids) > max_prompt_length:
                 too_long.append(len(ids))
@@ -261,7 +261,7 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
 
 
 # -- loaders ---------------------------------------------------------------------------------------
-class _EpochLoader:
+class EpochLoader:
     """Deterministic, resumable batches of item indices: epoch ``e`` uses the order drawn from
     ``(seed, e)``. ``position`` counts the batches already given in the current epoch."""
 
@@ -334,7 +334,7 @@ class _EpochLoader:
             yield self.next_batch()
 
 
-class PromptLoader(_EpochLoader):
+class PromptLoader(EpochLoader):
     """Batches of ``batch_size_prompts`` prompts from a :class:`PromptDataset`, left-padded (see
     :meth:`PromptDataset.collate`). ``batch.meta`` holds ``epoch`` and ``step_in_epoch``."""
 
@@ -385,16 +385,16 @@ class SFTDataset:
             raise DataError(f"SFT max_length={max_length} must be at least 2")
         self.tokenizer = tokenizer
         self.max_length = max_length
-        self.pad_token_id = _pad_id(tokenizer)
+        self.pad_token_id = require_pad_id(tokenizer)
         kwargs = dict(chat_template_kwargs or {})
         self.items: list[dict[str, Any]] = []
         truncated = dropped = 0
         for i, row in enumerate(rows):
             if row.get(messages_key) is not None:
-                ids, mask = _chat_sample(tokenizer, _messages(row[messages_key], f"row {i} column {messages_key!r}"), kwargs, i)
+                ids, mask = _chat_sample(tokenizer, chat_messages(row[messages_key], f"row {i} column {messages_key!r}"), kwargs, i)
             elif row.get(prompt_key) is not None:
                 target = _target(row, response_key, i)
-                ids, mask = _prompt_response_sample(tokenizer, _messages(row[prompt_key], f"row {i} column {prompt_key!r}"), target, kwargs)
+                ids, mask = _prompt_response_sample(tokenizer, chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}"), target, kwargs)
             else:
                 raise DataError(
                     f"SFT row {i} has neither {messages_key!r} nor {prompt_key!r} (columns: {sorted(row)}); "
@@ -536,7 +536,7 @@ def _pack(items: list[dict[str, Any]], pad_id: int, row_length: int) -> tuple[di
     return tensors, [[it["index"] for it in row] for row in rows]
 
 
-class SFTLoader(_EpochLoader):
+class SFTLoader(EpochLoader):
     """Batches of ``batch_size_samples`` SFT samples, deterministic by ``(seed, epoch)``, resumable.
 
     Padding mode (``pack=False``): one sample per row, right-padded to the batch's longest;

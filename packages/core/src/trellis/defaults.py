@@ -7,6 +7,7 @@ from trellis.judge import judge_score
 from trellis.multiturn.loop import ToolAgentLoop
 from trellis.multiturn.tool_calls import HermesParser
 from trellis.recipes.rl import RLRecipe
+from trellis.recipes.rm import RMRecipe
 from trellis.recipes.sft import SFTRecipe
 from trellis.rewards import auto_score, gsm8k_score, math_score
 from trellis.runtime.trackers import ConsoleTracker, JsonlTracker, MlflowTracker, TensorBoardTracker, WandbTracker
@@ -27,3 +28,4 @@ def trellis_register(registry):
     registry.add("agent_loop", "tool_agent", ToolAgentLoop)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
     registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)
+    registry.add("recipe", "rm", RMRecipe(), options=RMRecipe.Config)

@@ -1,4 +1,4 @@
-"""``trellis export``: a checkpoint's policy as a Hugging Face folder that ``transformers`` loads without Trellis."""
+"""``trellis export``: a checkpoint's policy (or reward model) as a Hugging Face folder that ``transformers`` loads without Trellis."""
 
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ from trellis.runtime.controller import LocalController
 from trellis.runtime.harness import spawn_worker
 
 MARKER_FILE = "trellis_export.json"  # in every folder save_hf_folder writes: only such a folder is replaced
+# the roles a checkpoint's export writes (the first it holds), with their heads: the policy, or the rm recipe's reward model
+EXPORTED = {"actor": "lm", "reward_model": "reward"}
 
 
 def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins | None = None) -> Path:
     """Write the actor of checkpoint ``where`` (or of the latest complete checkpoint when ``where``
-    is a run folder) to ``out_dir``: safetensors weights, config, generation config, tokenizer.
+    is a run folder) to ``out_dir``: safetensors weights, config, generation config, tokenizer;
+    a checkpoint of the ``rm`` recipe holds a ``reward_model`` instead, written as a
+    sequence-classification folder.
     The run's backend loads the shards on one rank; the architecture and the tokenizer come from
     the run's ``model.path`` (and ``model.tokenizer_path``). ``out_dir`` must lie outside the run
     folder and be absent, empty or an earlier export (else ``FileExistsError``)."""
@@ -38,8 +42,10 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
             f"there: give a folder outside the run, e.g. {str(run_dir.with_name(run_dir.name + '-hf'))!r}"
         )
     check_replaceable(Path(out_dir), MARKER_FILE, "trellis export")
-    if "actor" not in read_manifest(path)["roles"]:
-        raise ConfigError(f"checkpoint {path} holds no actor (policy) to export")
+    roles = read_manifest(path)["roles"]
+    role = next((r for r in EXPORTED if r in roles), None)
+    if role is None:
+        raise ConfigError(f"checkpoint {path} holds no {' or '.join(EXPORTED)} to export (its roles: {', '.join(roles)})")
     cfg = OmegaConf.load(path / CONFIG_FILE)
     for key in ("path", "tokenizer_path"):
         source = cfg.model.get(key)
@@ -52,32 +58,43 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     controller = LocalController()
     try:
         # no objectives: weights only, no optimizer; the actor's section brings its adapter (merged on export)
-        policy = spawn_worker(controller, registry, cfg, "actor", cfg.model.path, cfg.get("actor"))
-        policy.load(path / "actor")
+        head = EXPORTED[role]
+        model = spawn_worker(controller, registry, cfg, role, cfg.model.path, cfg.get("actor") if role == "actor" else None, head=head)
+        model.load(path / role)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.get("tokenizer_path") or cfg.model.path)
-        return save_hf_folder(cfg.model.path, chain.from_iterable(policy.export_weights()), tokenizer, Path(out_dir))
+        return save_hf_folder(cfg.model.path, chain.from_iterable(model.export_weights()), tokenizer, Path(out_dir), head)
     finally:
         controller.shutdown()
 
 
-def save_hf_folder(config_source: str, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: object, out_dir: Path) -> Path:
-    """Write a Hugging Face folder: the architecture of ``config_source`` with ``weights``.
-    Written to a temporary folder and renamed, so a crash never leaves half a model; a folder
-    already at ``out_dir`` is replaced only when an earlier call wrote it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+def save_hf_folder(
+    config_source: str, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: object, out_dir: Path, head: str = "lm"
+) -> Path:
+    """Write a Hugging Face folder: the architecture of ``config_source`` with ``weights``, as a
+    causal LM (``head="lm"``) or, for a role with the ``reward`` head, a one-label
+    ``AutoModelForSequenceClassification`` whose ``pad_token_id`` is the tokenizer's (transformers
+    reads each sequence's score at its last token that is not padding). Written to a temporary
+    folder and renamed, so a crash never leaves half a model; a folder already at ``out_dir`` is
+    replaced only when an earlier call wrote it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     check_replaceable(out_dir, MARKER_FILE, "trellis export")
-    config = AutoConfig.from_pretrained(config_source)
-    model = AutoModelForCausalLM.from_config(config)
+    if head == "reward":
+        config = AutoConfig.from_pretrained(config_source, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        config = AutoConfig.from_pretrained(config_source)
+        model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(dict(weights), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings and head == "lm")]
     if missing or unexpected:
         raise RuntimeError(f"exported weights do not fit {config_source}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    with contextlib.suppress(OSError):
-        GenerationConfig.from_pretrained(config_source).save_pretrained(tmp)
+    if head == "lm":
+        with contextlib.suppress(OSError):
+            GenerationConfig.from_pretrained(config_source).save_pretrained(tmp)
     (tmp / MARKER_FILE).write_text(json.dumps({"written_by": "trellis", "architecture_from": str(config_source)}) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -165,6 +165,19 @@ class RewardTerm:
 
 
 @dataclass
+class RewardModelConfig:
+    """A reward model scoring every sample (the ``rl`` recipe's ``reward_model`` role): ``path``,
+    a sequence-classification folder with one label (the ``rm`` recipe's ``hf_model``) and the
+    actor's tokenizer (empty: none). Its score at each sample's last token, times ``weight``, is
+    the sample's reward, added to the sum of ``reward.terms`` when they are given; its unweighted
+    score is the metric and component ``key``: ``reward/<key>``."""
+
+    path: str = ""
+    weight: float = ranged(1.0, ge=-1e6, le=1e6)
+    key: str = "reward_model"
+
+
+@dataclass
 class RewardConfig:
     """Which reward to use.
 
@@ -188,6 +201,8 @@ class RewardConfig:
         ``path``, ``kwargs`` and ``batched`` are not used (leave them unset). ``fail_fast``,
         ``max_concurrency`` and ``max_error_rate`` hold for every term; a sample that fails in any
         term scores 0 and counts once in ``reward/errors``.
+    model: a reward model (:class:`RewardModelConfig`, the ``rl`` recipe only): alone it is the
+        reward (``name``, ``path``, ``kwargs`` and ``batched`` unset), or it is added to ``terms``.
     """
 
     name: str = "gsm8k"
@@ -199,13 +214,16 @@ class RewardConfig:
     max_error_rate: float = ranged(0.1, ge=0, le=1)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     terms: list[RewardTerm] = field(default_factory=list)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         self.terms = [t if isinstance(t, RewardTerm) else RewardTerm(**t) for t in self.terms]
+        if isinstance(self.model, dict):
+            self.model = RewardModelConfig(**self.model)
 
 
 # metric names of their own under reward/, which a term's key must not take
-_RESERVED_KEYS = ("mean", "max", "min", "errors", "error_rate", "overlong_penalty_mean")
+RESERVED_KEYS = ("mean", "max", "min", "errors", "error_rate", "overlong_penalty_mean")
 
 
 def check_terms(cfg: RewardConfig) -> None:
@@ -223,7 +241,7 @@ def check_terms(cfg: RewardConfig) -> None:
         if not term.name:
             raise RewardError(f"reward.terms[{i}].name is empty; name a registered reward (e.g. judge) or a function in reward.terms[{i}].path")
         key = term.key or term.name
-        if key in _RESERVED_KEYS or "/" in key:
+        if key in RESERVED_KEYS or "/" in key:
             raise RewardError(f"reward.terms[{i}] has key {key!r}, a metric of its own or holding '/'; set reward.terms[{i}].key to another name")
         if key in seen:
             raise RewardError(
@@ -256,16 +274,30 @@ def load_function(path: str | Path, name: str) -> Callable[..., Any]:
     return fn
 
 
-def check_reward(node: Any, registry: Any) -> None:
+def check_reward(node: Any, registry: Any, recipe: str = "") -> None:
     """A recipe's ``reward`` section checked before any model is built: the function resolved
     (:func:`resolve_reward`) and, when it has a ``preflight`` attribute, that called with the
     section's ``kwargs`` (a reward served elsewhere checks that its address answers). Raises a
-    ``ConfigError`` with the fix."""
+    ``ConfigError`` with the fix. ``recipe``: the recipe's name; only ``rl`` builds a reward
+    model (``reward.model``)."""
     cfg = instantiate_options(node, RewardConfig)
     try:
         check_terms(cfg)
     except RewardError as exc:
         raise ConfigError(f"config key 'reward.terms': {exc}") from None
+    if cfg.model.path and recipe != "rl":
+        raise ConfigError(
+            f"config key 'reward.model.path' is {cfg.model.path!r}, but recipe {recipe!r} builds no reward-model role "
+            "(the rl recipe does); unset reward.model.path and score with a function"
+        )
+    if cfg.model.path and not cfg.terms:
+        if cfg.path or cfg.kwargs or cfg.batched or cfg.name not in ("gsm8k", ""):
+            raise ConfigError(
+                f"config key 'reward.model.path' is set together with reward.name={cfg.name!r}, path={cfg.path!r}, kwargs={cfg.kwargs}, "
+                f"batched={cfg.batched}; the reward model alone is the reward: unset those, or give the functions as reward.terms "
+                "to add the reward model's score to them"
+            )
+        return
     named = [(f"reward.terms[{i}].name", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
     for key, source in named:
         try:

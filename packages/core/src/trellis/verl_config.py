@@ -104,6 +104,16 @@ def _custom_reward(prefix: str) -> Callable[[Any, Source], str]:
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+def _reward_model(value: Any, src: Source) -> Any:
+    """``reward_model.enable``: the folder ``reward_model.model.path`` names becomes ``reward.model.path``."""
+    if not value:
+        return SKIP
+    path = src.get("reward_model.model.path")
+    if path is None:
+        raise Unmapped("reward_model.enable is true but reward_model.model.path is not given; give the reward model's folder")
+    return path
+
+
 def _dtype(value: Any, src: Source) -> str:
     if value not in DTYPES:
         raise Unmapped(f"trellis dtypes are {', '.join(DTYPES)}, not {value!r}")
@@ -271,6 +281,7 @@ RULES: tuple[Rule, ...] = (
         )
     ),
     Rule("reward_model.reward_kwargs", "reward.kwargs"),
+    Rule("reward_model.enable", "reward.model.path", _reward_model, "reward_model.model.path, when enable is true"),
     Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
     Rule("trainer.total_epochs", "trainer.total_steps", _epochs, "epochs x (training rows // train_batch_size)"),
     Rule("trainer.nnodes", "trainer.nnodes"),
@@ -307,6 +318,7 @@ READ_BY_OTHERS = {
     "trainer.resume_from_path",
     "custom_reward_function.name",
     "reward.custom_reward_function.name",
+    "reward_model.model.path",
     ACTOR + "use_remove_padding",  # verl's interpolation of model.use_remove_padding
     "data.tool_config_path",  # verl's interpolation of the rollout's
 }
@@ -326,7 +338,6 @@ TRELLIS_BEHAVIOUR: Source = {
     ROLLOUT + "val_kwargs.do_sample": False,
     ROLLOUT + "val_kwargs.top_p": 1.0,
     ROLLOUT + "val_kwargs.top_k": -1,
-    "reward_model.enable": False,
     "reward_model.reward_manager": "naive",
     "trainer.balance_batch": True,
 }
@@ -348,8 +359,9 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("data.reward_fn_key", "rewards are picked by 'data_source' (reward.name: auto)"),
     ("data.val_batch_size", "validation generates every held-out prompt at once; cap them with data.val_max_prompts"),
     ("data.*", "no trellis data option"),
-    ("reward_model.enable", "no reward-model role: rl scores with functions (reward section); a judge served over HTTP is reward.name=judge"),
-    ("reward_model.*", "no reward-model role: rl scores with functions (reward section); a judge served over HTTP is reward.name=judge"),
+    ("reward_model.model.input_tokenizer", "the reward model scores the actor's token ids: one with its own tokenizer is refused (not re-tokenised)"),
+    ("reward_model.rollout.*", "no generative reward model that trellis starts; a judge served over HTTP is reward.name=judge"),
+    ("reward_model.*", "the reward_model role (reward.model.path) takes the actor's micro-batching and the backend section's options"),
     ("trainer.project_name", "a run is named by trainer.run_dir (default_local_dir)"),
     ("trainer.experiment_name", "a run is named by trainer.run_dir (default_local_dir)"),
     ("trainer.critic_warmup", "the critic and actor update from the first step"),
@@ -473,6 +485,9 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
             why = next((why for pattern, why in REASONS if fnmatch(key, pattern)), "no trellis counterpart")
             if why:
                 out.unmapped.append((key, value, why))
+    reward = out.config["reward"]
+    if "model" in reward and reward["name"] == "auto" and "path" not in reward:
+        del reward["name"]  # verl's reward model alone is the reward (its score replaces the function's)
     return out
 
 

@@ -101,6 +101,25 @@ def task_texts(
     return texts
 
 
+def make_arithmetic_pairs(rows: Sequence[dict[str, Any]], seed: int, max_offset: int = 9) -> list[dict[str, Any]]:
+    """Preference pairs (the ``rm`` recipe's format) from arithmetic rows: each row's prompt, the
+    right answer ``#### <result>`` chosen, and a wrong one (the result plus a random non-zero
+    offset in ``[-max_offset, max_offset]``, kept >= 0 when the result is) rejected, as answer
+    messages. Deterministic by ``seed``."""
+    rng = random.Random(f"arithmetic-pairs:{seed}")
+    pairs = []
+    for row in rows:
+        result = int(row["reward_model"]["ground_truth"])
+        offsets = [d for d in range(-max_offset, max_offset + 1) if d and (result < 0 or result + d >= 0)]
+        wrong = result + rng.choice(offsets)
+        pairs.append({
+            "prompt": row["prompt"],
+            "chosen": [{"role": "assistant", "content": f"#### {result}"}],
+            "rejected": [{"role": "assistant", "content": f"#### {wrong}"}],
+        })
+    return pairs
+
+
 def write_rows(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     """Write ``rows`` to ``path``: ``.parquet`` (pyarrow) or ``.jsonl`` / ``.json`` (one object a line).
 

@@ -132,28 +132,48 @@ def value_outputs(head: torch.Tensor, micro: Batch, outputs: tuple[str, ...]) ->
     return out
 
 
+# heads with one scalar per position: ``value`` (a critic: a linear layer with a bias) and
+# ``reward`` (a reward model: the bias-free ``score`` layer of ``AutoModelForSequenceClassification``,
+# so its weights load from and export to a sequence-classification folder unchanged)
+SCALAR_HEADS = ("value", "reward")
+
+
 def _model_class(head: str):
-    return AutoModelForTokenClassification if head == "value" else AutoModelForCausalLM
+    return AutoModelForTokenClassification if head in SCALAR_HEADS else AutoModelForCausalLM
 
 
 def _config(path: str, head: str):
-    """The folder's config, with one label for a value head and no dropout before it
+    """The folder's config, with one label for a scalar head and no dropout before it
     (transformers' default is 0.1): a critic's values must be the same in its no-grad pass and
     in its update's forward."""
-    if head != "value":
+    if head not in SCALAR_HEADS:
         return AutoConfig.from_pretrained(path)
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0
+    if head == "reward":
+        config.token_classification_bias = False  # read by transformers' generic token-classification models
     return config
+
+
+def _checked(model: torch.nn.Module, path: str, head: str) -> torch.nn.Module:
+    """``model`` with its KV cache off; for the ``reward`` head, refused unless its head is the
+    bias-free ``score`` layer a sequence-classification folder holds."""
+    model.config.use_cache = False
+    score = getattr(model, "score", None)
+    if head == "reward" and not (isinstance(score, torch.nn.Linear) and score.bias is None):
+        raise ValueError(
+            f"model {path!r} ({type(model).__name__}): the reward head needs transformers' generic token-classification "
+            "model (a bias-free linear `score` layer, as Llama, Qwen2, Qwen3 and Mistral have); this architecture has another head"
+        )
+    return model
 
 
 def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     """The model of a Hugging Face folder: a causal LM (head ``lm``) or the same body with a
-    one-label token-classification head (``value``: critic, reward model; no dropout before it);
-    KV cache off."""
+    one-label token-classification head (``value``: a critic; ``reward``: a reward model, whose
+    ``score`` layer a sequence-classification folder's fills), no dropout before it; KV cache off."""
     model = _model_class(head).from_pretrained(path, config=_config(path, head), dtype=dtype)
-    model.config.use_cache = False
-    return model
+    return _checked(model, path, head)
 
 
 def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -164,8 +184,7 @@ def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     config = _config(path, head)
     with _parameters_on_meta():
         model = _model_class(head).from_config(config, dtype=dtype)
-    model.config.use_cache = False
-    return model
+    return _checked(model, path, head)
 
 
 @contextlib.contextmanager
@@ -231,7 +250,7 @@ def packed_outputs(
     each sample's ``position_ids`` to count 0, 1, 2... over its attended tokens."""
     device = next(model.parameters()).device
     inputs, mask, index = _packed_inputs(micro, device)
-    if head == "value":
+    if head in SCALAR_HEADS:
         return value_outputs(_unpack(model(**inputs).logits[0, :, 0], mask), micro, outputs)
     out: dict[str, torch.Tensor] = {}
     if "label_log_probs" in outputs:
@@ -291,7 +310,7 @@ def forward_outputs(
         return packed_outputs(model, micro, outputs, head, chunk_size)
     device = next(model.parameters()).device
     inputs = {k: micro[k].to(device) for k in MODEL_INPUTS}
-    if head == "value":
+    if head in SCALAR_HEADS:
         return value_outputs(model(**inputs).logits[..., 0], micro, outputs)
     if "label_log_probs" not in outputs:
         # only the positions that predict response tokens go through the LM head (vocab-wide

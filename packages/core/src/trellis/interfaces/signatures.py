@@ -155,6 +155,11 @@ class PreferenceInputs:
 PAIR_FIELDS = (*MODEL_INPUTS, "responses", "response_mask")
 
 
+# a batch of scored pairs (the ``bradley_terry`` objective, the ``rm`` recipe): each side's model
+# inputs ``(pairs, seq_len)`` right-padded, prefixed ``chosen_`` / ``rejected_``, and ``margin`` ``(pairs,)``
+SCORED_PAIR_FIELDS = (*(f"{side}_{k}" for side in ("chosen", "rejected") for k in MODEL_INPUTS), "margin")
+
+
 def pair_batch(chosen: Batch, rejected: Batch, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> Batch:
     """Preference pairs for the ``preference`` objective: the rows of ``chosen`` and ``rejected``
     (rollout layout: ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``,

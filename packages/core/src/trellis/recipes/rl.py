@@ -28,6 +28,8 @@ from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
+from trellis.recipes.reward_model import ROLE as REWARD_MODEL
+from trellis.recipes.reward_model import ModelReward, check_reward_model
 from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, unknown_sources
@@ -103,7 +105,7 @@ class RLConfig(RecipeConfig):
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built (and, on CUDA, a warning when the
     actor's micro-batches cannot fit the device: ``trellis.memory``)."""
-    check_reward(cfg.reward, registry)
+    check_reward(cfg.reward, registry, cfg.recipe)
     check_inputs(cfg)
     check_rollout_placement(cfg, registry)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
@@ -137,6 +139,7 @@ def check(cfg: DictConfig, registry) -> None:
     declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
     check_length_shaping(cfg)
     check_teacher(cfg, declared)
+    check_reward_model(cfg)
     if cfg.algorithm.dynamic_sampling.enable:
         check_dynamic_sampling(cfg, declared)
     if "on_policy_only" in declared:
@@ -269,7 +272,6 @@ class RLRecipe:
             kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
             agent, train, val = load_data(cfg, registry, tokenizer)
-            reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
             # the reference: the actor with its adapter off (no second model), else a frozen copy with the actor's micro-batching
@@ -280,6 +282,7 @@ class RLRecipe:
             frozen = OmegaConf.merge(cfg.actor, {"adapter": {"rank": 0}})  # the actor's micro-batching, no adapter
             teacher = run.spawn("teacher", cfg.teacher.path, frozen) if TEACHER_NEED in needs(estimator) else None
             run.signals.watch_reward = teacher is None  # a teacher's log-probs give advantages when every reward is equal
+            reward_fn = make_reward(cfg, run, registry, tokenizer)
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
             probe = SyncProbe(instantiate_options(cfg.sync_check, SyncCheckConfig), rollout, sampling)
@@ -398,8 +401,8 @@ class RLRecipe:
         with Run(cfg, ctx) as run:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
             agent, _, val = load_data(cfg, ctx.registry, tokenizer)
-            reward_fn = RewardManager(instantiate_options(cfg.reward, RewardConfig), ctx.registry, tokenizer)
             rollout = run.spawn_rollout(run.spawn("actor", cfg.model.path, cfg.actor), tokenizer, max_len=longest_sequence(cfg))
+            reward_fn = make_reward(cfg, run, ctx.registry, tokenizer)
             return self.validate(rollout, val, reward_fn, cfg, agent)
 
     @staticmethod
@@ -420,7 +423,7 @@ class RLRecipe:
 
     @staticmethod
     def validate(
-        rollout: RolloutGroup, val: PromptDataset, reward_fn: RewardManager, cfg: DictConfig, agent: AgentRollout | None = None
+        rollout: RolloutGroup, val: PromptDataset, reward_fn: RewardManager | ModelReward, cfg: DictConfig, agent: AgentRollout | None = None
     ) -> dict[str, float]:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
         multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
@@ -436,6 +439,17 @@ class RLRecipe:
         return out
 
 
+def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager | ModelReward:
+    """The run's reward: the functions ``reward`` names, or with ``reward.model`` the frozen
+    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``."""
+    reward = instantiate_options(cfg.reward, RewardConfig)
+    if not reward.model.path:
+        return RewardManager(reward, registry, tokenizer)
+    role = run.spawn(REWARD_MODEL, reward.model.path, OmegaConf.merge(cfg.actor, {"adapter": {"rank": 0}}), head="reward")
+    functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
+    return ModelReward(role, reward.model.weight, reward.model.key, functions)
+
+
 def longest_sequence(cfg: DictConfig) -> int:
     """The longest prompt + response a run asks its rollout for: the engines' context length."""
     response = cfg.sampling.max_new_tokens
@@ -449,7 +463,7 @@ def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent:
     return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
 
 
-def score(batch: Batch, reward_fn: RewardManager, agent: AgentRollout | None) -> RewardResult:
+def score(batch: Batch, reward_fn: RewardManager | ModelReward, agent: AgentRollout | None) -> RewardResult:
     return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
 
 

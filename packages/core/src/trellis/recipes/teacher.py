@@ -38,7 +38,7 @@ def check_teacher(cfg: DictConfig, declared: tuple[str, ...]) -> None:
         )
     if path:
         student = cfg.model.tokenizer_path or cfg.model.path
-        differ = tokenizer_difference(_load(student, "model.tokenizer_path or model.path"), _load(path, "teacher.path"))
+        differ = tokenizer_difference(load_tokenizer(student, "model.tokenizer_path or model.path"), load_tokenizer(path, "teacher.path"))
         if differ:
             raise ConfigError(
                 f"config key 'teacher.path' is {path!r}, whose tokenizer differs from the actor's in {student!r} ({differ}); "
@@ -46,7 +46,7 @@ def check_teacher(cfg: DictConfig, declared: tuple[str, ...]) -> None:
             )
 
 
-def _load(path: str, key: str):
+def load_tokenizer(path: str, key: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:

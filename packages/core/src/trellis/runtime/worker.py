@@ -261,15 +261,22 @@ class RoleWorker(Worker):
         return name
 
     def evaluate(self, verb: str, batch: Batch) -> dict[str, float]:
-        """``verb``'s objective loss on ``batch`` without training (held-out loss): ``val/loss``."""
+        """``verb``'s objective on ``batch`` without training (held-out figures): ``val/loss``,
+        and ``val/<name>`` for each of the objective's other summed metrics (shares of the batch,
+        e.g. the reward model's ``val/accuracy``)."""
         objective = self._objective(verb)
         agg = self._global_counts(objective, batch)
         micros, real, _ = self._micro_batches(batch)
         micros = [objective.rows(m) for m in micros]
+        names = sorted(objective.summed - {"loss"})
+        totals = [0.0] * (1 + len(names))
         with torch.no_grad():
             outs = self.backend.forward(micros, objective.outputs)
-            total = sum(float(objective.loss(m, out, agg)[0]) for m, out in zip(micros[:real], outs[:real]))
-        return {"val/loss": self.backend.all_reduce_sum([total])[0]}
+            for m, out in zip(micros[:real], outs[:real]):
+                loss, metrics = objective.loss(m, out, agg)
+                for i, value in enumerate([float(loss), *(metrics.get(k, 0.0) for k in names)]):
+                    totals[i] += value
+        return dict(zip(["val/loss", *(f"val/{k}" for k in names)], self.backend.all_reduce_sum(totals)))
 
     # -- weights and state -----------------------------------------------------------------------
     def export_weights(self, bucket_bytes: int = 64 << 20, all_ranks: bool = False, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
