@@ -299,10 +299,11 @@ class FSDPBackend(Backend):
         return weight_buckets(stream, bucket_bytes)
 
     def export_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The adapter alone under PEFT's saved names, gathered whole on CPU (rank 0 keeps them)."""
+        """The adapter alone under PEFT's saved names, gathered whole on CPU on every rank (it is
+        small, and each rank's rollout engine takes it)."""
         self._reshard()
         tensors = {saved_name(n): _full(t, None).cpu() for n, t in self.model.state_dict(keep_vars=True).items() if is_adapter(n)}
-        return saved_config(self.adapter, self.layers, self.spec.model_path), tensors if dist.get_rank() == 0 else {}
+        return saved_config(self.adapter, self.layers, self.spec.model_path), tensors
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors (every rank gets all of them) into this rank's shards."""

@@ -18,7 +18,7 @@ from trellis.outdir import check_replaceable
 from trellis.plugins import Plugins, load_plugins
 from trellis.runtime.checkpoint import CONFIG_FILE, read_manifest, resolve_checkpoint
 from trellis.runtime.controller import LocalController
-from trellis.runtime.harness import spawn_worker
+from trellis.runtime.harness import policy_section, spawn_worker
 
 MARKER_FILE = "trellis_export.json"  # in every folder save_hf_folder writes: only such a folder is replaced
 
@@ -64,11 +64,6 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
         return save_hf_folder(cfg.model.path, chain.from_iterable(policy.export_weights()), tokenizer, Path(out_dir))
     finally:
         controller.shutdown()
-
-
-def policy_section(cfg) -> object:
-    """The config section the run built its policy from: ``actor`` (rl), else ``train`` (sft, spin)."""
-    return cfg.get("actor") if "actor" in cfg else cfg.get("train")
 
 
 def save_hf_folder(config_source: str, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: object, out_dir: Path) -> Path:

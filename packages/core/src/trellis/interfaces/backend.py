@@ -189,7 +189,7 @@ class Backend(ABC):
     def export_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The LoRA adapter alone, as PEFT saves one: ``adapter_config.json``'s fields and the
         tensors under PEFT's names (``base_model.model.<module>.lora_A.weight``), whole, on CPU,
-        on rank 0 (every rank must call it: shards are gathered). Only for a role that trains an
+        on every rank (every rank must call it: shards are gathered). Only for a role that trains an
         adapter (``BackendSpec.adapter``)."""
         raise NotImplementedError(f"backend {type(self).__name__} trains no adapter to export")
 
