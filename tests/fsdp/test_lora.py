@@ -114,6 +114,11 @@ def test_the_sharded_path_merges_too(registry, tiny_model_path):
     with torch.no_grad():
         expected = reference_log_probs(plain_model(tiny_model_path, weights), batch) * batch["response_mask"]
     torch.testing.assert_close(worker.log_prob(batch)["log_probs"], expected, atol=0.05, rtol=0)  # bf16 compute
+    config, alone = worker.export_adapter()  # the adapter alone, gathered whole under PEFT's names
+    hidden = original["model.embed_tokens.weight"].shape[1]
+    assert type(alone["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]) is torch.Tensor
+    assert alone["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, hidden)
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and "q_proj" in config["target_modules"]
 
 
 def test_a_config_that_trains_nothing_is_refused(registry, tiny_model_path):

@@ -1,12 +1,19 @@
-"""An rl run that trains a LoRA adapter (``actor.adapter``): the KL loss's reference is the actor
-with its adapter off (no ``ref`` role), and the run's final policy and ``trellis export`` are the
-same plain Hugging Face model; the checkpoint holds the adapter alone."""
+"""Runs that train a LoRA adapter: the KL loss's reference is the actor with its adapter off (no
+``ref`` role); the run's final policy and ``trellis export`` are the same plain Hugging Face model;
+the checkpoint holds the adapter alone, with the fingerprint of its base; ``--adapter-only``
+writes a folder PEFT loads; the sft recipe takes an adapter too."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from trellis.export import export_checkpoint
 
@@ -43,3 +50,75 @@ def test_an_adapter_run_uses_the_adapter_off_as_its_reference_and_exports_a_plai
     exported = export_checkpoint(run_dir, tmp_path / "exported")
     again = load_file(str(exported / "model.safetensors"))
     assert all(torch.equal(again[k], final[k]) for k in final)
+
+
+def _trellis(*args: str) -> subprocess.CompletedProcess:
+    """The ``trellis`` command as a user types it."""
+    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_the_adapter_alone_exports_as_a_peft_folder_that_loads_onto_the_base(run_rl, tmp_path, tiny_model_path):
+    """``trellis export RUN OUT --adapter-only``: PEFT's own loader puts it on the base model, and
+    the result computes what the merged export computes; a full-weights run has no adapter to export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reward = tmp_path / "length.py"
+    reward.write_text(LENGTH_REWARD)
+    run_dir = tmp_path / "lora"
+    run_rl("actor.adapter.rank=4", "actor.adapter.target_modules=[q_proj,v_proj]", "actor.optim.lr=1e-2",
+           f"reward.path={reward}", "reward.name=length", run_dir=run_dir)  # fmt: skip
+    out = _trellis("export", str(run_dir), str(tmp_path / "adapter"), "--adapter-only")
+    assert out.returncode == 0, out.stderr
+    folder = tmp_path / "adapter"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["target_modules"] == ["q_proj", "v_proj"] and config["base_model_name_or_path"] == tiny_model_path
+    assert (folder / "tokenizer_config.json").is_file() and (folder / "trellis_export.json").is_file()
+
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), str(folder)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(run_dir, tmp_path / "merged")).eval()
+    ids = torch.tensor([[5, 9, 17, 30, 41, 2, 7]])
+    assert (_logits(adapted, ids) - _logits(merged, ids)).abs().max() < 1e-5
+    assert (_logits(adapted, ids) - _logits(AutoModelForCausalLM.from_pretrained(tiny_model_path), ids)).abs().max() > 1e-4  # it trained
+
+    full = tmp_path / "full"
+    run_rl(run_dir=full)
+    refused = _trellis("export", str(full), str(tmp_path / "none"), "--adapter-only")
+    assert refused.returncode == 2 and "trains full weights: there is no adapter to export alone" in refused.stderr
+
+
+def test_an_adapter_checkpoint_refuses_a_base_model_with_other_weights(run_rl, tmp_path, tiny_model_path):
+    """The checkpoint records the base model's weights' SHA-256: replacing the base (another
+    download, another revision) stops the export and the resume, naming both."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_path, base)
+    run_dir = tmp_path / "lora"
+    run_rl(f"model.path={base}", "actor.adapter.rank=4", run_dir=run_dir)
+    recorded = json.loads((run_dir / "checkpoint-2" / "actor" / "base_model.json").read_text())
+    assert recorded["path"] == str(base) and len(recorded["sha256"]) == 64
+    weights = load_file(str(base / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1.0
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"the checkpoint's adapter was trained on the base model '.*base' .* holds other weights"):
+        export_checkpoint(run_dir, tmp_path / "merged")
+
+
+def test_sft_trains_an_adapter_and_exports_it_merged(tmp_path, tiny_model_path, data_files):
+    """The sft recipe's ``train.adapter``: only the adapter is checkpointed, and the export merges it."""
+    from trellis.recipes.train import train
+
+    run_dir = tmp_path / "sft"
+    train(None, [
+        "recipe=sft", f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}", "data.batch_samples=8",
+        "train.adapter.rank=4", "train.optim.lr=1e-2", "trainer.total_steps=2", "trainer.trackers=[jsonl]", f"trainer.run_dir={run_dir}",
+    ])  # fmt: skip
+    saved = dcp.FileSystemReader(str(run_dir / "checkpoint-2" / "actor")).read_metadata().state_dict_metadata
+    assert all(".lora_A." in k or ".lora_B." in k for k in saved if k.startswith("model."))
+    merged = load_file(str(export_checkpoint(run_dir, tmp_path / "merged") / "model.safetensors"))
+    base = load_file(f"{tiny_model_path}/model.safetensors")
+    assert set(merged) == set(base) and not torch.equal(merged["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])

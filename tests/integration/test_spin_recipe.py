@@ -97,3 +97,12 @@ def test_reference_pairs_without_answers_fail_before_any_model_is_built(run_spin
     monkeypatch.setattr("trellis.runtime.harness.spawn_worker", refuse)
     with pytest.raises(ConfigError, match=r"8 rows of data.train_path have none \(first: row 0\); add it, or use pairs: ranked"):
         run_spin(f"data.train_path={data}")
+
+
+def test_an_adapter_policy_refreshes_its_reference_with_the_merged_weights(run_spin):
+    """``train.adapter``: the reference (no adapter of its own) takes the actor's merged weights,
+    so each step again starts from policy == reference (margin 0 to float rounding)."""
+    _, steps = run_spin("train.adapter.rank=4", "train.optim.lr=1e-2", "ref_update_every=1")
+    assert len(steps) == 4
+    assert all(r["actor/reward_margin"] == pytest.approx(0.0, abs=1e-5) for r in steps)
+    assert all(r["actor/grad_norm"] > 0 for r in steps)  # the adapter trains

@@ -424,7 +424,8 @@ def recording_plugins():
 
 def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_cache_for_the_sync(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
     """Every rank's engine, through the rl recipe: built with the recipe's prompt + response length,
-    sleep after each generation (validation too), then wake(weights) -> load -> wake(kv_cache) at the sync;
+    sleep after each generation (validation too), then wake(weights) -> load -> wake(kv_cache) at the sync,
+    then one greedy probe prompt per engine (the sync check);
     per-request seeds (opted in) are the step's base plus each rank's first global sample index;
     the ranks get LOCAL_RANK from their place on the node and the driver's NCCL_* / HF_HOME; the
     engines are closed at shutdown."""
@@ -442,7 +443,7 @@ def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_ca
     assert {b["max_len"] for b in builds} == {40 + 5}
     assert sorted(b["env"]["LOCAL_RANK"] for b in builds) == ["0", "1"]
     assert all(b["env"]["NCCL_DEBUG"] == "WARN" and b["env"]["HF_HOME"] == str(tmp_path / "hf-home") for b in builds)
-    step = ["generate", "sleep", "wake", "load_weights", "wake"]
+    step = ["generate", "sleep", "wake", "load_weights", "wake", "generate"]  # the last: the sync check's greedy probe
     validation = ["generate", "generate", "sleep"]  # greedy, sampled; the engines sleep after it as after any generation
     for calls in ranks:
         names = [c["call"] for c in calls]
@@ -451,7 +452,9 @@ def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_ca
         wakes = [c["tags"] for c in calls if c["call"] == "wake"]
         assert wakes == [["weights", "kv_cache"]] + [["weights"], ["kv_cache"]] * 2
     # 4 prompts x 2 samples a step, 2 prompts per rank: rank 1's first sample is the step's 4th
-    train_seeds = sorted(c["seed"] for calls in ranks for c in calls[5 : 5 + 2 * len(step)] if c["call"] == "generate")
+    train_seeds = sorted(c["seed"] for calls in ranks for c in calls[5 : 5 + 2 * len(step)] if c["call"] == "generate" and not c["greedy"])
+    probes = [c for calls in ranks for c in calls[5 : 5 + 2 * len(step)] if c["call"] == "generate" and c["greedy"]]
+    assert len(probes) == 2 * 2 and all(c["prompts"] == 1 for c in probes)  # each engine checked after each sync
     assert train_seeds[:4] == [11, 11 + 4, 11 + 8, 11 + 8 + 4]
 
 

@@ -41,6 +41,7 @@ from trellis import (
     pair_batch,
     ranged,
     rollout_batch,
+    without_adapter,
 )
 from trellis_algos.preference import make_pairs
 
@@ -112,7 +113,7 @@ class SPINRecipe:
             reward = RewardManager(instantiate_options(cfg.reward, RewardConfig), ctx.registry, tokenizer)
 
             actor = run.spawn("actor", cfg.model.path, cfg.train, objectives={"preference_update": "preference"})
-            ref = run.spawn("ref", cfg.model.path, cfg.train)
+            ref = run.spawn("ref", cfg.model.path, without_adapter(cfg.train))  # frozen: takes the actor's merged weights
             rollout = run.spawn_rollout(actor, tokenizer, max_len=cfg.data.max_prompt_length + cfg.sampling.max_new_tokens)
             validate = functools.partial(self.validate, rollout, val, reward, cfg) if val is not None else None
             start = run.start(roles={"actor": actor, "ref": ref}, state={"data": train}, rollout=rollout, validate=validate)

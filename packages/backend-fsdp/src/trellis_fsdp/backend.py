@@ -20,10 +20,12 @@ the accelerator while a rollout engine generates (``offload`` / ``onload``).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +63,18 @@ from trellis.kit.backend import (
     weight_buckets,
 )
 from trellis_fsdp.distributed import all_reduce_sum, ensure_process_group
-from trellis_fsdp.lora import ADAPTER, adapted_layers, adapter_off, add_adapter, hf_name, is_adapter, merged
+from trellis_fsdp.lora import (
+    ADAPTER,
+    adapted_layers,
+    adapter_off,
+    add_adapter,
+    base_fingerprint,
+    hf_name,
+    is_adapter,
+    merged,
+    saved_config,
+    saved_name,
+)
 from trellis_fsdp.offload import HostCopy
 
 log = logging.getLogger("trellis")
@@ -112,6 +125,7 @@ class FSDPBackend(Backend):
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.adapter = spec.adapter
+        self.base: dict[str, str] | None = None  # the base model's fingerprint, once an adapter checkpoint needs it
         if self.adapter is not None and spec.head != "lm":
             raise ValueError(f"config key '{spec.role}.adapter.rank'={self.adapter.rank}: adapters are for the lm head only; set it to 0")
         self.outputs = OUTPUTS + ("base_log_probs",) * (self.adapter is not None)
@@ -284,6 +298,13 @@ class FSDPBackend(Backend):
             return iter(())
         return weight_buckets(stream, bucket_bytes)
 
+    def export_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The adapter alone under PEFT's saved names, gathered whole on CPU on every rank (it is
+        small, and each rank's rollout engine takes it)."""
+        self._reshard()
+        tensors = {saved_name(n): _full(t, None).cpu() for n, t in self.model.state_dict(keep_vars=True).items() if is_adapter(n)}
+        return saved_config(self.adapter, self.layers, self.spec.model_path), tensors
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors (every rank gets all of them) into this rank's shards."""
         if self.adapter is not None:
@@ -342,11 +363,16 @@ class FSDPBackend(Backend):
         dcp.save(self._sharded_state(), checkpoint_id=path)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler else None, "rng": get_rng_state()}
         torch.save(extra, path / f"rank{self.spec.dist.rank}.pt")
+        if self.adapter is not None and self.spec.dist.rank == 0:  # the adapter alone means nothing without its base
+            self.base = self.base or base_fingerprint(self.spec.model_path)
+            (path / BASE_FILE).write_text(json.dumps(self.base) + "\n")
 
     def load(self, path: Path) -> None:
         """Restore what :meth:`save` wrote (any number of ranks may have written it: DCP reshards).
         A role without an optimizer (``ref``) loads the model weights alone."""
         path = Path(path)
+        if self.adapter is not None and (path / BASE_FILE).is_file():
+            self._check_base(json.loads((path / BASE_FILE).read_text()))
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=path)
         if self.optimizer is None:
@@ -361,12 +387,22 @@ class FSDPBackend(Backend):
                 self.scheduler.load_state_dict(extra["scheduler"])
             set_rng_state(extra["rng"])
 
+    def _check_base(self, trained_on: dict[str, str]) -> None:
+        self.base = self.base or base_fingerprint(self.spec.model_path)
+        if self.base["sha256"] != trained_on["sha256"]:
+            raise ValueError(
+                f"role {self.spec.role!r}: the checkpoint's adapter was trained on the base model {trained_on['path']!r} (weights "
+                f"sha256 {trained_on['sha256'][:12]}...), but model.path={self.spec.model_path!r} holds other weights (sha256 "
+                f"{self.base['sha256'][:12]}...); an adapter only fits its own base: point model.path at that model"
+            )
+
     def close(self) -> None:
         """Leave the process group (the first role of a process to close ends it for all; a
         process that never calls it leaves at exit)."""
         leave_process_group()
 
 
+BASE_FILE = "base_model.json"  # in an adapter role's checkpoint: the base model it was trained on
 # bytes one gather collective moves (over all ranks): bounds the temporaries beyond the output
 GATHER_BYTES = 2 << 20
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single

@@ -102,6 +102,7 @@ _API = {
     "PreferenceTrainConfig": "trellis.recipes.options",
     "backend_field": "trellis.recipes.options",
     "check_inputs": "trellis.recipes.options",
+    "without_adapter": "trellis.recipes.options",
 }
 __all__ = ["__version__", *_API]
 

@@ -177,8 +177,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from trellis.export import export_checkpoint
 
     try:
-        print(export_checkpoint(args.checkpoint, args.out_dir))
-    except (FileNotFoundError, FileExistsError) as exc:
+        print(export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only))
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -250,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (loads without Trellis)")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoint-N, or a run folder (its latest complete checkpoint)")
     p.add_argument("out_dir")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a run that trained a LoRA adapter: write the adapter alone as a PEFT folder (loads onto the base model with peft)",
+    )
     p.set_defaults(func=cmd_export)
     return parser
 

@@ -1,4 +1,6 @@
-"""``trellis export``: a checkpoint's policy (or reward model) as a Hugging Face folder that ``transformers`` loads without Trellis."""
+"""``trellis export``: a checkpoint's policy (or reward model) as a Hugging Face folder that
+``transformers`` loads without Trellis, or a policy's LoRA adapter alone as a folder ``peft`` loads
+onto the base model."""
 
 from __future__ import annotations
 
@@ -17,21 +19,23 @@ from trellis.outdir import check_replaceable
 from trellis.plugins import Plugins, load_plugins
 from trellis.runtime.checkpoint import CONFIG_FILE, read_manifest, resolve_checkpoint
 from trellis.runtime.controller import LocalController
-from trellis.runtime.harness import spawn_worker
+from trellis.runtime.harness import policy_section, spawn_worker
 
 MARKER_FILE = "trellis_export.json"  # in every folder save_hf_folder writes: only such a folder is replaced
 # the roles a checkpoint's export writes (the first it holds), with their heads: the policy, or the rm recipe's reward model
 EXPORTED = {"actor": "lm", "reward_model": "reward"}
 
 
-def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins | None = None) -> Path:
+def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins | None = None, adapter_only: bool = False) -> Path:
     """Write the actor of checkpoint ``where`` (or of the latest complete checkpoint when ``where``
     is a run folder) to ``out_dir``: safetensors weights, config, generation config, tokenizer;
     a checkpoint of the ``rm`` recipe holds a ``reward_model`` instead, written as a
     sequence-classification folder.
     The run's backend loads the shards on one rank; the architecture and the tokenizer come from
     the run's ``model.path`` (and ``model.tokenizer_path``). ``out_dir`` must lie outside the run
-    folder and be absent, empty or an earlier export (else ``FileExistsError``)."""
+    folder and be absent, empty or an earlier export (else ``FileExistsError``).
+    ``adapter_only``: a run that trained a LoRA adapter writes the adapter alone, as PEFT saves one
+    (``adapter_config.json``, ``adapter_model.safetensors``), plus the tokenizer."""
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(where)
@@ -57,11 +61,14 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     registry = (plugins or load_plugins()).registry
     controller = LocalController()
     try:
-        # no objectives: weights only, no optimizer; the actor's section brings its adapter (merged on export)
+        # no objectives: weights only, no optimizer; the policy's section brings its adapter (merged unless adapter_only)
         head = EXPORTED[role]
-        model = spawn_worker(controller, registry, cfg, role, cfg.model.path, cfg.get("actor") if role == "actor" else None, head=head)
+        model = spawn_worker(controller, registry, cfg, role, cfg.model.path, policy_section(cfg) if role == "actor" else None, head=head)
         model.load(path / role)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.get("tokenizer_path") or cfg.model.path)
+        if adapter_only:
+            config, tensors = model.export_adapter()
+            return save_adapter_folder(config, tensors, tokenizer, Path(out_dir))
         return save_hf_folder(cfg.model.path, chain.from_iterable(model.export_weights()), tokenizer, Path(out_dir), head)
     finally:
         controller.shutdown()
@@ -89,13 +96,40 @@ def save_hf_folder(
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings and head == "lm")]
     if missing or unexpected:
         raise RuntimeError(f"exported weights do not fit {config_source}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        if head == "lm":
+            with contextlib.suppress(OSError):
+                GenerationConfig.from_pretrained(config_source).save_pretrained(tmp)
+
+    return _write_folder(out_dir, write, tokenizer, {"architecture_from": str(config_source)})
+
+
+def save_adapter_folder(config: dict, tensors: dict[str, torch.Tensor], tokenizer: object, out_dir: Path) -> Path:
+    """Write a PEFT adapter folder (``PeftModel.from_pretrained(base, out_dir)`` loads it onto the
+    base model ``config["base_model_name_or_path"]``), atomically like :func:`save_hf_folder`."""
+    from safetensors.torch import save_file
+
+    check_replaceable(out_dir, MARKER_FILE, "trellis export")
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+
+    return _write_folder(out_dir, write, tokenizer, {"adapter_of": config["base_model_name_or_path"]})
+
+
+def _write_folder(out_dir: Path, write, tokenizer: object, marker: dict[str, str]) -> Path:
+    """``write(tmp)`` fills a temporary folder, the tokenizer and the marker join it, then it
+    replaces ``out_dir`` in one rename, so a crash never leaves half an export."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    model.save_pretrained(tmp)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    write(tmp)
     tokenizer.save_pretrained(tmp)
-    if head == "lm":
-        with contextlib.suppress(OSError):
-            GenerationConfig.from_pretrained(config_source).save_pretrained(tmp)
-    (tmp / MARKER_FILE).write_text(json.dumps({"written_by": "trellis", "architecture_from": str(config_source)}) + "\n")
+    (tmp / MARKER_FILE).write_text(json.dumps({"written_by": "trellis", **marker}) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

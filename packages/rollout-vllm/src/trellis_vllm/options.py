@@ -35,6 +35,9 @@ class VLLMRolloutOptions:
         at every sync anyway; 1 offloads the weights to CPU memory instead (keeps them for an engine
         woken without a sync).
     max_num_seqs: most sequences per engine step (0: vLLM's default).
+    adapter_sync: when the policy trains a LoRA adapter, build the engine with vLLM's LoRA support
+        and send it the adapter alone at each sync (the base weights load once and stay; with sleep
+        mode they are offloaded, never dropped); false: merged full weights at each sync.
     engine_kwargs: any other ``vllm.LLM`` keyword arguments, passed through unchanged.
     """
 
@@ -50,6 +53,7 @@ class VLLMRolloutOptions:
     enable_sleep_mode: bool = True
     sleep_level: int = ranged(2, ge=1, le=2)
     max_num_seqs: int = ranged(0, ge=0)
+    adapter_sync: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:

@@ -186,6 +186,13 @@ class Backend(ABC):
         as the buckets are consumed, so no rank ever holds the whole model."""
         raise NotImplementedError(f"backend {type(self).__name__} does not export weights")
 
+    def export_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The LoRA adapter alone, as PEFT saves one: ``adapter_config.json``'s fields and the
+        tensors under PEFT's names (``base_model.model.<module>.lora_A.weight``), whole, on CPU,
+        on every rank (every rank must call it: shards are gathered). Only for a role that trains an
+        adapter (``BackendSpec.adapter``)."""
+        raise NotImplementedError(f"backend {type(self).__name__} trains no adapter to export")
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """Name -> full shape of each tensor :meth:`export_weights` yields, in the same order,
         without gathering anything: the manifest a rollout engine checks before a streamed weight

@@ -116,13 +116,16 @@ class RolloutFn(Protocol):
 class RolloutSpec:
     """What a rollout engine is built from: the model folder, its options and the tokenizer.
     max_len: the longest prompt + response the recipe will ask for (0: unknown); an engine sizes
-    its context (vLLM ``max_model_len``, SGLang ``context_length``) from it unless its options say."""
+    its context (vLLM ``max_model_len``, SGLang ``context_length``) from it unless its options say.
+    adapter_rank: the policy trains a LoRA adapter of this rank (0: full weights); an engine that
+    can sample with an adapter on its base weights prepares for it (``adapter_sync``)."""
 
     model_path: str
     options: Any
     tokenizer: Any
     seed: int = 0
     max_len: int = 0
+    adapter_rank: int = 0
 
 
 def engine_dtype(option: str | None, on_gpu: bool) -> str:
@@ -206,9 +209,12 @@ class RolloutEngine(ABC):
     """A generation engine. Registered as a factory ``make_engine(spec) -> RolloutEngine``.
 
     weight_dtype: the dtype the engine holds its weights in, when its options name one (a weight
-    sync has the trainer export in it, e.g. bfloat16); None: unknown (``auto``), sent as trained."""
+    sync has the trainer export in it, e.g. bfloat16); None: unknown (``auto``), sent as trained.
+    adapter_sync: a policy's LoRA adapter reaches this engine alone (:meth:`load_adapter`), on the
+    base weights it loaded once; False: as merged full weights (:meth:`load_weights`)."""
 
     weight_dtype: torch.dtype | None = None
+    adapter_sync: bool = False
 
     @abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -232,6 +238,12 @@ class RolloutEngine(ABC):
         (the trainer's ``weight_shapes()``): the engine checks it before reading any tensor, then
         reads ``weights`` once, lazily, one tensor at a time. None: ``weights`` may be read whole
         (e.g. a list) and is checked before loading."""
+
+    def load_adapter(self, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Sample from now on with this LoRA adapter on the base weights (only when
+        :attr:`adapter_sync`): ``adapter_config.json``'s fields and the tensors under PEFT's names,
+        as ``Backend.export_adapter`` gives them."""
+        raise NotImplementedError(f"{type(self).__name__} takes merged weights only")
 
     def adopt_module(self, module: torch.nn.Module) -> bool:
         """Generate from ``module``, the actor's own model in this process (its one rank holds the

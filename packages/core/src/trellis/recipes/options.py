@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trellis.config import ConfigError, choice, component, ranged
 from trellis.interfaces.optim import LR_SCHEDULES
@@ -221,6 +221,7 @@ class SFTTrainConfig:
     max_tokens_per_micro_batch: int = ranged(0, ge=0)
     loss: dict = component("sft_loss", "cross_entropy")
     loss_agg_mode: str = choice("token-mean", AGG_MODES)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
 
 @dataclass
@@ -231,3 +232,10 @@ class PreferenceTrainConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     micro_batch_samples: int = ranged(8, ge=1)
     loss: dict = component("preference_loss", "sigmoid")
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+
+
+def without_adapter(section: DictConfig) -> DictConfig:
+    """A role section with its adapter off: a frozen role (reference, teacher) built from a trained
+    role's batching trains nothing, so it must not get an adapter of its own."""
+    return OmegaConf.merge(section, {"adapter": {"rank": 0}}) if "adapter" in section else section

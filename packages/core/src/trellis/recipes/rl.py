@@ -11,7 +11,7 @@ from itertools import chain
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis.batch import Batch, last_valid_index
@@ -27,7 +27,16 @@ from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
-from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, check_inputs
+from trellis.recipes.options import (
+    ActorConfig,
+    CriticConfig,
+    PromptData,
+    RecipeConfig,
+    SamplingConfig,
+    TrainerConfig,
+    check_inputs,
+    without_adapter,
+)
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
 from trellis.recipes.reward_model import ModelReward, check_reward_model
 from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
@@ -279,8 +288,7 @@ class RLRecipe:
             ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref and not adapter_ref else None
             critic_path = cfg.critic.model_path or cfg.model.path
             critic = run.spawn("critic", critic_path, cfg.critic, head="value", objectives={"update": "value"}) if use_critic else None
-            frozen = OmegaConf.merge(cfg.actor, {"adapter": {"rank": 0}})  # the actor's micro-batching, no adapter
-            teacher = run.spawn("teacher", cfg.teacher.path, frozen) if TEACHER_NEED in needs(estimator) else None
+            teacher = run.spawn("teacher", cfg.teacher.path, without_adapter(cfg.actor)) if TEACHER_NEED in needs(estimator) else None
             run.signals.watch_reward = teacher is None  # a teacher's log-probs give advantages when every reward is equal
             reward_fn = make_reward(cfg, run, registry, tokenizer)
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
@@ -445,7 +453,7 @@ def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager
     reward = instantiate_options(cfg.reward, RewardConfig)
     if not reward.model.path:
         return RewardManager(reward, registry, tokenizer)
-    role = run.spawn(REWARD_MODEL, reward.model.path, OmegaConf.merge(cfg.actor, {"adapter": {"rank": 0}}), head="reward")
+    role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
     functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
     return ModelReward(role, reward.model.weight, reward.model.key, functions)
 

@@ -20,6 +20,8 @@ from trellis.interfaces.backend import MODEL_INPUTS, DistInfo
 from trellis.interfaces.dispatch import Mesh, Route, batch_position
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
+    KV_CACHE,
+    WEIGHTS,
     Generation,
     RolloutEngine,
     RolloutFn,
@@ -41,7 +43,14 @@ def sync_from(engine: RolloutEngine, worker: Worker) -> None:
     """Load ``worker``'s current weights into ``engine`` (both in this process), exported in the
     engine's ``weight_dtype`` and kept on the worker's device (``all_ranks``: no copy through host
     memory). The engine checks the worker's ``weight_shapes()`` first (when the backend can tell),
-    then reads the export one tensor at a time as the backend gathers it."""
+    then reads the export one tensor at a time as the backend gathers it. A policy's LoRA adapter
+    goes alone to an engine with ``adapter_sync`` (every rank gathers it whole: it is small)."""
+    if engine.adapter_sync and getattr(worker, "adapter", None) is not None:  # the adapter alone, on the engine's base
+        config, tensors = worker.export_adapter()
+        engine.wake([WEIGHTS])
+        engine.load_adapter(config, tensors)
+        engine.wake([KV_CACHE])
+        return
     shapes = worker.weight_shapes()  # the manifest first, before the export starts gathering
     sync_engine(engine, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=engine.weight_dtype)), shapes)
 

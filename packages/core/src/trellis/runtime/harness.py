@@ -116,6 +116,11 @@ def backend_mesh(cfg: DictConfig, registry: Registry) -> Mesh:
     return Mesh.for_options(options, world_size(cfg.trainer))
 
 
+def policy_section(cfg: DictConfig) -> DictConfig | None:
+    """The config section a run builds its policy from: ``actor`` (rl), else ``train`` (sft, spin)."""
+    return cfg.get("actor") if "actor" in cfg else cfg.get("train")
+
+
 def spawn_worker(
     controller: Controller,
     registry: Registry,
@@ -236,7 +241,8 @@ class Run:
         """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh;
         ``max_len``: the longest prompt + response the recipe asks for (the engine's context)."""
         make_engine, options = resolve_component(self.registry, "rollout", self.cfg.rollout)
-        spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len)
+        adapter = (policy_section(self.cfg) or {}).get("adapter") or {}
+        spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len, adapter_rank=adapter.get("rank", 0))
         mesh = Mesh.for_options(options, self.controller.world_size())
         return self.controller.spawn_rollout(functools.partial(make_engine, spec), actor, mesh)
 

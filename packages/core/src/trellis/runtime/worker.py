@@ -34,6 +34,7 @@ FORWARD_VERBS = ("forward", "log_prob", "values", "score")
 STATE_ROUTES = {
     "export_weights": Route(RANK0),
     "weight_shapes": Route(RANK0),
+    "export_adapter": Route(RANK0),
     "load_weights": Route(ALL),
     "offload": Route(ALL),
     "onload": Route(ALL),
@@ -102,6 +103,7 @@ class RoleWorker(Worker):
         self.spec = spec
         self.plan = Plan.of(spec.role_options)
         self.objectives: dict[str, Any] = {}
+        self.adapter = None  # the role's AdapterConfig once built, when it trains one
 
     def build(self) -> None:
         spec = self.spec
@@ -111,7 +113,7 @@ class RoleWorker(Worker):
         trainable = bool(self.objectives)  # a role with objectives trains: it gets an optimizer
         optim = spec.role_options.optim if trainable else None
         adapter = getattr(spec.role_options, "adapter", None)
-        adapter = adapter if adapter is not None and adapter.rank > 0 else None
+        self.adapter = adapter = adapter if adapter is not None and adapter.rank > 0 else None
         self.backend = spec.make_backend(
             BackendSpec(spec.role, spec.model_path, spec.options, trainable, spec.head, optim, spec.dist, spec.seed, spec.total_steps, adapter)
         )
@@ -283,6 +285,12 @@ class RoleWorker(Worker):
         """Full weights in Hugging Face names, in buckets, cast to ``dtype`` if given (see
         ``Backend.export_weights``)."""
         return self.backend.export_weights(bucket_bytes, all_ranks, dtype=dtype)
+
+    def export_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The role's LoRA adapter alone, as PEFT saves it (see ``Backend.export_adapter``)."""
+        if self.adapter is None:
+            raise ValueError(f"role {self.spec.role!r} trains full weights: there is no adapter to export alone; export the merged model")
+        return self.backend.export_adapter()
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """Name -> full shape of every exported tensor in export order, without gathering (checked
