@@ -250,27 +250,29 @@ def check_terms(cfg: RewardConfig) -> None:
         seen[key] = i
 
 
-def load_function(path: str | Path, name: str) -> Callable[..., Any]:
-    """Function ``name`` from the Python file ``path``; errors name the file and what it defines."""
+def load_function(path: str | Path, name: str, keys: tuple[str, str] = ("reward.path", "reward.name")) -> Callable[..., Any]:
+    """Function ``name`` from the Python file ``path``; errors name the file, what it defines and
+    the config ``keys`` that gave the path and the name."""
     path = Path(path)
+    path_key, name_key = keys
     if not path.is_file():
-        raise RewardError(f"reward.path {str(path)!r} does not exist; give the path of a .py file that defines {name!r}")
-    module_name = f"trellis_user_reward_{abs(hash(str(path.resolve())))}"
+        raise RewardError(f"{path_key} {str(path)!r} does not exist; give the path of a .py file that defines {name!r}")
+    module_name = f"trellis_user_{path_key.split('.')[0]}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise RewardError(f"reward.path {str(path)!r} cannot be imported as Python; give a .py file")
+        raise RewardError(f"{path_key} {str(path)!r} cannot be imported as Python; give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise RewardError(f"reward.path {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise RewardError(f"{path_key} {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module_name)
         what = "is not callable" if fn is not None else "is not defined there"
-        raise RewardError(f"reward.name {name!r} {what} in {str(path)!r}; functions found: {', '.join(found) or 'none'}; set reward.name")
+        raise RewardError(f"{name_key} {name!r} {what} in {str(path)!r}; functions found: {', '.join(found) or 'none'}; set {name_key}")
     return fn
 
 

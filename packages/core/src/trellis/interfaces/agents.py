@@ -77,6 +77,7 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     turn_scores: list[float] = field(default_factory=list)
     tool_reward: float = 0.0
+    agent_reward: float = 0.0  # the loop's own reward for the whole sample (an ``openai_agent``'s return value)
     assistant_turns: int = 0
     user_turns: int = 0
     tool_calls: int = 0
@@ -123,3 +124,6 @@ class AgentLoop:
         one sample's (``n`` 1, its own seed). Every token the model did not sample is the
         environment's (``Trajectory.add_environment``: mask 0)."""
         raise NotImplementedError
+
+    async def close(self) -> None:
+        """Called once after every sample of the rollout call ended (e.g. to stop a server the loop started)."""

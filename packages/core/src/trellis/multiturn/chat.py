@@ -38,9 +38,14 @@ class ChatDeltas:
             raise ValueError("the chat template renders earlier turns differently once more follow; cannot append turns token-exactly")
         return encode_text(self.tokenizer, self._closing_rest(model_ids) + full[len(self.base) :])
 
-    def _closing_rest(self, model_ids: list[int]) -> str:
+    def sampled_closing(self, model_ids: list[int]) -> str:
+        """The start of the template's closing that the model turn sampled itself (its stop
+        token's text, e.g. ``<|im_end|>``); "" when the turn was cut short or stopped otherwise."""
         if model_ids:
             last = self.tokenizer.decode([model_ids[-1]])
             if last and self.closing.startswith(last):
-                return self.closing[len(last) :]
-        return self.closing  # the turn was cut short: the environment closes it
+                return last
+        return ""
+
+    def _closing_rest(self, model_ids: list[int]) -> str:
+        return self.closing[len(self.sampled_closing(model_ids)) :]  # the environment closes the rest

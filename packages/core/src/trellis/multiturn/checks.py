@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from trellis.config import ConfigError
 from trellis.data import load_prompt_rows
+from trellis.multiturn.agent import check_agent
 from trellis.multiturn.config import InteractionConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names, interaction_name
 from trellis.multiturn.rollout import AGENT_COLUMN, agent_rollout
@@ -29,6 +30,7 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
     mt = cfg.multi_turn
     if not mt.enable:
         given = [f"multi_turn.{k} ({len(mt[k])} given)" for k in ("interactions", "tools") if len(mt[k])]
+        given += [f"multi_turn.agent ({mt.agent!r})"] if mt.agent else []
         if given:
             raise ConfigError(
                 f"config key {' and '.join(given)} is set but multi_turn.enable is false, so it would be ignored; "
@@ -54,7 +56,7 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
         check_interaction_names(rows, spec.interaction_names, where)
         check_interaction_kwargs(rows, needs, where)
         loops[where] = enumerate(row.get(AGENT_COLUMN) for row in rows)
-    agent_rollout(spec, registry, loops)  # every row's agent loop is installed
+    check_agent(spec.settings, agent_rollout(spec, registry, loops).loops)  # every row's agent loop is installed, and what it runs
     if mt.max_response_tokens == 0 and mt.max_assistant_turns > 1:
         new, turns = cfg.sampling.max_new_tokens, mt.max_assistant_turns
         log.warning(

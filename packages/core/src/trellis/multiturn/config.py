@@ -66,6 +66,11 @@ class MultiTurnConfig:
     max_concurrent_samples: conversations in flight at once per engine.
     agent_loop: the registered agent loop (kind ``agent_loop``) of rows without an ``agent_name``
         column; a row's ``agent_name`` picks another one for its samples.
+    agent: the async function ``agent(client, sample) -> reward`` that the ``openai_agent`` loop
+        runs per sample against the policy endpoint: ``path/to/file.py:function`` or
+        ``package.module:function``.
+    agent_timeout_s: the longest one sample's agent function may run; past it the sample ends
+        (``finish_reason`` ``timeout``, reward 0).
     """
 
     enable: bool = False
@@ -79,3 +84,5 @@ class MultiTurnConfig:
     max_tool_response_chars: int = ranged(1024, ge=1)
     score: str = choice("last", SCORES)
     max_concurrent_samples: int = ranged(64, ge=1)
+    agent: str = ""
+    agent_timeout_s: float = ranged(600.0, gt=0)

@@ -70,8 +70,11 @@ def _settings(node: DictConfig) -> MultiTurnConfig:
     interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
     tools = [ToolConfig(**x) for x in data.pop("tools")]
     settings = MultiTurnConfig(**data, interactions=interactions, tools=tools)
-    if not settings.interactions and not settings.tools:
-        raise ConfigError("multi_turn.enable=true needs at least one entry in multi_turn.interactions or multi_turn.tools")
+    if not settings.interactions and not settings.tools and not settings.agent:
+        raise ConfigError(
+            "multi_turn.enable=true needs at least one entry in multi_turn.interactions or multi_turn.tools, or an agent "
+            "function in multi_turn.agent (with multi_turn.agent_loop=openai_agent)"
+        )
     return settings
 
 

@@ -39,7 +39,7 @@ class AgentRollout:
         """``params.n`` conversations per prompt, every loop's samples in flight together (up to
         ``max_concurrent_samples``); the ``rollout_batch`` layout (response attention 1 on every
         token, ``response_mask`` 1 on the model's) plus per-sample ``num_turns``, ``user_turns``,
-        ``tool_calls``, ``tool_errors``, ``malformed_calls``, ``tool_rewards``, ``env_errors``, and
+        ``tool_calls``, ``tool_errors``, ``malformed_calls``, ``tool_rewards``, ``agent_rewards``, ``env_errors``, and
         ``turn_scores``, ``interaction``, ``finish_reason``, ``agent_name`` (Python fields).
 
         prompts: left-padded ``input_ids`` / ``attention_mask`` ``(batch, prompt_len)`` with
@@ -65,7 +65,12 @@ class AgentRollout:
                 single = dataclasses.replace(params, n=1, seed=params.sample_seed(i * params.n + j))
                 args = (ids, prompts["raw_prompt"][i], prompts["extra_info"][i] or {}, single)
                 jobs.append(one(names[i], *args))
-        out = assemble(prompts, params, await asyncio.gather(*jobs), pad_id(self.spec.tokenizer))
+        try:
+            trajectories = await asyncio.gather(*jobs)
+        finally:
+            for loop in built.values():
+                await loop.close()
+        out = assemble(prompts, params, trajectories, pad_id(self.spec.tokenizer))
         out[AGENT_COLUMN] = [name for name in names for _ in range(params.n)]
         return out
 
@@ -125,6 +130,7 @@ def assemble(prompts: Batch, params: SamplingParams, trajectories: list[Trajecto
         out[key] = counts(key)
     out["env_errors"] = torch.tensor([t.finish == "error" for t in trajectories], dtype=torch.long)
     out["tool_rewards"] = torch.tensor([t.tool_reward for t in trajectories], dtype=torch.float32)
+    out["agent_rewards"] = torch.tensor([t.agent_reward for t in trajectories], dtype=torch.float32)
     out["turn_scores"] = [list(t.turn_scores) for t in trajectories]
     out["interaction"] = [t.interaction for t in trajectories]
     out["finish_reason"] = [t.finish for t in trajectories]

@@ -37,9 +37,20 @@ class RecordingEngine:
 
 def recording() -> list[Generation]:
     """A fresh record of the model turns sampled in the calling task (each sample runs as a task of its own)."""
-    turns: list[Generation] = []
+    return record_into([])
+
+
+def record_into(turns: list[Generation]) -> list[Generation]:
+    """Record the calling task's ``agenerate`` calls in ``turns``: a sample's record, taken with
+    :func:`current_record` in its own task, so that a task serving it (a request to the policy
+    endpoint) records there too."""
     _TURNS.set(turns)
     return turns
+
+
+def current_record() -> list[Generation] | None:
+    """The record of the calling task's sample; None outside a sample's task."""
+    return _TURNS.get(None)
 
 
 def check_sampled(traj: Trajectory, turns: list[Generation], loop: str, tokenizer: Any) -> None:

@@ -41,10 +41,11 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
 
 def environment_scores(batch: Batch, score: str) -> torch.Tensor:
     """Per-sample scores ``(batch,)`` from the environment: the last interaction turn's score
-    (``last``) or their sum (``sum``), plus the sample's tool rewards."""
+    (``last``) or their sum (``sum``), plus the sample's tool rewards and the reward its agent loop
+    gave it (``openai_agent``: the user's function's return value)."""
     turns = [list(s) for s in batch["turn_scores"]]
     base = [(s[-1] if s else 0.0) if score == "last" else sum(s) for s in turns]
-    return torch.tensor(base, dtype=torch.float32) + batch["tool_rewards"]
+    return torch.tensor(base, dtype=torch.float32) + batch["tool_rewards"] + batch["agent_rewards"]
 
 
 def multiturn_metrics(batch: Batch) -> dict[str, float]:

@@ -1,0 +1,188 @@
+"""The agent loop ``openai_agent``: a user's async function ``agent(client, sample) -> reward``
+(``multi_turn.agent``) runs each sample against the policy endpoint with an ``openai`` client, and
+the sample trains on exactly the tokens the endpoint sampled for it, scored with the returned reward."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import importlib
+import inspect
+import logging
+import math
+import numbers
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from trellis.config import ConfigError
+from trellis.interfaces.agents import AgentLoop, Trajectory
+from trellis.interfaces.rollout import RolloutEngine, SamplingParams
+from trellis.multiturn.config import MultiTurnConfig
+from trellis.multiturn.environment import AgentSpec, Environment
+from trellis.multiturn.sampled import current_record
+from trellis.rewards import RewardError, load_function
+
+log = logging.getLogger("trellis")
+
+KEY = "multi_turn.agent"
+NEEDS = (("openai", "openai"), ("aiohttp", "aiohttp"))  # (module, pip package) the loop imports when it runs
+
+
+@dataclass
+class AgentSample:
+    """What an agent function gets besides its client: the row's prompt (chat messages; the
+    first request must begin with them) and its ``extra_info``."""
+
+    messages: list[dict[str, Any]]
+    extra_info: dict[str, Any]
+
+
+class Agent(Protocol):
+    """``multi_turn.agent``: runs one episode with ``client`` (an ``openai.AsyncOpenAI`` pointed at
+    the policy endpoint, bound to this sample's trajectory) and returns its reward."""
+
+    async def __call__(self, client: Any, sample: AgentSample) -> float: ...
+
+
+@functools.cache  # one module per process, however many rollouts load it
+def load_agent(ref: str) -> Callable[..., Any]:
+    """The async function ``path/to/file.py:function`` or ``package.module:function`` names."""
+    where, sep, name = ref.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"config key '{KEY}' is {ref!r}; give path/to/file.py:function or package.module:function")
+    if where.endswith(".py"):
+        try:
+            fn = load_function(where, name, (KEY, KEY))
+        except RewardError as exc:
+            raise ConfigError(f"config key '{KEY}': {exc}") from None
+    else:
+        try:
+            fn = getattr(importlib.import_module(where), name, None)
+        except ImportError as exc:
+            raise ConfigError(f"config key '{KEY}': cannot import module {where!r} ({exc}); is its package installed?") from None
+        if fn is None:
+            raise ConfigError(f"config key '{KEY}': module {where!r} has no {name!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"config key '{KEY}': {ref!r} is not an async function; define it as `async def {name}(client, sample) -> float`")
+    return fn
+
+
+def check_agent(settings: MultiTurnConfig, loops: Mapping[str, type[AgentLoop]]) -> None:
+    """``multi_turn.agent`` is set exactly when a row (or ``multi_turn.agent_loop``) uses
+    ``openai_agent``, its function loads, its reward is used and the packages it needs are installed."""
+    users = sorted(name for name, cls in loops.items() if issubclass(cls, OpenAIAgentLoop))
+    if not users:
+        if settings.agent:
+            raise ConfigError(
+                f"config key '{KEY}' is {settings.agent!r}, but neither multi_turn.agent_loop nor any row's agent_name picks the "
+                "openai_agent loop, so it would never run; set multi_turn.agent_loop=openai_agent or drop multi_turn.agent"
+            )
+        return
+    if not settings.agent:
+        raise ConfigError(f"agent loop {users[0]!r} runs the function '{KEY}', which is not set; give {KEY}=path/to/file.py:function")
+    if settings.score == "reward":
+        raise ConfigError(
+            f"config key 'multi_turn.score' is reward with {KEY}: the reward function would score the decoded trajectories and "
+            "ignore what the agent returns; set multi_turn.score=last (the agent's reward, plus any interaction's)"
+        )
+    missing = [pip for module, pip in NEEDS if not _importable(module)]
+    if missing:
+        raise ConfigError(
+            f"agent loop {users[0]!r} needs {' and '.join(missing)}: pip install {' '.join(missing)} (or pip install 'trellis-core[agent]')"
+        )
+    load_agent(settings.agent)
+
+
+class OpenAIAgentLoop(AgentLoop):
+    """Each sample is one call of ``multi_turn.agent`` with its own ``openai`` client (registered
+    as ``openai_agent``). The policy endpoint starts with the first sample and stops when the
+    rollout call ends (:meth:`close`); samples run concurrently up to ``max_concurrent_samples``,
+    each for at most ``agent_timeout_s``.
+
+    The trajectory is what the endpoint recorded (``trellis.multiturn.endpoint``): each call that
+    continues the conversation adds its new messages' tokens (mask 0) and the sampled tokens.
+    The returned number is the sample's reward; an agent that raises or times out gives 0
+    (``finish_reason`` ``error`` / ``timeout``, the first error logged), unless the trajectory
+    had already stopped growing (a limit, or rewritten history: that reason is kept).
+    """
+
+    def __init__(self, engine: RolloutEngine, spec: AgentSpec, env: Environment) -> None:
+        super().__init__(engine, spec, env)
+        self.agent = load_agent(self.settings.agent)
+        self.endpoint: Any = None
+        self._starting = asyncio.Lock()
+        self._logged_error = False
+
+    async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
+        import openai  # checked installed before any model was built
+
+        from trellis.multiturn.endpoint import HEADER
+
+        endpoint = await self._endpoint()
+        s = self.settings
+        budget = s.max_response_tokens or params.max_new_tokens * s.max_assistant_turns
+        record = current_record()
+        episode = endpoint.open(prompt_ids, raw_prompt, params, budget, s.max_assistant_turns, [] if record is None else record)
+        client = openai.AsyncOpenAI(
+            base_url=endpoint.url, api_key=endpoint.token, default_headers={HEADER: episode.id}, max_retries=0, timeout=s.agent_timeout_s
+        )
+        outcome, reward = "done", 0.0
+        try:
+            sample = AgentSample(copy.deepcopy(list(raw_prompt)), copy.deepcopy(dict(extra_info)))
+            reward = _reward(await asyncio.wait_for(self.agent(client, sample), s.agent_timeout_s))
+        except asyncio.TimeoutError:
+            outcome = "timeout"
+        except Exception as exc:  # noqa: BLE001 - the user's agent failed: this sample ends, the run goes on
+            outcome = "error"
+            episode.trajectory.error = f"{type(exc).__name__}: {exc}"
+            self._log_error(exc)
+        finally:
+            await endpoint.end(episode)
+            await client.close()
+        if episode.engine_error is not None:
+            raise episode.engine_error
+        traj = episode.trajectory
+        traj.finish = episode.ended or outcome
+        traj.agent_reward = reward
+        return traj
+
+    async def close(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.close()
+            self.endpoint = None
+
+    async def _endpoint(self) -> Any:
+        async with self._starting:
+            if self.endpoint is None:
+                from trellis.multiturn.endpoint import PolicyEndpoint  # aiohttp: only runs that use this loop need it
+
+                endpoint = PolicyEndpoint(self.engine, self.tokenizer, self.spec.template_kwargs)
+                await endpoint.start()
+                self.endpoint = endpoint
+        return self.endpoint
+
+    def _log_error(self, exc: Exception) -> None:
+        if not self._logged_error:
+            self._logged_error = True
+            log.error(
+                "openai_agent: %s raised; that sample ends with reward 0 (finish_reason error; later failures are counted, not logged)\n%s",
+                self.settings.agent,
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            )
+
+
+def _reward(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"the agent returned {value!r}; it must return the sample's reward, a finite number")
+    return float(value)
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True

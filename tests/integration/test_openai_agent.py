@@ -1,0 +1,201 @@
+"""Train any agent: a test agent written against the real ``openai`` client talks to the policy
+endpoint (a real aiohttp server on loopback in front of the HF engine); the rl recipe trains on
+exactly the tokens the endpoint sampled, with the engine's log-probs, and the endpoint refuses what
+it cannot serve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import trellis.recipes.rl as rl
+from trellis.config import ConfigError
+from trellis.data import encode_text, render_chat
+from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+from trellis.multiturn.endpoint import HEADER, PolicyEndpoint
+from trellis.recipes.train import train
+
+AGENTS = Path(__file__).parents[1] / "openai_agents.py"
+AGENT = f"{AGENTS}:answer_then_follow_up"
+PROMPT = [{"role": "user", "content": "1+2="}]
+FOLLOW_UP_TEXT = "again?"  # openai_agents.FOLLOW_UP
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    return str(write_rows(make_arithmetic_split(16, 0, max_value=30), folder / "train.parquet"))
+
+
+def overrides(model, data, run_dir, *more):
+    return [
+        "recipe=rl",
+        f"model.path={model}",
+        f"data.train_path={data}",
+        "data.val_path=null",
+        "data.train_batch_prompts=4",
+        "sampling.n=2",
+        "sampling.max_new_tokens=6",
+        "trainer.total_steps=2",
+        "trainer.trackers=[jsonl]",
+        f"trainer.run_dir={run_dir}",
+        "multi_turn.enable=true",
+        "multi_turn.agent_loop=openai_agent",
+        f"multi_turn.agent={AGENT}",
+        "multi_turn.max_response_tokens=64",
+        *more,
+    ]
+
+
+def test_rl_trains_on_exactly_what_the_endpoint_sampled(tiny_model_path, data, tmp_path, monkeypatch):
+    """Two rl steps; every sample is one agent episode of two calls. Its trained tokens are the
+    two sampled turns, its environment tokens the follow-up between them, its reward what the
+    agent returned, and its rollout log-probs a forward pass of the untrained model (step 1)."""
+    episodes, batches = [], []
+    end, sample = PolicyEndpoint.end, rl.sample
+
+    async def keep_episode(self, episode):
+        await end(self, episode)
+        episodes.append(episode)
+
+    def keep_batch(*args, **kwargs):
+        batches.append(sample(*args, **kwargs))
+        return batches[-1]
+
+    monkeypatch.setattr(PolicyEndpoint, "end", keep_episode)
+    monkeypatch.setattr(rl, "sample", keep_batch)
+    train(None, overrides(tiny_model_path, data, tmp_path / "run"))
+
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+    assert len(steps) == 2 and len(batches) == 2 and len(episodes) == 2 * 4 * 2
+    for r in steps:
+        assert r["multiturn/finish_done"] == 1.0 and r["multiturn/num_turns_mean"] == 2.0 and r["multiturn/env_errors"] == 0
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    for step, batch in enumerate(batches):
+        mine = episodes[step * 8 : (step + 1) * 8]
+        by_sequence = {tuple(e.chain_ids): e for e in mine}
+        for i in range(len(batch)):
+            full = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+            episode = by_sequence.pop(tuple(full))  # the trained sequence is the one the engine saw, token for token
+            first, second = episode.calls
+            assert first.trained and second.trained
+            assert second.prompt_ids[: len(first.prompt_ids) + len(first.generation.token_ids)] == first.prompt_ids + first.generation.token_ids
+            mask = batch["response_mask"][i].bool()
+            sampled = first.generation.token_ids + second.generation.token_ids
+            assert batch["responses"][i][mask].tolist() == sampled
+            assert batch["rollout_log_probs"][i][mask].tolist() == pytest.approx(first.generation.log_probs + second.generation.log_probs, abs=0)
+            between = second.prompt_ids[len(first.prompt_ids) + len(first.generation.token_ids) :]
+            assert FOLLOW_UP_TEXT in tokenizer.decode(between) and tokenizer.decode(between).endswith("<|im_start|>assistant\n")
+            reply = tokenizer.decode(second.generation.token_ids, skip_special_tokens=True)
+            assert batch["agent_rewards"][i].item() == pytest.approx(len(reply) / 10)
+        assert not by_sequence
+    assert steps[0]["reward/mean"] == pytest.approx(batches[0]["agent_rewards"].mean().item(), abs=1e-6)
+
+    # step 1 sampled from the initial weights: a plain forward pass gives the rollout's log-probs
+    first_step = batches[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=first_step["input_ids"], attention_mask=first_step["attention_mask"], position_ids=first_step["position_ids"]
+        ).logits
+    width = first_step["responses"].shape[1]
+    log_probs = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1).gather(-1, first_step["responses"][..., None])[..., 0]
+    mask = first_step["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask], first_step["rollout_log_probs"][mask], atol=1e-4, rtol=0)
+
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    from trellis_hf.engine import make_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    return make_engine(RolloutSpec(tiny_model_path, None, tokenizer))
+
+
+def test_the_endpoint_refuses_what_it_cannot_serve(engine):
+    tokenizer = engine.tokenizer
+    prompt_ids = encode_text(tokenizer, render_chat(tokenizer, PROMPT, True, {}))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+
+    async def run():
+        endpoint = PolicyEndpoint(engine, tokenizer, {})
+        await endpoint.start()
+        episode = endpoint.open(prompt_ids, PROMPT, params, budget=256, max_turns=3, turns=[])
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.token, default_headers={HEADER: episode.id}, max_retries=0)
+        refused = {}
+
+        async def ask(name, client=client, **kwargs):
+            try:
+                await client.chat.completions.create(**{"model": "any", "messages": PROMPT, **kwargs})
+            except openai.APIStatusError as exc:
+                refused[name] = (exc.status_code, exc.message)
+
+        try:
+            await ask("no token", client.with_options(api_key="wrong"))
+            await ask("unknown trajectory", client.with_options(default_headers={HEADER: "nobody"}))
+            await ask("other prompt", messages=[{"role": "system", "content": "be brief"}, *PROMPT])
+            await ask("n", n=2)
+            await ask("temperature", temperature=0.5)
+            await ask("tools", tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])
+            await ask("unsupported", logprobs=True)
+            assert not episode.calls  # nothing refused was sampled
+            reply = await client.chat.completions.create(model="any", messages=PROMPT, temperature=1.0, user=episode.id)
+            content = reply.choices[0].message.content
+            # an agent that rewrites its history: served, not trained, the trajectory ends before it
+            rewritten = [*PROMPT, {"role": "assistant", "content": "!" + content}, {"role": "user", "content": "?"}]
+            await client.chat.completions.create(model="any", messages=rewritten)
+        finally:
+            await endpoint.end(episode)
+            await ask("ended trajectory")
+            await client.close()
+            await endpoint.close()
+        return refused, episode, reply
+
+    refused, episode, reply = asyncio.run(run())
+    assert refused["no token"][0] == 401 and "bearer token" in refused["no token"][1]
+    assert refused["unknown trajectory"][0] == 400 and "unknown trajectory id 'nobody'" in refused["unknown trajectory"][1]
+    assert "the first call's messages must begin with the sample's prompt" in refused["other prompt"][1]
+    assert "n=2 is not supported" in refused["n"][1]
+    assert "temperature=0.5 differs from the run's temperature=1" in refused["temperature"][1]
+    assert "chat template does not render tools" in refused["tools"][1]
+    assert "does not support 'logprobs'" in refused["unsupported"][1]
+    assert "unknown trajectory id" in refused["ended trajectory"][1]  # an ended sample takes no more calls
+    assert all(status == 400 for name, (status, _) in refused.items() if name != "no token")
+    first, second = episode.calls
+    assert first.trained and not second.trained and episode.ended == "history_rewritten"
+    assert first.prompt_ids == prompt_ids and episode.trajectory.response_ids == first.generation.token_ids
+    assert reply.usage.prompt_tokens == len(prompt_ids) and reply.usage.completion_tokens == len(first.generation.token_ids)
+    assert reply.choices[0].message.content == tokenizer.decode(first.generation.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        (["multi_turn.agent=''"], r"multi_turn.enable=true needs .* or an agent function in multi_turn.agent \(with multi_turn.agent_loop=openai_agent\)"),
+        (["multi_turn.agent_loop=tool_agent"], r"config key 'multi_turn.agent' is .*, but neither multi_turn.agent_loop nor any row's"),
+        ([f"multi_turn.agent={AGENTS}:not_async"], r"'multi_turn.agent': .*:not_async' is not an async function; define it as `async def"),
+        ([f"multi_turn.agent={AGENTS}:answer"], r"multi_turn.agent 'answer' is not defined there in .*; functions found: answer_then_follow_up"),
+        (["multi_turn.agent=/nowhere/agent.py:run"], r"multi_turn.agent '/nowhere/agent.py' does not exist"),
+        (["multi_turn.score=reward"], r"config key 'multi_turn.score' is reward with multi_turn.agent"),
+    ],
+    ids=["unset", "unused", "not async", "misspelt", "no file", "score reward"],
+)
+def test_agent_config_errors_are_found_before_any_model_is_built(tiny_model_path, data, tmp_path, more, message):
+    with pytest.raises(ConfigError, match=message):
+        train(None, overrides(tiny_model_path, data, tmp_path / "bad", *more), dry_run=True)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_missing_openai_package_is_named_before_any_model_is_built(tiny_model_path, data, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openai", None)  # import openai now raises ImportError
+    with pytest.raises(ConfigError, match=r"agent loop 'openai_agent' needs openai: pip install openai"):
+        train(None, overrides(tiny_model_path, data, tmp_path / "bad"), dry_run=True)
