@@ -41,10 +41,11 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
     "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
-    # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin
+    # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
+    # [agent]: the openai_agent test runs an agent on the real openai client against the policy endpoint (aiohttp)
     "integration": (
         [
-            "packages/core",
+            "packages/core[agent]",
             "packages/algos",
             "packages/backend-fsdp[lora]",
             "packages/rollout-hf",

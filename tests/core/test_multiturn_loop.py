@@ -398,8 +398,9 @@ def test_rows_pick_their_agent_loop_and_the_environment_may_speak_first(registry
 
 def test_unknown_agent_loop_is_named_with_the_row_and_the_installed_loops(registry, tokenizer):
     agent = spec(registry, tokenizer, interactions=[{"name": "check", "component": "checker"}])
-    with pytest.raises(ConfigError, match=r"data.train_path 'x.parquet': row 2 has agent_name='react', which is not an installed agent "
-                                          r"loop \(installed: example_one_turn, observation_first, retokenized, tool_agent\)"):  # fmt: skip
+    installed = "example_one_turn, observation_first, openai_agent, retokenized, tool_agent"
+    with pytest.raises(ConfigError, match=rf"data.train_path 'x.parquet': row 2 has agent_name='react', which is not an installed agent "
+                                          rf"loop \(installed: {installed}\)"):  # fmt: skip
         agent_rollout(agent, registry, {"data.train_path 'x.parquet'": [(0, None), (1, "tool_agent"), (2, "react")]})
     agent.settings.agent_loop = "tool_agnet"
     with pytest.raises(ConfigError, match=r"config key 'multi_turn.agent_loop': agent_loop 'tool_agnet' is not installed.*did you mean 'tool_agent'"):

@@ -190,7 +190,7 @@ class PolicyEndpoint:
             if episode.ended:
                 raise Refused(_limit_message(episode))
             ids = episode.chain_ids + delta
-            gen = await self._sample(episode, ids, dataclasses.replace(params, max_new_tokens=min(max_tokens, room)))
+            gen = await self._sample(episode, ids, dataclasses.replace(params, max_new_tokens=min(max_tokens, params.max_new_tokens, room)))
             if not episode.closed:  # a call that outlived its agent (timeout) is not added
                 traj.add_environment(delta)
                 traj.add_model(gen)
@@ -208,7 +208,7 @@ class PolicyEndpoint:
             room = len(episode.calls[0].prompt_ids) + episode.budget - len(ids)  # the trajectory's own context length
             if room <= 0:
                 raise Refused(f"the messages render to {len(ids)} tokens, more than this trajectory's context")
-            gen = await self._sample(episode, ids, dataclasses.replace(params, max_new_tokens=min(max_tokens, room)))
+            gen = await self._sample(episode, ids, dataclasses.replace(params, max_new_tokens=min(max_tokens, params.max_new_tokens, room)))
             episode.calls.append(Call(ids, gen, False))
         return _completion(self._content(gen), gen, len(ids))
 
