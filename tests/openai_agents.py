@@ -17,3 +17,30 @@ async def answer_then_follow_up(client, sample):
 
 def not_async(client, sample):
     return 1.0
+
+
+async def raises(client, sample):
+    await client.chat.completions.create(model="policy", messages=sample.messages)
+    raise RuntimeError("the agent's own bug")
+
+
+async def sleeps(client, sample):
+    import asyncio
+
+    await client.chat.completions.create(model="policy", messages=sample.messages)
+    await asyncio.sleep(60)
+    return 1.0
+
+
+async def three_turns(client, sample):
+    """Asks three times; the third call is past multi_turn.max_assistant_turns=2 and refused."""
+    import openai
+
+    messages = list(sample.messages)
+    for _ in range(3):
+        try:
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+        except openai.BadRequestError as exc:
+            return 0.5 if "model turns (multi_turn.max_assistant_turns)" in exc.message else -1.0
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": FOLLOW_UP}]
+    return -1.0

@@ -13,14 +13,20 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trellis.recipes.rl as rl
-from trellis.config import ConfigError
-from trellis.data import encode_text, render_chat
+from trellis.config import ConfigError, validate
+from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+from trellis.multiturn.agent import OpenAIAgentLoop
+from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.endpoint import HEADER, PolicyEndpoint
+from trellis.multiturn.environment import agent_spec
+from trellis.multiturn.rollout import AgentRollout
+from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 
 AGENTS = Path(__file__).parents[1] / "openai_agents.py"
@@ -103,14 +109,11 @@ def test_rl_trains_on_exactly_what_the_endpoint_sampled(tiny_model_path, data, t
     first_step = batches[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(
-            input_ids=first_step["input_ids"], attention_mask=first_step["attention_mask"], position_ids=first_step["position_ids"]
-        ).logits
+        logits = model(input_ids=first_step["input_ids"], attention_mask=first_step["attention_mask"], position_ids=first_step["position_ids"]).logits
     width = first_step["responses"].shape[1]
     log_probs = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1).gather(-1, first_step["responses"][..., None])[..., 0]
     mask = first_step["response_mask"].bool()
     torch.testing.assert_close(log_probs[mask], first_step["rollout_log_probs"][mask], atol=1e-4, rtol=0)
-
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +202,21 @@ def test_a_missing_openai_package_is_named_before_any_model_is_built(tiny_model_
     monkeypatch.setitem(sys.modules, "openai", None)  # import openai now raises ImportError
     with pytest.raises(ConfigError, match=r"agent loop 'openai_agent' needs openai: pip install openai"):
         train(None, overrides(tiny_model_path, data, tmp_path / "bad"), dry_run=True)
+
+
+@pytest.mark.parametrize(
+    ("function", "finish", "reward", "turns"),
+    [("raises", "error", 0.0, 1), ("sleeps", "timeout", 0.0, 1), ("three_turns", "max_assistant_turns", 0.5, 2)],
+)
+def test_an_agent_that_fails_or_hits_a_limit_keeps_its_sampled_turns(engine, function, finish, reward, turns):
+    """Through the rollout function itself: the turns sampled before the failure or the refused
+    call are the sample's (checked as sampled), its reward is 0 or what the agent returned."""
+    registry = load_plugins().registry
+    section = {"enable": True, "agent_loop": "openai_agent", "agent": f"{AGENTS}:{function}", "agent_timeout_s": 2, "max_response_tokens": 256}
+    spec = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, engine.tokenizer)
+    rows = [{"prompt": PROMPT, "data_source": "arithmetic", "reward_model": {"ground_truth": "3"}}]
+    batch = PromptDataset(rows, engine.tokenizer, 64).as_batch()
+    out = asyncio.run(AgentRollout(spec, {"openai_agent": OpenAIAgentLoop})(engine, batch, SamplingParams(n=2, max_new_tokens=4, seed=0)))
+    assert list(out["finish_reason"]) == [finish, finish] and out["num_turns"].tolist() == [turns, turns]
+    assert out["agent_rewards"].tolist() == [reward, reward] and out["env_errors"].tolist() == [finish == "error"] * 2
+    assert (out["response_mask"].sum(-1) > 0).all()
