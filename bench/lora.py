@@ -9,13 +9,14 @@ the checkpoint is the one written after the last step, its ``checkpoint-N/actor`
 or adapter, optimizer state) measured on disk.
 
 Gain: the demo's RL stage (``demo_rl.yaml``, GRPO, 16 prompts x 8 samples, 12 new tokens) from
-the demo's SFT model for ``--rl-steps`` steps per seed, full fine-tuning at ``--full-lr`` (the demo's) against
-a LoRA adapter of rank ``--gain-rank`` (alpha = 2 x rank) whose lr is picked on seed 0 from
-``--lora-lrs`` by the mean of its last two held-out validations. Held-out greedy accuracy on the
-200 test prompts before and after. Ends with ``RESULT``.
+the demo's SFT model for ``--rl-steps`` steps per seed, full fine-tuning at ``--full-lr`` (the
+demo's) against a LoRA adapter of rank ``--gain-rank`` (alpha = 2 x rank) whose lr is picked on
+seed 0 from ``--lora-lrs`` by the mean of its last two held-out greedy validations. Held-out
+accuracy on the 200 test prompts before and after, greedy and sampled (temperature 1: the demo's
+RL raises it well before the greedy one). Ends with ``RESULT``.
 
     nice python bench/lora.py [--sizes 10M,50M] [--ranks 8 16] [--steps 8] [--warmup 2] [--length 32]
-        [--seeds 0 1 2] [--rl-steps 100] [--val-every 20] [--lora-lrs 1e-3 3e-3 1e-2] [--threads 1] [--out runs/bench-lora]
+        [--seeds 0 1 2] [--rl-steps 100] [--val-every 20] [--lora-lrs 3e-4 1e-3 3e-3 1e-2] [--threads 1] [--out runs/bench-lora]
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def cost(args: argparse.Namespace) -> list[str]:
 
 
 def gain(args: argparse.Namespace) -> list[str]:
-    """The demo RL stage with full fine-tuning and with LoRA: curves, lr sweep, before/after table; its RESULT fields."""
-    from curves import mean_std, plot_curves, val_curve
+    """The demo RL stage with full fine-tuning and with LoRA: lr sweep, curves, before/after table; its RESULT fields."""
+    from curves import GREEDY, SAMPLED, mean_std, plot_curves, val_curve
     from demo_start import demo_start
 
     from trellis.examples.demo import config_path
@@ -125,47 +126,54 @@ def gain(args: argparse.Namespace) -> list[str]:
     out = Path(args.out)
     start, rl_data, test_data = demo_start(out, args.sft_steps, args.threads)
 
-    def run(name: str, seed: int, settings: list[str]) -> list[tuple[int, float, float]]:
+    def run(name: str, seed: int, settings: list[str]) -> Path:
         run_dir = out / f"{name}-seed{seed}"
         train(config_path("demo_rl.yaml"), [*settings, f"model.path={start}", f"data.train_path={rl_data}",
             f"data.val_path={test_data}", f"seed={seed}", f"trainer.total_steps={args.rl_steps}",
             f"trainer.val_every_steps={args.val_every}", f"trainer.threads={args.threads}", "trainer.trackers=[jsonl]",
             f"trainer.run_dir={run_dir}",
         ])  # fmt: skip
-        return val_curve(run_dir)
+        return run_dir
 
-    def lora(lr: float, seed: int) -> list[tuple[int, float, float]]:
+    def lora(lr: float, seed: int) -> Path:
         return run(f"lora-r{args.gain_rank}-lr{lr:g}", seed, [*adapter_overrides(args.gain_rank), f"actor.optim.lr={lr}"])
 
     sweep = {lr: lora(lr, args.seeds[0]) for lr in args.lora_lrs}
-    best = max(args.lora_lrs, key=lambda lr: statistics.mean(v for _, _, v in sweep[lr][-2:]))
-    curves = {
+    best = max(args.lora_lrs, key=lambda lr: statistics.mean(v for _, _, v in val_curve(sweep[lr])[-2:]))
+    runs = {
         "full": [run("full", seed, [f"actor.optim.lr={args.full_lr}"]) for seed in args.seeds],
         f"LoRA r{args.gain_rank}": [sweep[best], *(lora(best, seed) for seed in args.seeds[1:])],  # seed 0's is the sweep's
     }
-    plot_curves({**curves, **{f"LoRA lr {lr:g} (seed {args.seeds[0]})": [c] for lr, c in sweep.items() if lr != best}},
-                out / "lora.png", "held-out greedy accuracy")  # fmt: skip
+    curves = {key: {m: [val_curve(d, key) for d in dirs] for m, dirs in runs.items()} for key in (GREEDY, SAMPLED)}
+    others = {f"LoRA lr {lr:g} (seed {args.seeds[0]})": [val_curve(d)] for lr, d in sweep.items() if lr != best}
+    plot_curves({**curves[GREEDY], **others}, out / "lora.png", "held-out greedy accuracy")
 
-    print(f"\nLoRA r{args.gain_rank} lr sweep on seed {args.seeds[0]}, held-out greedy accuracy (200 prompts) per validation")
-    steps = [s for s, _, _ in sweep[best]]
-    print(f"{'lr':<10}" + "".join(f"{'step ' + str(s):>10}" for s in steps))
-    for lr, c in sweep.items():
-        print(f"{lr:<10g}" + "".join(f"{v:>10.3f}" for _, _, v in c) + ("   <- picked (mean of last two)" if lr == best else ""))
-    print(f"\nheld-out greedy accuracy, seeds {args.seeds}, {args.rl_steps} steps from the demo's SFT model "
-          f"(full lr {args.full_lr:g} = the demo's, LoRA lr {best:g})")  # fmt: skip
-    print(f"{'step':<6}" + "".join(f"{m:>18}" for m in curves))
+    steps = [s for s, _, _ in val_curve(sweep[best])]
+    print(f"\nLoRA r{args.gain_rank} lr sweep on seed {args.seeds[0]}, held-out accuracy (200 prompts) per validation, greedy | sampled")
+    print(f"{'lr':<8}" + "".join(f"{'step ' + str(s):>9}" for s in steps) + " |" + "".join(f"{'step ' + str(s):>9}" for s in steps))
+    for lr, d in sweep.items():
+        greedy, sampled = ("".join(f"{v:>9.3f}" for _, _, v in val_curve(d, key)) for key in (GREEDY, SAMPLED))
+        print(f"{lr:<8g}{greedy} |{sampled}" + ("  <- picked (greedy, mean of last two)" if lr == best else ""))
+    print(f"\nheld-out accuracy, mean ± std over seeds {args.seeds}, {args.rl_steps} steps from the demo's SFT model "
+          f"(full lr {args.full_lr:g}, LoRA lr {best:g})")  # fmt: skip
+    print(f"{'step':<6}" + "".join(f"{m + ' ' + k:>20}" for k in ("greedy", "sampled") for m in runs))
     for i, step in enumerate(steps):
-        print(f"{step:<6}" + "".join(f"{mean_std([c[i][2] for c in cs]):>18}" for cs in curves.values()))
+        print(f"{step:<6}" + "".join(f"{mean_std([c[i][2] for c in cs]):>20}" for key in (GREEDY, SAMPLED) for cs in curves[key].values()))
     fields = [f"lora_lr={best:g}"]
-    for m, cs in curves.items():
-        before, after = [c[0][2] for c in cs], [c[-1][2] for c in cs]
-        per_step = statistics.mean(c[-1][1] for c in cs) / args.rl_steps
-        print(f"{m}: before {mean_std(before)}, after {mean_std(after)}, gain {statistics.mean(after) - statistics.mean(before):+.3f} "
-              f"(per seed {', '.join(f'{a - b:+.3f}' for a, b in zip(after, before))}); {per_step:.2f} training s/step")  # fmt: skip
-        key = m.split()[0].lower()
-        fields += [f"{key}_before={statistics.mean(before):.3f}", f"{key}_after={statistics.mean(after):.3f}",
-                   f"{key}_gain={statistics.mean(after) - statistics.mean(before):+.3f}", f"{key}_s_per_step={per_step:.3f}"]  # fmt: skip
-    (out / "summary.json").write_text(json.dumps({"lora_lr": best, "sweep": {f"{lr:g}": c for lr, c in sweep.items()}, "curves": curves}, indent=2))
+    for m in runs:
+        per_step = statistics.mean(c[-1][1] for c in curves[GREEDY][m]) / args.rl_steps
+        line = f"{m}:"
+        for key, kind in ((GREEDY, "greedy"), (SAMPLED, "sampled")):
+            before, after = [c[0][2] for c in curves[key][m]], [c[-1][2] for c in curves[key][m]]
+            change = statistics.mean(after) - statistics.mean(before)
+            line += (f" {kind} {statistics.mean(before):.3f} -> {mean_std(after)} ({change:+.3f}; per seed "
+                     f"{', '.join(f'{a - b:+.3f}' for a, b in zip(after, before))});")  # fmt: skip
+            prefix = f"{m.split()[0].lower()}_{kind}"
+            fields += [f"{prefix}_before={statistics.mean(before):.3f}", f"{prefix}_after={statistics.mean(after):.3f}",
+                       f"{prefix}_gain={change:+.3f}"]  # fmt: skip
+        print(f"{line} {per_step:.2f} training s/step")
+        fields.append(f"{m.split()[0].lower()}_s_per_step={per_step:.3f}")
+    (out / "summary.json").write_text(json.dumps({"lora_lr": best, "runs": {m: [str(d) for d in ds] for m, ds in runs.items()}, **curves}, indent=2))
     return fields
 
 
@@ -180,7 +188,7 @@ def main() -> None:
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--val-every", type=int, default=20)
     parser.add_argument("--gain-rank", type=int, default=8)
-    parser.add_argument("--lora-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    parser.add_argument("--lora-lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2])
     parser.add_argument("--full-lr", type=float, default=2e-4, help="full fine-tuning's lr (demo_rl.yaml's)")
     parser.add_argument("--sft-steps", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
