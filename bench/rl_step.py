@@ -45,10 +45,19 @@ def rss_mb() -> float:
 
 
 def trellis_steps(
-    model: Path, data: Path, prompts: int, n: int, length: int, steps: int, run_dir: Path, threads: int, rollout: str = "hf"
+    model: Path,
+    data: Path,
+    prompts: int,
+    n: int,
+    length: int,
+    steps: int,
+    run_dir: Path,
+    threads: int,
+    rollout: str = "hf",
+    extra: tuple[str, ...] = (),
 ) -> dict:
-    """The rl recipe for ``steps`` with the ``rollout`` engine; its per-step timings and RSS after
-    each step (a plugin's hook)."""
+    """The rl recipe for ``steps`` with the ``rollout`` engine (``extra`` overrides last); its
+    per-step timings and RSS after each step (a plugin's hook)."""
     from trellis import hookimpl
     from trellis.plugins import load_plugins
     from trellis.recipes.train import train
@@ -66,7 +75,7 @@ def trellis_steps(
         f"actor.max_tokens_per_micro_batch={TOKEN_BUDGET}", f"actor.optim.lr={LR}", f"actor.optim.grad_clip={CLIP}",
         "validation.before_train=false", "trainer.val_every_steps=0", "trainer.keep_checkpoints=0",
         f"trainer.total_steps={steps}", f"trainer.threads={threads}", "trainer.trackers=[jsonl]", f"trainer.run_dir={run_dir}",
-        f"rollout.name={rollout}",
+        f"rollout.name={rollout}", *extra,
     ]  # fmt: skip
     train(None, config, plugins=load_plugins(extra=[("rss", RSS())]))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
