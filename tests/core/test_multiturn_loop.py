@@ -405,3 +405,34 @@ def test_unknown_agent_loop_is_named_with_the_row_and_the_installed_loops(regist
     agent.settings.agent_loop = "tool_agnet"
     with pytest.raises(ConfigError, match=r"config key 'multi_turn.agent_loop': agent_loop 'tool_agnet' is not installed.*did you mean 'tool_agent'"):
         agent_rollout(agent, registry)
+
+
+def test_an_environment_class_runs_one_object_per_sample_through_tool_agent(registry, tokenizer):
+    """``multi_turn.environment``: each sample's object is reset from its row's ``extra_info``, the
+    model's calls reach its methods (a bad argument goes back as an error), and its ``reward()``
+    becomes the sample's ``agent_rewards``, which ``environment_scores`` adds."""
+    import environments
+
+    environments.RESETS.clear()
+    agent = spec(registry, tokenizer, environment="environments:GuessSum", max_assistant_turns=3, max_response_tokens=2000)
+    assert [s["function"]["name"] for s in agent.template_kwargs["tools"]] == ["guess", "hint"]
+    calls = ['<tool_call>{"name": "guess", "arguments": {"number": 45}}</tool_call>'
+             '<tool_call>{"name": "guess", "arguments": {"guess": 1}}</tool_call>',
+             '<tool_call>{"name": "guess", "arguments": {"number": 46}}</tool_call>', "done"]  # fmt: skip
+    batch = prompts(tokenizer, [{**row(), "extra_info": {"question": "12+34=", "index": 7}}], agent.template_kwargs)
+    out = run(ScriptedEngine(tokenizer, calls), agent, batch, n=2, max_new_tokens=400)
+    assert environments.RESETS == [{"question": "12+34=", "noisy": False}] * 2  # reset takes only the fields it names
+    text = tokenizer.decode(out["responses"][0].tolist())
+    assert "<|im_start|>tool\nhigher<|im_end|>" in text and "<|im_start|>tool\nright<|im_end|>" in text
+    assert "Error: tool 'guess' failed: TypeError:" in text and "unexpected keyword argument 'guess'" in text
+    assert out["tool_calls"].tolist() == [3, 3] and out["tool_errors"].tolist() == [1, 1] and list(out["finish_reason"]) == ["stop"] * 2
+    # per sample: two guesses counted (0.5) and one was right (+1); samples do not share an object
+    assert out["agent_rewards"].tolist() == [1.5, 1.5] and environment_scores(out, "last").tolist() == [1.5, 1.5]
+
+
+def test_an_environment_whose_reset_fails_ends_the_sample(registry, tokenizer):
+    import environments
+
+    agent = spec(registry, tokenizer, environment=f"{environments.__file__}:GuessSum")
+    out = run(ScriptedEngine(tokenizer, ["done"]), agent, prompts(tokenizer, [{**row(), "extra_info": {"question": "no sum"}}]))
+    assert list(out["finish_reason"]) == ["error"] and out["env_errors"].tolist() == [1] and out["agent_rewards"].tolist() == [0.0]
