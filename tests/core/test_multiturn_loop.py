@@ -354,7 +354,8 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
     from trellis.rewards import RewardConfig, RewardManager
 
     def turns_seen(data_source, solution_str, ground_truth, extra_info=None):
-        return {"score": float(solution_str.count("####")), "feedback": float("wrong, try again" in solution_str)}
+        return {"score": float(solution_str.count("####")), "feedback": float("wrong, try again" in solution_str),
+                "turns": float(extra_info["num_turns"])}  # fmt: skip
 
     agent = spec(registry, tokenizer, interactions=[{"name": "c", "component": "checker"}], score="reward", max_response_tokens=200)
     batch = prompts(tokenizer, [row(), row("1+2=")])
@@ -366,6 +367,8 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
     # every conversation: "#### 45" (wrong), the feedback, "#### 46" (what the checker wants)
     assert result.scores.tolist() == [2.0, 2.0, 2.0, 2.0]
     assert result.components["feedback"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert result.components["turns"].tolist() == [2.0, 2.0, 2.0, 2.0]  # extra_info["num_turns"], as verl's reward functions get it
+    assert all("num_turns" not in info for info in out["extra_info"])  # the rows' own extra_info is left as it was
     assert "multiturn/num_turns_mean" in result.metrics
 
 

@@ -61,6 +61,10 @@ def test_rl_trains_with_an_environment_class_and_its_reward(tiny_model_path, dat
     assert len(steps) == 2
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 16 and all(s["reward"] in (0.5, 1.5) for s in samples)
+    for s in samples:  # multi-turn rows: the whole conversation, the guesses' replies included
+        assert s["num_turns"] == 2 and s["turn_scores"] == [] and s["finish_reason"] == "max_assistant_turns"
+        assert s["conversation"].count("<|im_start|>tool\n") == 1
+        assert any(f"<|im_start|>tool\n{word}<|im_end|>" in s["conversation"] for word in ("right", "higher", "lower"))
     for r, step in zip(steps, (1, 2)):
         assert r["multiturn/tool_calls"] == 4 * 2 * 2 and r["multiturn/tool_errors"] == 0 and r["multiturn/env_errors"] == 0
         assert r["multiturn/finish_max_assistant_turns"] == 1.0 and "actor/pg_loss" in r
