@@ -17,12 +17,14 @@ from omegaconf import OmegaConf
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tiny import make_tiny_tokenizer
-from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult
+from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult, Trajectory
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.multiturn.chat import ChatDeltas
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names
 from trellis.multiturn.loop import ToolAgentLoop
 from trellis.multiturn.rollout import AgentRollout, agent_rollout
+from trellis.multiturn.sampled import NotSampled, check_sampled
 from trellis.multiturn.scoring import environment_scores
 from trellis.plugins import load_plugins
 
@@ -352,7 +354,8 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
     from trellis.rewards import RewardConfig, RewardManager
 
     def turns_seen(data_source, solution_str, ground_truth, extra_info=None):
-        return {"score": float(solution_str.count("####")), "feedback": float("wrong, try again" in solution_str)}
+        return {"score": float(solution_str.count("####")), "feedback": float("wrong, try again" in solution_str),
+                "turns": float(extra_info["num_turns"])}  # fmt: skip
 
     agent = spec(registry, tokenizer, interactions=[{"name": "c", "component": "checker"}], score="reward", max_response_tokens=200)
     batch = prompts(tokenizer, [row(), row("1+2=")])
@@ -364,6 +367,8 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
     # every conversation: "#### 45" (wrong), the feedback, "#### 46" (what the checker wants)
     assert result.scores.tolist() == [2.0, 2.0, 2.0, 2.0]
     assert result.components["feedback"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert result.components["turns"].tolist() == [2.0, 2.0, 2.0, 2.0]  # extra_info["num_turns"], as verl's reward functions get it
+    assert all("num_turns" not in info for info in out["extra_info"])  # the rows' own extra_info is left as it was
     assert "multiturn/num_turns_mean" in result.metrics
 
 
@@ -405,3 +410,86 @@ def test_unknown_agent_loop_is_named_with_the_row_and_the_installed_loops(regist
     agent.settings.agent_loop = "tool_agnet"
     with pytest.raises(ConfigError, match=r"config key 'multi_turn.agent_loop': agent_loop 'tool_agnet' is not installed.*did you mean 'tool_agent'"):
         agent_rollout(agent, registry)
+
+
+def test_an_environment_class_runs_one_object_per_sample_through_tool_agent(registry, tokenizer):
+    """``multi_turn.environment``: each sample's object is reset from its row's ``extra_info``, the
+    model's calls reach its methods (a bad argument goes back as an error), and its ``reward()``
+    becomes the sample's ``agent_rewards``, which ``environment_scores`` adds."""
+    import environments
+
+    environments.RESETS.clear()
+    agent = spec(registry, tokenizer, environment="environments:GuessSum", max_assistant_turns=3, max_response_tokens=2000)
+    assert [s["function"]["name"] for s in agent.template_kwargs["tools"]] == ["guess", "hint"]
+    calls = ['<tool_call>{"name": "guess", "arguments": {"number": 45}}</tool_call>'
+             '<tool_call>{"name": "guess", "arguments": {"guess": 1}}</tool_call>',
+             '<tool_call>{"name": "guess", "arguments": {"number": 46}}</tool_call>', "done"]  # fmt: skip
+    batch = prompts(tokenizer, [{**row(), "extra_info": {"question": "12+34=", "index": 7}}], agent.template_kwargs)
+    out = run(ScriptedEngine(tokenizer, calls), agent, batch, n=2, max_new_tokens=400)
+    assert environments.RESETS == [{"question": "12+34=", "noisy": False}] * 2  # reset takes only the fields it names
+    text = tokenizer.decode(out["responses"][0].tolist())
+    assert "<|im_start|>tool\nhigher<|im_end|>" in text and "<|im_start|>tool\nright<|im_end|>" in text
+    assert "Error: tool 'guess' failed: TypeError:" in text and "unexpected keyword argument 'guess'" in text
+    assert out["tool_calls"].tolist() == [3, 3] and out["tool_errors"].tolist() == [1, 1] and list(out["finish_reason"]) == ["stop"] * 2
+    # per sample: two guesses counted (0.5) and one was right (+1); samples do not share an object
+    assert out["agent_rewards"].tolist() == [1.5, 1.5] and environment_scores(out, "last").tolist() == [1.5, 1.5]
+
+
+def test_an_environment_whose_reset_fails_ends_the_sample(registry, tokenizer):
+    import environments
+
+    agent = spec(registry, tokenizer, environment=f"{environments.__file__}:GuessSum")
+    out = run(ScriptedEngine(tokenizer, ["done"]), agent, prompts(tokenizer, [{**row(), "extra_info": {"question": "no sum"}}]))
+    assert list(out["finish_reason"]) == ["error"] and out["env_errors"].tolist() == [1] and out["agent_rewards"].tolist() == [0.0]
+
+
+# Like published reasoning templates: an assistant turn before the last user turn loses its
+# <think>...</think> when the history is rendered again (written for this test).
+REASONING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=0) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m.content -%}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_a_template_that_strips_reasoning_from_history_still_trains_on_the_sampled_ids(registry):
+    """tool_agent appends the feedback as ChatDeltas renders it after the model's own ids, so the
+    first turn keeps its <think> (as sampled) and passes the sampled-ids check; rendering the whole
+    conversation with the template and re-encoding it, as a re-tokenising loop would, drops that
+    reasoning and fails the check at the first trained token."""
+    tokenizer = make_tiny_tokenizer(["<think>45 or 47?</think>#### 45 wrong, try again <think>so 46</think>#### 46 12+34="] * 20)
+    tokenizer.chat_template = REASONING_TEMPLATE
+    agent = spec(registry, tokenizer, interactions=[{"name": "check", "component": "checker"}], max_assistant_turns=3)
+    turns = ["<think>45 or 47?</think>#### 45", "<think>so 46</think>#### 46"]
+    batch = prompts(tokenizer, [row()])
+    out = run(ScriptedEngine(tokenizer, turns), agent, batch, max_new_tokens=200)  # the rollout runs the sampled-ids check
+
+    first, second = (encode_text(tokenizer, t) + [tokenizer.eos_token_id] for t in turns)
+    first, second = Generation(first, [-0.25] * len(first), "stop"), Generation(second, [-0.25] * len(second), "stop")
+    feedback = [{"role": "user", "content": "wrong, try again"}]
+    delta = ChatDeltas(tokenizer).after_model(first.token_ids, feedback)
+    assert tokenizer.decode(delta) == "\n<|im_start|>user\nwrong, try again<|im_end|>\n<|im_start|>assistant\n"
+    assert out["responses"][0].tolist() == first.token_ids + delta + second.token_ids
+    assert out["response_mask"][0].tolist() == [1] * len(first.token_ids) + [0] * len(delta) + [1] * len(second.token_ids)
+    assert list(out["turn_scores"]) == [[0.0, 1.0]]
+
+    conversation = [*row()["prompt"], {"role": "assistant", "content": turns[0]}, *feedback, {"role": "assistant", "content": turns[1]}]
+    prompt = batch["input_ids"][0].tolist()
+    rerendered = encode_text(tokenizer, render_chat(tokenizer, conversation, False, {}))[len(prompt) :]
+    assert tokenizer.decode(rerendered).startswith("#### 45<|im_end|>")  # the template dropped the first turn's reasoning
+    cut = rerendered.index(tokenizer.eos_token_id) + 1
+    retokenized = Trajectory()
+    retokenized.add_model(Generation(rerendered[:cut], [-0.25] * cut, "stop"))
+    retokenized.add_environment(delta)
+    retokenized.add_model(second)
+    with pytest.raises(NotSampled, match=r"agent loop 're-rendered' trains on token \d+ .* at response position 0"):
+        check_sampled(retokenized, [first, second], "re-rendered", tokenizer)
+    sampled = Trajectory()
+    sampled.add_model(first)
+    sampled.add_environment(delta)
+    sampled.add_model(second)
+    check_sampled(sampled, [first, second], "tool_agent", tokenizer)

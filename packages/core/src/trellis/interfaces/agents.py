@@ -77,7 +77,7 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     turn_scores: list[float] = field(default_factory=list)
     tool_reward: float = 0.0
-    agent_reward: float = 0.0  # the loop's own reward for the whole sample (an ``openai_agent``'s return value)
+    agent_reward: float = 0.0  # the loop's own reward for the whole sample (an ``openai_agent``'s return value, an environment class's reward())
     assistant_turns: int = 0
     user_turns: int = 0
     tool_calls: int = 0

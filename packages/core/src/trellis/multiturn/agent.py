@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import importlib
 import inspect
 import logging
-import math
-import numbers
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,8 +19,8 @@ from trellis.interfaces.agents import AgentLoop, Trajectory
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import AgentSpec, Environment
+from trellis.multiturn.references import finite_reward, load_reference
 from trellis.multiturn.sampled import current_record
-from trellis.rewards import RewardError, load_function
 
 log = logging.getLogger("trellis")
 
@@ -47,25 +44,11 @@ class Agent(Protocol):
     async def __call__(self, client: Any, sample: AgentSample) -> float: ...
 
 
-@functools.cache  # one module per process, however many rollouts load it
 def load_agent(ref: str) -> Callable[..., Any]:
     """The async function ``path/to/file.py:function`` or ``package.module:function`` names."""
-    where, sep, name = ref.rpartition(":")
-    if not sep or not where or not name:
-        raise ConfigError(f"config key '{KEY}' is {ref!r}; give path/to/file.py:function or package.module:function")
-    if where.endswith(".py"):
-        try:
-            fn = load_function(where, name, (KEY, KEY))
-        except RewardError as exc:
-            raise ConfigError(f"config key '{KEY}': {exc}") from None
-    else:
-        try:
-            fn = getattr(importlib.import_module(where), name, None)
-        except ImportError as exc:
-            raise ConfigError(f"config key '{KEY}': cannot import module {where!r} ({exc}); is its package installed?") from None
-        if fn is None:
-            raise ConfigError(f"config key '{KEY}': module {where!r} has no {name!r}")
+    fn = load_reference(ref, KEY)
     if not inspect.iscoroutinefunction(fn):
+        name = ref.rpartition(":")[2]
         raise ConfigError(f"config key '{KEY}': {ref!r} is not an async function; define it as `async def {name}(client, sample) -> float`")
     return fn
 
@@ -132,7 +115,7 @@ class OpenAIAgentLoop(AgentLoop):
         outcome, reward = "done", 0.0
         try:
             sample = AgentSample(copy.deepcopy(list(raw_prompt)), copy.deepcopy(dict(extra_info)))
-            reward = _reward(await asyncio.wait_for(self.agent(client, sample), s.agent_timeout_s))
+            reward = finite_reward(await asyncio.wait_for(self.agent(client, sample), s.agent_timeout_s), "the agent")
         except asyncio.TimeoutError:
             outcome = "timeout"
         except Exception as exc:  # noqa: BLE001 - the user's agent failed: this sample ends, the run goes on
@@ -172,12 +155,6 @@ class OpenAIAgentLoop(AgentLoop):
                 self.settings.agent,
                 "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             )
-
-
-def _reward(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"the agent returned {value!r}; it must return the sample's reward, a finite number")
-    return float(value)
 
 
 def _importable(module: str) -> bool:

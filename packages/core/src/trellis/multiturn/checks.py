@@ -30,7 +30,7 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
     mt = cfg.multi_turn
     if not mt.enable:
         given = [f"multi_turn.{k} ({len(mt[k])} given)" for k in ("interactions", "tools") if len(mt[k])]
-        given += [f"multi_turn.agent ({mt.agent!r})"] if mt.agent else []
+        given += [f"multi_turn.{k} ({mt[k]!r})" for k in ("agent", "environment") if mt[k]]
         if given:
             raise ConfigError(
                 f"config key {' and '.join(given)} is set but multi_turn.enable is false, so it would be ignored; "
@@ -42,6 +42,11 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
         raise ConfigError(
             f"config key 'reward.path' is {cfg.reward.path!r}, but multi_turn.score={mt.score} takes each sample's reward from the "
             "interaction's scores and never calls it; set multi_turn.score=reward to score trajectories with your function, or drop reward.path"
+        )
+    if spec.environment is not None and spec.environment.rewarded and mt.score == "reward":
+        raise ConfigError(
+            f"config key 'multi_turn.score' is reward with multi_turn.environment {mt.environment!r}, whose reward() would be ignored "
+            "(the reward function scores the decoded trajectories instead); set multi_turn.score=last, or drop reward() from the class"
         )
     for i, icfg in enumerate(spec.settings.interactions):
         if icfg.component:
@@ -55,6 +60,8 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
         where = f"data.{key} {cfg.data[key]!r}"
         check_interaction_names(rows, spec.interaction_names, where)
         check_interaction_kwargs(rows, needs, where)
+        if spec.environment is not None:
+            check_reset_fields(rows, spec.environment.reset_needs, where)
         loops[where] = enumerate(row.get(AGENT_COLUMN) for row in rows)
     check_agent(spec.settings, agent_rollout(spec, registry, loops).loops)  # every row's agent loop is installed, and what it runs
     if mt.max_response_tokens == 0 and mt.max_assistant_turns > 1:
@@ -105,4 +112,16 @@ def check_interaction_kwargs(rows: Sequence[dict[str, Any]], needs: dict[str, tu
                 f"{where}: row {i} has no extra_info.interaction_kwargs.{missing[0]}, which interaction {name!r} needs to start "
                 f"(it needs {', '.join(needs[name])}); give every row extra_info.interaction_kwargs with them, in verl's schema "
                 f"(e.g. {{name: {name}, {', '.join(f'{k}: ...' for k in needs[name] if k != 'name')}}})"
+            )
+
+
+def check_reset_fields(rows: Sequence[dict[str, Any]], needs: tuple[str, ...], where: str) -> None:
+    """Every row's ``extra_info`` has what the environment class's ``reset`` takes without default."""
+    for i, row in enumerate(rows):
+        extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        missing = [k for k in needs if k not in extra]
+        if missing:
+            raise ConfigError(
+                f"{where}: row {i} has no extra_info.{missing[0]}, which multi_turn.environment's reset() takes without a default "
+                f"(it needs {', '.join(needs)}); add it to every row's extra_info, or give the parameter a default"
             )

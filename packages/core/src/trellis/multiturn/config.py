@@ -71,6 +71,10 @@ class MultiTurnConfig:
         ``package.module:function``.
     agent_timeout_s: the longest one sample's agent function may run; past it the sample ends
         (``finish_reason`` ``timeout``, reward 0).
+    environment: an environment class, ``path/to/file.py:Class`` or ``package.module:Class``: its
+        public typed methods are tools, one object per sample (``reset`` with the row's
+        ``extra_info``), its optional ``reward()`` added to the sample's reward (docs/agents.md).
+    environment_timeout_s: the longest its ``reset``, one method call or ``reward()`` may take.
     """
 
     enable: bool = False
@@ -86,3 +90,5 @@ class MultiTurnConfig:
     max_concurrent_samples: int = ranged(64, ge=1)
     agent: str = ""
     agent_timeout_s: float = ranged(600.0, gt=0)
+    environment: str = ""
+    environment_timeout_s: float = ranged(30.0, gt=0)

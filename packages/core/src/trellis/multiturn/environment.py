@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from trellis.config import ConfigError, instantiate_options, validate
 from trellis.interfaces.agents import Interaction, Tool
 from trellis.multiturn.config import InteractionConfig, MultiTurnConfig, ToolConfig
+from trellis.multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
 from trellis.multiturn.tool_calls import ToolCallParser
 from trellis.multiturn.verl_compat import VerlInteraction, VerlTool, import_class
 from trellis.registry import Registry, RegistryError
@@ -24,7 +25,8 @@ from trellis.registry import Registry, RegistryError
 @dataclass
 class AgentSpec:
     """Everything the agent loop needs, resolved from ``multi_turn`` (factories, not objects, so
-    it pickles to Ray ranks); ``template_kwargs`` go to the chat template (``tools``: the schemas)."""
+    it pickles to Ray ranks); ``template_kwargs`` go to the chat template (``tools``: the schemas,
+    the environment class's methods after the configured tools)."""
 
     settings: MultiTurnConfig
     interactions: dict[str, Callable[[], Interaction]]
@@ -32,6 +34,7 @@ class AgentSpec:
     parser: Callable[[], ToolCallParser]
     tokenizer: Any
     template_kwargs: dict[str, Any]
+    environment: EnvironmentClass | None = None
 
     @property
     def interaction_names(self) -> list[str]:
@@ -60,8 +63,14 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
             raise ConfigError(f"config key '{key}': a tool named {name!r} is configured twice")
         schemas.append(schema)
         tools.append((make, tcfg))
+    environment = describe_environment(settings.environment) if settings.environment else None
+    for schema in environment.schemas if environment else ():
+        name = schema["function"]["name"]
+        if name in (tool_name(s, "") for s in schemas):
+            raise ConfigError(f"config key 'multi_turn.environment': its method {name!r} has the name of a tool in multi_turn.tools; rename one")
+        schemas.append(schema)
     parser = registry.get("tool_parser", settings.tool_parser).obj
-    return AgentSpec(settings, interactions, tools, parser, tokenizer, {"tools": schemas} if schemas else {})
+    return AgentSpec(settings, interactions, tools, parser, tokenizer, {"tools": schemas} if schemas else {}, environment)
 
 
 def _settings(node: DictConfig) -> MultiTurnConfig:
@@ -70,10 +79,10 @@ def _settings(node: DictConfig) -> MultiTurnConfig:
     interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
     tools = [ToolConfig(**x) for x in data.pop("tools")]
     settings = MultiTurnConfig(**data, interactions=interactions, tools=tools)
-    if not settings.interactions and not settings.tools and not settings.agent:
+    if not settings.interactions and not settings.tools and not settings.agent and not settings.environment:
         raise ConfigError(
-            "multi_turn.enable=true needs at least one entry in multi_turn.interactions or multi_turn.tools, or an agent "
-            "function in multi_turn.agent (with multi_turn.agent_loop=openai_agent)"
+            "multi_turn.enable=true needs at least one entry in multi_turn.interactions or multi_turn.tools, an environment "
+            "class in multi_turn.environment, or an agent function in multi_turn.agent (with multi_turn.agent_loop=openai_agent)"
         )
     return settings
 
@@ -177,7 +186,8 @@ def check_interaction_names(rows: Sequence[dict[str, Any]], names: Sequence[str]
 
 class Environment:
     """The interactions (by name), tools (by function name) and parser, built in the process that
-    runs the loop, with each tool's concurrency limit."""
+    runs the loop, with each tool's concurrency limit; ``episodes``: the environment class's
+    objects per sample (None without ``multi_turn.environment``), whose methods are tools too."""
 
     def __init__(self, spec: AgentSpec) -> None:
         self.interactions = {name: make() for name, make in spec.interactions.items()}
@@ -193,4 +203,8 @@ class Environment:
             self.tool_configs[name] = tcfg
             if tcfg.max_concurrency > 0:
                 self.limits[name] = asyncio.Semaphore(tcfg.max_concurrency)
+        self.episodes = Episodes(spec.environment) if spec.environment else None
+        for name, tool in self.episodes.tools().items() if self.episodes else ():
+            self.tools[name] = tool
+            self.tool_configs[name] = ToolConfig(timeout_s=spec.settings.environment_timeout_s)
         self.parser = spec.parser()

@@ -31,6 +31,8 @@ class ToolAgentLoop(AgentLoop):
     ``max_user_turns`` (interaction replies fed back) or ``max_response_tokens``. The interaction
     scores every model turn, the last one included; only replies that are fed back count as user
     turns. ``finalize`` and ``release`` always run: on success, error, timeout and cancellation.
+    With an environment class, each sample gets its own object (``reset`` first; its ``reward()``
+    after the last turn, as the sample's ``agent_reward``).
     """
 
     def __init__(self, engine: RolloutEngine, spec: AgentSpec, env: Environment) -> None:
@@ -52,6 +54,10 @@ class ToolAgentLoop(AgentLoop):
                 started.append((interaction.finalize, timeout))  # also when start fails part-way
                 kwargs = {k: v for k, v in (extra_info.get("interaction_kwargs") or {}).items() if k != "name"}
                 await self._env(interaction.start(instance, **kwargs), timeout, "start")
+            episodes, env_timeout = self.env.episodes, s.environment_timeout_s
+            if episodes is not None:
+                started.append((episodes.close, env_timeout))
+                await self._env(episodes.open(instance, extra_info), env_timeout, "environment reset")
             tools_kwargs = extra_info.get("tools_kwargs") or {}
             for name, tool in self.env.tools.items():
                 tool_timeout = self.env.tool_configs[name].timeout_s
@@ -90,6 +96,8 @@ class ToolAgentLoop(AgentLoop):
                 traj.add_environment(delta)
                 traj.user_turns += reply[0]["role"] == "user"
                 messages.extend(reply)
+            if episodes is not None:
+                traj.agent_reward = await self._env(episodes.reward(instance), env_timeout, "environment reward()")
         except EnvironmentFailure as exc:
             traj.finish, traj.error = "error", str(exc)
             self._log_error(exc)

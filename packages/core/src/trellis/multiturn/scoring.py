@@ -12,12 +12,13 @@ from trellis.rewards import RewardManager, RewardResult
 
 def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: RewardManager) -> RewardResult:
     """``settings.score`` ``reward``: ``reward_fn`` decodes and scores the trajectory (model and
-    environment text), its per-sample components kept; ``last`` / ``sum``: the environment's scores
+    environment text; ``extra_info["num_turns"]``: the sample's model turns, as verl's reward
+    functions get it), its per-sample components kept; ``last`` / ``sum``: the environment's scores
     (no components). Metrics add ``multiturn/...``
     and, where the interaction scored it, ``reward/first_turn_mean`` (the first answer alone,
     i.e. the reward without feedback)."""
     if settings.score == "reward":
-        result = reward_fn.score(batch)
+        result = reward_fn.score(with_num_turns(batch))
         metrics = dict(result.metrics)
     else:
         scores = environment_scores(batch, settings.score)
@@ -27,6 +28,15 @@ def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: RewardMa
     if first:
         metrics["reward/first_turn_mean"] = sum(first) / len(first)
     return RewardResult(result.token_scores, {**metrics, **multiturn_metrics(batch)}, result.scores, result.components)
+
+
+def with_num_turns(batch: Batch) -> Batch:
+    """``batch`` with each sample's own copy of its ``extra_info`` holding ``num_turns`` (the
+    samples of a prompt share one dict, which stays as it was)."""
+    infos = batch["extra_info"] if "extra_info" in batch else [None] * len(batch)
+    out = batch[:]
+    out["extra_info"] = [{**(info or {}), "num_turns": int(k)} for info, k in zip(infos, batch["num_turns"].tolist())]
+    return out
 
 
 def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -341,7 +341,10 @@ class Run:
 
     def log_samples(self, step: int, batch: Any, scores: Any, tokenizer: Any) -> None:
         """The first ``trainer.log_samples`` samples of a generated batch, decoded, with their
-        reward, as rows of ``<run_dir>/samples.jsonl`` (rewound with the metrics on resume)."""
+        reward, as rows of ``<run_dir>/samples.jsonl`` (rewound with the metrics on resume). A
+        multi-turn sample adds ``conversation`` (every token after the prompt, the environment's
+        turns included, special tokens kept so the turns show), ``num_turns``, ``turn_scores`` and
+        ``finish_reason``."""
         if self._samples is None:
             return
         width = batch["prompts"].shape[1]
@@ -357,6 +360,14 @@ class Run:
                 "data_source": batch["data_source"][i],
                 "ground_truth": _plain(batch["ground_truth"][i]),
             })
+            if "num_turns" in batch:
+                conversation = batch["responses"][i][batch["attention_mask"][i, width:].bool()]
+                rows[-1].update({
+                    "conversation": tokenizer.decode(conversation.tolist()),
+                    "num_turns": int(batch["num_turns"][i]),
+                    "turn_scores": [float(x) for x in batch["turn_scores"][i]],
+                    "finish_reason": batch["finish_reason"][i],
+                })
         self._samples.write(rows)
 
     def _dispatch_metrics(self) -> dict[str, float]:
