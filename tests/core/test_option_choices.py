@@ -23,7 +23,7 @@ OPEN_ENDED = {
     "CriticConfig": {"model_path"},
     "InteractionConfig": {"name", "component", "verl_class"},  # component: a registered name, checked with the section
     "ModelConfig": {"path", "tokenizer_path"},
-    "MultiTurnConfig": {"agent"},  # a function: path/to/file.py:function, checked with the section
+    "MultiTurnConfig": {"agent", "environment"},  # a function or class: path/to/file.py:name, checked with the section
     "RLConfig": {"recipe"},
     "RewardConfig": {"name", "path"},  # a registered reward or a function in reward.path
     "RewardTerm": {"name", "path", "key"},

@@ -325,8 +325,17 @@ class EpochLoader:
         self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
         self._order_epoch = -1
 
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """The batch of these item indices: the loader's dataset's ``collate`` unless it lays them out itself."""
+        return self.dataset.collate(indices)
+
     def next_batch(self) -> Batch:
-        raise NotImplementedError
+        """The next batch, with ``epoch`` and ``step_in_epoch`` (its position in that epoch) in its meta."""
+        position = self.position
+        indices, epoch = self.next_indices()
+        batch = self.collate(indices)
+        batch.meta.update({"epoch": epoch, "step_in_epoch": position})
+        return batch
 
     def __iter__(self) -> Iterator[Batch]:
         """Batches without end, epoch after epoch (``epoch`` tells which); stop by step count."""
@@ -345,12 +354,6 @@ class PromptLoader(EpochLoader):
         super().__init__(len(dataset), batch_size_prompts, seed, shuffle, drop_last)
         self.dataset = dataset
 
-    def next_batch(self) -> Batch:
-        position = self.position
-        indices, epoch = self.next_indices()
-        batch = self.dataset.collate(indices)
-        batch.meta.update({"epoch": epoch, "step_in_epoch": position})
-        return batch
 
 
 # -- SFT -------------------------------------------------------------------------------------------
@@ -586,12 +589,6 @@ class SFTLoader(EpochLoader):
         meta = {"num_samples": len(items), "num_loss_tokens": int(tensors["loss_mask"].sum()), "packed": self.pack}
         return Batch(tensors, {"index": index}, meta)
 
-    def next_batch(self) -> Batch:
-        position = self.position
-        indices, epoch = self.next_indices()
-        batch = self.collate(indices)
-        batch.meta.update({"epoch": epoch, "step_in_epoch": position})
-        return batch
 
 
 def sft_batches(

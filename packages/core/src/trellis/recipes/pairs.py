@@ -99,10 +99,3 @@ class PairLoader(EpochLoader):
     def __init__(self, dataset: PairDataset, batch_pairs: int, seed: int = 0, shuffle: bool = True) -> None:
         super().__init__(len(dataset), batch_pairs, seed, shuffle, drop_last=True)
         self.dataset = dataset
-
-    def next_batch(self) -> Batch:
-        position = self.position
-        indices, epoch = self.next_indices()
-        batch = self.dataset.collate(indices)
-        batch.meta.update({"epoch": epoch, "step_in_epoch": position})
-        return batch
