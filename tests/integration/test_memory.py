@@ -1,5 +1,6 @@
 """The activation-memory estimate of a role's update and the warning the rl recipe's check gives on
-CUDA (taken here on CPU by patching torch's device queries)."""
+CUDA (taken here on CPU by patching torch's device queries). Here, not in tests/core: the rl
+check resolves the default policy loss (trellis-algos) and the FSDP backend's options."""
 
 from __future__ import annotations
 
