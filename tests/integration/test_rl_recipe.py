@@ -281,3 +281,14 @@ def test_the_engine_trainer_gap_is_logged_by_default(run_rl):
     for row in (r for r in rows if "actor/pg_loss" in r):
         assert abs(row["actor/rollout_corr/kl"]) < 1e-4 and abs(row["actor/rollout_corr/log_ppl_diff"]) < 1e-4, row
         assert "actor/rollout_corr/chi2_token" in row
+
+
+@pytest.mark.parametrize(("advantage", "warns"), [("grpo", True), ("gae", False)], ids=["grpo", "gae"])
+def test_the_no_reward_signal_warning_is_for_group_relative_estimators(run_rl, caplog, advantage, warns):
+    """Every reward is 0 (a random model on arithmetic): GRPO's advantages are all 0 and the run says
+    so; a critic's values give GAE advantages whatever the rewards, so it must not."""
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        _, rows = run_rl(f"algorithm.advantage.name={advantage}", "critic.micro_batch_samples=8")
+    assert all(r["reward/groups_with_signal"] == 0.0 for r in train_steps(rows))
+    said = [r.getMessage() for r in caplog.records if "the policy learns nothing" in r.getMessage()]
+    assert bool(said) == warns, said

@@ -289,7 +289,9 @@ class RLRecipe:
             critic_path = cfg.critic.model_path or cfg.model.path
             critic = run.spawn("critic", critic_path, cfg.critic, head="value", objectives={"update": "value"}) if use_critic else None
             teacher = run.spawn("teacher", cfg.teacher.path, without_adapter(cfg.actor)) if TEACHER_NEED in needs(estimator) else None
-            run.signals.watch_reward = teacher is None  # a teacher's log-probs give advantages when every reward is equal
+            # equal rewards within every group zero the advantages of group-relative estimators only
+            # (a critic's values or a teacher's log-probs give advantages whatever the rewards)
+            run.signals.watch_reward = "groups" in needs(estimator)
             reward_fn = make_reward(cfg, run, registry, tokenizer)
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
             sampling = SamplingParams(**cfg.sampling)
