@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from trellis.batch import Batch, last_valid_index
 from trellis.config import ConfigError
-from trellis.recipes.teacher import load_tokenizer, tokenizer_difference
+from trellis.recipes.teacher import check_actor_tokenizer
 from trellis.rewards import RESERVED_KEYS, RewardManager, RewardResult
 from trellis.runtime.controller import WorkerGroup
 
@@ -49,14 +49,11 @@ def check_reward_model(cfg: DictConfig) -> None:
             "config key 'reward.model.path' is set with multi_turn.enable=true: the reward model is trained on and scores single "
             "answers, not conversations with environment turns; unset reward.model.path for multi-turn runs"
         )
-    actor = cfg.model.tokenizer_path or cfg.model.path
-    differ = tokenizer_difference(load_tokenizer(actor, "model.tokenizer_path or model.path"), load_tokenizer(path, "reward.model.path"))
-    if differ:
-        raise ConfigError(
-            f"config key 'reward.model.path' is {path!r}, whose tokenizer differs from the actor's in {actor!r} ({differ}); the reward "
-            "model scores the actor's token ids (re-tokenising for a reward model's own tokenizer is not done), so both must share "
-            "one tokenizer: choose a reward model trained from the actor's tokenizer"
-        )
+    check_actor_tokenizer(
+        cfg, "reward.model.path", path,
+        "the reward model scores the actor's token ids (re-tokenising for a reward model's own tokenizer is not done), so both "
+        "must share one tokenizer: choose a reward model trained from the actor's tokenizer",
+    )  # fmt: skip
 
 
 class ModelReward:

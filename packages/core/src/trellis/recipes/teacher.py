@@ -37,13 +37,20 @@ def check_teacher(cfg: DictConfig, declared: tuple[str, ...]) -> None:
             f"or choose an advantage that declares the need {TEACHER_NEED!r}"
         )
     if path:
-        student = cfg.model.tokenizer_path or cfg.model.path
-        differ = tokenizer_difference(load_tokenizer(student, "model.tokenizer_path or model.path"), load_tokenizer(path, "teacher.path"))
-        if differ:
-            raise ConfigError(
-                f"config key 'teacher.path' is {path!r}, whose tokenizer differs from the actor's in {student!r} ({differ}); "
-                "the teacher scores the actor's token ids, so both must share one tokenizer: choose a teacher with the actor's tokenizer"
-            )
+        check_actor_tokenizer(
+            cfg, "teacher.path", path,
+            "the teacher scores the actor's token ids, so both must share one tokenizer: choose a teacher with the actor's tokenizer",
+        )  # fmt: skip
+
+
+def check_actor_tokenizer(cfg: DictConfig, key: str, path: str, why: str) -> None:
+    """Refuse the model folder ``path`` (config key ``key``) when its tokenizer differs from the
+    actor's: a role that scores the actor's token ids needs the same ids to mean the same text.
+    ``why`` ends the error: what the role does with the ids and what to choose instead."""
+    actor = cfg.model.tokenizer_path or cfg.model.path
+    differ = tokenizer_difference(load_tokenizer(actor, "model.tokenizer_path or model.path"), load_tokenizer(path, key))
+    if differ:
+        raise ConfigError(f"config key {key!r} is {path!r}, whose tokenizer differs from the actor's in {actor!r} ({differ}); {why}")
 
 
 def load_tokenizer(path: str, key: str):
