@@ -10,8 +10,8 @@ actor's module has nothing to check).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +35,7 @@ def main() -> None:
     if not model.is_dir():
         make_tiny_model(model, task_texts(ops=TASK["ops"]), hidden_size=128, num_layers=4, num_heads=4, seed=0)
     data = write_rows(make_arithmetic_split(RL_ROWS, 1, **TASK), out / "rl.parquet")
-    run_dir = out / "run"
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time
+    run_dir = Path(tempfile.mkdtemp(dir=out, prefix="run-"))  # a fresh run each time; earlier ones stay
     train(config_path("demo_rl.yaml"), [
         f"model.path={model}", f"data.train_path={data}", "data.val_path=null", "rollout.share_actor_weights=false",
         f"trainer.total_steps={args.steps}", f"trainer.threads={args.threads}", "trainer.trackers=[jsonl]",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import shutil
 from collections.abc import Iterable
 from itertools import chain
@@ -114,7 +115,6 @@ def save_adapter_folder(config: dict, tensors: dict[str, torch.Tensor], tokenize
     check_replaceable(out_dir, MARKER_FILE, "trellis export")
 
     def write(tmp: Path) -> None:
-        tmp.mkdir()
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "adapter_model.safetensors"))
 
@@ -122,14 +122,19 @@ def save_adapter_folder(config: dict, tensors: dict[str, torch.Tensor], tokenize
 
 
 def _write_folder(out_dir: Path, write, tokenizer: object, marker: dict[str, str]) -> Path:
-    """``write(tmp)`` fills a temporary folder, the tokenizer and the marker join it, then it
-    replaces ``out_dir`` in one rename, so a crash never leaves half an export."""
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    write(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / MARKER_FILE).write_text(json.dumps({"written_by": "trellis", **marker}) + "\n")
+    """``write(tmp)`` fills a fresh temporary folder beside ``out_dir`` (made here, so removing it
+    after a failure deletes nothing but this call's files), the tokenizer and the marker join it,
+    then it replaces ``out_dir`` in one rename, so a crash never leaves half an export."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir()  # never one that exists; the umask's permissions, as the export will have
+    try:
+        write(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER_FILE).write_text(json.dumps({"written_by": "trellis", **marker}) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
