@@ -3,10 +3,11 @@ and what every engine shares (stop tokens, the right-padded sample layout, the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -265,12 +266,19 @@ class RolloutEngine(ABC):
 
 
 def sync_engine(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
-    """Load new weights into a possibly sleeping engine with the least memory at once: free the
-    trainer's cached blocks, wake the weights alone, load, free the export's buffers, then wake the
-    KV cache. ``shapes``: the update's manifest (see :meth:`RolloutEngine.load_weights`)."""
+    """Load new weights into a possibly sleeping engine with the least memory at once (see
+    :func:`weights_awake`). ``shapes``: the update's manifest (see :meth:`RolloutEngine.load_weights`)."""
+    with weights_awake(engine):
+        engine.load_weights(weights, shapes=shapes)
+
+
+@contextlib.contextmanager
+def weights_awake(engine: RolloutEngine) -> Iterator[None]:
+    """The window a weight or adapter update runs in: free the trainer's cached blocks and wake the
+    engine's weights alone; after the update, free the export's buffers, then wake the KV cache."""
     _free_cached()
     engine.wake([WEIGHTS])
-    engine.load_weights(weights, shapes=shapes)
+    yield
     _free_cached()
     engine.wake([KV_CACHE])
 

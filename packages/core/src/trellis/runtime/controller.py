@@ -20,13 +20,12 @@ from trellis.interfaces.backend import MODEL_INPUTS, DistInfo
 from trellis.interfaces.dispatch import Mesh, Route, batch_position
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
-    KV_CACHE,
-    WEIGHTS,
     Generation,
     RolloutEngine,
     RolloutFn,
     SamplingParams,
     sync_engine,
+    weights_awake,
 )
 from trellis.runtime.worker import Worker
 
@@ -46,10 +45,8 @@ def sync_from(engine: RolloutEngine, worker: Worker) -> None:
     then reads the export one tensor at a time as the backend gathers it. A policy's LoRA adapter
     goes alone to an engine with ``adapter_sync`` (every rank gathers it whole: it is small)."""
     if engine.adapter_sync and getattr(worker, "adapter", None) is not None:  # the adapter alone, on the engine's base
-        config, tensors = worker.export_adapter()
-        engine.wake([WEIGHTS])
-        engine.load_adapter(config, tensors)
-        engine.wake([KV_CACHE])
+        with weights_awake(engine):
+            engine.load_adapter(*worker.export_adapter())
         return
     shapes = worker.weight_shapes()  # the manifest first, before the export starts gathering
     sync_engine(engine, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=engine.weight_dtype)), shapes)
