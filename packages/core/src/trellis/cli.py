@@ -91,14 +91,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from trellis.recipes.train import Interrupted, train
     from trellis.runtime import netns
 
+    plugins = load_plugins()  # once: the namespace decision and the run share it
     if netns.inside():
         netns.loopback_up()
     elif not args.dry_run:  # a single-machine Ray run goes into a loopback-only network namespace
-        command = netns.relaunch_command(config_mod.compose(args.config, args.overrides, load_plugins().registry), args.argv)
+        command = netns.relaunch_command(config_mod.compose(args.config, args.overrides, plugins.registry), args.argv)
         if command:
             return netns.run(command)
     try:
-        result = train(args.config, args.overrides, dry_run=args.dry_run)
+        result = train(args.config, args.overrides, plugins=plugins, dry_run=args.dry_run)
     except Interrupted as stop:
         again = [a for a in args.overrides if not a.startswith("trainer.run_dir=")] + [f"trainer.run_dir={stop.run_dir}"]
         print(f"trellis: interrupted; resume with: {shlex.join(['trellis', 'train', args.config, *again])}", file=sys.stderr)
