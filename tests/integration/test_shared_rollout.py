@@ -26,8 +26,8 @@ def record_sharing(monkeypatch) -> list[bool]:
     shared = []
     init = controller.LocalRollout.__init__
 
-    def record(self, *args):
-        init(self, *args)
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
         shared.append(self.shared)
 
     monkeypatch.setattr(controller.LocalRollout, "__init__", record)

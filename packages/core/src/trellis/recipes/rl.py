@@ -3,6 +3,7 @@ critic update -> actor update -> weight sync, with any registered estimator and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -42,8 +43,9 @@ from trellis.recipes.reward_model import ModelReward, check_reward_model
 from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, unknown_sources
+from trellis.runtime.ahead import MODES, Producer, TrainedPosition, staleness_bound, staleness_metrics
 from trellis.runtime.controller import RolloutGroup
-from trellis.runtime.harness import Run, RunContext, backend_mesh
+from trellis.runtime.harness import Run, RunContext, StageTimer, backend_mesh
 from trellis.runtime.plan import Plan
 from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
 
@@ -95,6 +97,16 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RLTrainerConfig(TrainerConfig):
+    """async_mode: ``off`` (generate, then train), ``one_step`` (generate step k+1 while training
+    step k) or ``fully_async`` (up to ``max_staleness`` steps ahead, default 1); see
+    ``trellis.runtime.ahead``. Generation ahead needs an engine with weights of its own."""
+
+    async_mode: str = choice("off", MODES)
+    max_staleness: int | None = ranged(None, ge=0)
+
+
+@dataclass
 class RLConfig(RecipeConfig):
     recipe: str = "rl"
     data: PromptData = field(default_factory=PromptData)
@@ -108,7 +120,7 @@ class RLConfig(RecipeConfig):
     reward: RewardConfig = field(default_factory=RewardConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
 
 
 def check(cfg: DictConfig, registry) -> None:
@@ -116,6 +128,7 @@ def check(cfg: DictConfig, registry) -> None:
     actor's micro-batches cannot fit the device: ``trellis.memory``)."""
     check_reward(cfg.reward, registry, cfg.recipe)
     check_inputs(cfg)
+    staleness_bound(cfg.trainer)
     check_rollout_placement(cfg, registry)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
     world = backend_mesh(cfg, registry).dp
@@ -293,25 +306,28 @@ class RLRecipe:
             # (a critic's values or a teacher's log-probs give advantages whatever the rewards)
             run.signals.watch_reward = "groups" in needs(estimator)
             reward_fn = make_reward(cfg, run, registry, tokenizer)
-            rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg))
+            bound = staleness_bound(cfg.trainer)  # None: generation inline (async_mode=off)
+            rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg), own_weights=bound is not None)
             sampling = SamplingParams(**cfg.sampling)
             probe = SyncProbe(instantiate_options(cfg.sync_check, SyncCheckConfig), rollout, sampling)
             samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
             on_policy = on_policy_update(cfg, registry, estimator, samples_per_step)
             validate = functools.partial(self.validate, rollout, val, reward_fn, cfg, agent) if val is not None else None
+            # generating ahead, checkpoints keep the loader's position after the last trained step
+            position = TrainedPosition(train) if bound is not None else train
             start = run.start(
                 roles={"actor": actor, "critic": critic},
-                state={"data": train, "kl": kl_in_reward},
+                state={"data": position, "kl": kl_in_reward},
                 rollout=rollout,
                 validate=validate,
                 validate_before=cfg.validation.before_train,
+                overlap=bound is not None,
             )
-            timer = run.timer
             dynamic = cfg.algorithm.dynamic_sampling
             overlong = cfg.reward.overlong
             multiple = group_multiple(cfg, registry, samples_per_step) if dynamic.enable else 1
 
-            def generate(prompts: Batch, params: SamplingParams) -> tuple[Batch, RewardResult]:
+            def generate(prompts: Batch, params: SamplingParams, timer: StageTimer) -> tuple[Batch, RewardResult]:
                 with timer("gen"):
                     batch = sample(rollout, prompts, params, agent)
                 with timer("reward"):
@@ -321,84 +337,111 @@ class RLRecipe:
                         scored = add_overlong_penalty(scored, mask, cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
                 return batch, scored
 
-            for step in run.steps(start):
+            def make_step(step: int, timer: StageTimer) -> StepSamples:
+                """Step ``step``'s prompts, samples and rewards (the loader's next prompts)."""
                 params = sampling.at_step(step, samples_per_step)
-                with run.generating(rollout):
-                    if dynamic.enable:
-                        # a round's seeds move on past every earlier round's, this step's and the steps' before it
-                        def round_at(r: int, step: int = step) -> tuple[Batch, RewardResult]:
-                            return generate(train.next_batch(), sampling.at_step((step - 1) * dynamic.max_rounds + r + 1, samples_per_step))
+                if dynamic.enable:
+                    # a round's seeds move on past every earlier round's, this step's and the steps' before it
+                    def round_at(r: int) -> tuple[Batch, RewardResult]:
+                        return generate(train.next_batch(), sampling.at_step((step - 1) * dynamic.max_rounds + r + 1, samples_per_step), timer)
 
-                        filled = fill(round_at, cfg.data.train_batch_prompts, dynamic, step, multiple)
-                        first, reward_metrics = filled.first, filled.first.metrics
-                        if filled.batch is None:  # nothing to train on: the step is logged, the policy unchanged
-                            signal = groups_with_signal(first.scores, first_groups(first, params.n))
-                            run.end_step(step, {**reward_metrics, **filled.metrics, **signal})
-                            continue
-                        batch, scored = filled.batch, RewardResult(filled.batch["token_scores"], {}, filled.scores, filled.components)
+                    filled = fill(round_at, cfg.data.train_batch_prompts, dynamic, step, multiple)
+                    if filled.batch is None:  # nothing to train on
+                        return StepSamples(None, params, filled.first, filled.metrics)
+                    batch, scored = filled.batch, RewardResult(filled.batch["token_scores"], {}, filled.scores, filled.components)
+                    made = StepSamples(batch, params, filled.first, filled.metrics)
+                else:
+                    prompts = train.next_batch()
+                    batch, scored = generate(prompts, params, timer)
+                    batch["token_scores"] = scored.token_scores
+                    made = StepSamples(batch, params, scored, {})
+                if "reward_components" in needs(estimator):
+                    for key, values in (scored.components or {}).items():
+                        batch[COMPONENT + key] = values
+                if "greedy_baseline" in needs(estimator):
+                    with timer("gen_greedy"):
+                        greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
+                        by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
+                        batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
+                return made
+
+            timer, ahead = run.timer, None
+            if bound is not None:  # a thread generates later steps while this one trains
+                ahead_timer = StageTimer()
+                make = functools.partial(make_step, timer=ahead_timer)
+                ahead = Producer(make, train, start + 1, cfg.trainer.total_steps, bound, ahead_timer)
+            with ahead or contextlib.nullcontext():
+                for step in run.steps(start):
+                    if ahead is None:
+                        with run.generating(rollout):
+                            made = make_step(step, timer)
+                        handover = {}
                     else:
-                        prompts = train.next_batch()
-                        batch, scored = generate(prompts, params)
-                        first, reward_metrics = scored, scored.metrics
-                        batch["token_scores"] = scored.token_scores
+                        produced, handover = ahead.take(step)
+                        position.trained = produced.loader_state
+                        made = produced.value
+                        handover |= {**produced.timings, "timing/wait_trainer_s": produced.waited_s}
+                    params, first, batch = made.params, made.first, made.batch
+                    reward_metrics = {**first.metrics, **made.metrics, **handover}
+                    if batch is None:  # dynamic sampling kept no group: the step is logged, the policy unchanged
+                        run.end_step(step, {**reward_metrics, **groups_with_signal(first.scores, first_groups(first, params.n))})
+                        if ahead is not None:
+                            ahead.finished(step)
+                        continue
                     batch.meta["step"] = step
-                    if "reward_components" in needs(estimator):
-                        for key, values in (scored.components or {}).items():
-                            batch[COMPONENT + key] = values
                     run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
-                    if "greedy_baseline" in needs(estimator):
-                        with timer("gen_greedy"):
-                            greedy = rollout.generate(prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
-                            by_uid = dict(zip(greedy["uid"], reward_fn.score(greedy).scores.tolist()))
-                            batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
-                old = None  # on-policy: the actor's update computes them in its first forward
-                if not on_policy:
-                    with timer("old_log_prob"):
-                        old = actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in needs(estimator))
-                        batch["old_log_probs"] = old["log_probs"]
-                        if "sum_sq_probs" in old:
-                            batch["sum_sq_probs"] = old["sum_sq_probs"]
-                if use_ref:
-                    with timer("ref"):
-                        reference = actor.forward(batch, ("base_log_probs",))["base_log_probs"] if adapter_ref else ref.log_prob(batch)["log_probs"]
-                        batch["ref_log_probs"] = reference
-                teacher_metrics = {}
-                if teacher is not None:
-                    with timer("teacher"):
-                        batch["teacher_log_probs"] = teacher.log_prob(batch)["log_probs"]
-                        teacher_metrics = reverse_kl(batch["old_log_probs"], batch["teacher_log_probs"], batch["response_mask"])
-                if critic is not None:
-                    with timer("values"):
-                        batch["values"] = critic.values(batch)["values"]
-                with timer("adv"):
-                    kl_metrics = self.compute_advantages(batch, estimator, estimator_options, kl_in_reward)
-                update_metrics: dict[str, float] = {}
-                if critic is not None:
-                    with timer("update_critic"):
-                        update_metrics.update(critic.update(batch))
-                with timer("update_actor"):
-                    update_metrics.update(actor.update(without_truncated(batch, params, tokenizer) if cfg.actor.mask_truncated else batch))
-                with timer("weight_sync"):
-                    rollout.sync_weights(version=step)
-                with timer("sync_check"):
-                    sync_metrics = probe.check(actor, batch, step)
+                    old = None  # on-policy: the actor's update computes them in its first forward
+                    if not on_policy:
+                        with timer("old_log_prob"):
+                            old = actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in needs(estimator))
+                            batch["old_log_probs"] = old["log_probs"]
+                            if "sum_sq_probs" in old:
+                                batch["sum_sq_probs"] = old["sum_sq_probs"]
+                    if use_ref:
+                        with timer("ref"):
+                            if adapter_ref:
+                                batch["ref_log_probs"] = actor.forward(batch, ("base_log_probs",))["base_log_probs"]
+                            else:
+                                batch["ref_log_probs"] = ref.log_prob(batch)["log_probs"]
+                    teacher_metrics = {}
+                    if teacher is not None:
+                        with timer("teacher"):
+                            batch["teacher_log_probs"] = teacher.log_prob(batch)["log_probs"]
+                            teacher_metrics = reverse_kl(batch["old_log_probs"], batch["teacher_log_probs"], batch["response_mask"])
+                    if critic is not None:
+                        with timer("values"):
+                            batch["values"] = critic.values(batch)["values"]
+                    with timer("adv"):
+                        kl_metrics = self.compute_advantages(batch, estimator, estimator_options, kl_in_reward)
+                    update_metrics: dict[str, float] = {}
+                    if critic is not None:
+                        with timer("update_critic"):
+                            update_metrics.update(critic.update(batch))
+                    with timer("update_actor"):
+                        update_metrics.update(actor.update(without_truncated(batch, params, tokenizer) if cfg.actor.mask_truncated else batch))
+                    with timer("weight_sync"):
+                        rollout.sync_weights(version=step)
+                    with timer("sync_check"):
+                        sync_metrics = probe.check(actor, batch, step)
 
-                mask = batch["response_mask"].float()
-                run.end_step(step, {
-                    **reward_metrics,
-                    **update_metrics,
-                    **kl_metrics,
-                    **teacher_metrics,
-                    **sync_metrics,
-                    **_kl_summary(update_metrics, kl_metrics),
-                    **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
-                    **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),
-                    **(filled.metrics if dynamic.enable else {}),
-                    **({"response/masked_truncated": float(truncated(batch, params, tokenizer).sum())} if cfg.actor.mask_truncated else {}),
-                    "response/length_mean": float(mask.sum(-1).mean()),
-                    "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
-                    "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
-                })
+                    mask = batch["response_mask"].float()
+                    run.end_step(step, {
+                        **reward_metrics,
+                        **update_metrics,
+                        **kl_metrics,
+                        **teacher_metrics,
+                        **sync_metrics,
+                        **_kl_summary(update_metrics, kl_metrics),
+                        **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
+                        **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),
+                        **({"response/masked_truncated": float(truncated(batch, params, tokenizer).sum())} if cfg.actor.mask_truncated else {}),
+                        "response/length_mean": float(mask.sum(-1).mean()),
+                        "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
+                        "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+                        **(staleness_metrics(batch["weight_version"], step) if ahead is not None else {}),
+                    })
+                    if ahead is not None:
+                        ahead.finished(step)
             if cfg.trainer.save_hf_model:
                 save_hf_folder(cfg.model.path, chain.from_iterable(actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")
         return run.summary
@@ -447,6 +490,18 @@ class RLRecipe:
             out["greedy_first_turn_reward_mean"] = greedy.metrics["reward/first_turn_mean"]
             out["first_turn_reward_mean"] = sampled.metrics["reward/first_turn_mean"]
         return out
+
+
+@dataclass
+class StepSamples:
+    """A step's samples: ``batch`` with ``token_scores`` (None when dynamic sampling kept no
+    group), the sampling ``params`` of the step, the first generation round's reward result
+    (``first``: the unfiltered draw the reward metrics describe) and dynamic sampling's metrics."""
+
+    batch: Batch | None
+    params: SamplingParams
+    first: RewardResult
+    metrics: dict[str, float]
 
 
 def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager | ModelReward:

@@ -9,6 +9,7 @@ import functools
 import inspect
 import logging
 import pickle
+import threading
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -133,7 +134,8 @@ class RolloutGroup:
     next to each engine on its share of the prompts (the multi-turn recipe's conversations);
     ``agenerate`` runs one sample on an engine (on the engine's own thread); ``sync_weights`` moves
     the actor's weights into the engines in memory. Every sample carries the ``weight_version`` it
-    came from."""
+    came from. Calls from several threads take turns (``lock``): a generation ahead of training
+    (``trellis.runtime.ahead``) and the trainer's weight sync never overlap on an engine."""
 
     version = 0
     asleep = False  # the engines slept and nothing has woken them since
@@ -141,6 +143,9 @@ class RolloutGroup:
     engines = 1  # engine groups the prompts are dealt over, in contiguous chunks
     weight_dtype: torch.dtype | None = None  # what the engines hold their weights in (None: unknown)
     engine_name = ""  # the engines' class, for messages
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """The engines get the prompts' token ids only; the other fields (data source, ground
@@ -156,11 +161,13 @@ class RolloutGroup:
 
     def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...], run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
         shipped = prompts.select(*[k for k in inputs if k in prompts])
-        out = run(shipped, params)
+        with self.lock:
+            out = run(shipped, params)
+            version = self.version
         kept = [k for k in prompts.keys() if k not in shipped]
         if kept:
             out.update(prompts.select(*kept).repeat_interleave(params.n))
-        out["weight_version"] = torch.full((len(out),), self.version, dtype=torch.long)
+        out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
         return out
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -170,20 +177,23 @@ class RolloutGroup:
         """Load the actor's current weights (into sleeping engines too: the weights wake first,
         then the KV cache, :func:`~trellis.interfaces.rollout.sync_engine`); later samples carry
         ``version``."""
-        self._sync()
-        self.version = version
-        self.asleep = False
+        with self.lock:
+            self._sync()
+            self.version = version
+            self.asleep = False
 
     def sleep(self) -> None:
         """Every engine frees its KV cache and weights until the next ``sync_weights`` or ``wake``."""
-        self._sleep()
-        self.asleep = True
+        with self.lock:
+            self._sleep()
+            self.asleep = True
 
     def wake(self, tags=ALL_MEMORY) -> None:
         """Every engine takes back the memory ``tags`` name (``weights``, ``kv_cache``)."""
-        self._wake(tags)
-        if set(ALL_MEMORY) <= set(tags):
-            self.asleep = False
+        with self.lock:
+            self._wake(tags)
+            if set(ALL_MEMORY) <= set(tags):
+                self.asleep = False
 
     def _sleep(self) -> None:
         raise NotImplementedError
@@ -212,9 +222,13 @@ class Controller:
         """Build ``role`` on ranks laid out as ``mesh`` (default: every rank data-parallel)."""
         raise NotImplementedError
 
-    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
+    def spawn_rollout(
+        self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None, own_weights: bool = False
+    ) -> RolloutGroup:
         """A rollout engine in each process of ``actor``'s ranks; ``mesh`` lays the engines out
-        (tp ranks of a group serve one engine; default: one engine per rank)."""
+        (tp ranks of a group serve one engine; default: one engine per rank). ``own_weights``: the
+        engines keep a copy of their own even where they could generate from the actor's model
+        (generation overlapping training must not see the weights change under it)."""
         raise NotImplementedError
 
     def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
@@ -245,11 +259,12 @@ class LocalRollout(RolloutGroup):
     (``full_module``) and the engine adopts it, the engine generates from the actor's own
     weights: no second copy, and nothing to sync."""
 
-    def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup | None) -> None:
+    def __init__(self, engine: RolloutEngine, actor: LocalWorkerGroup | None, adopt: bool = True) -> None:
+        super().__init__()
         self.engine = engine
         self.actor = actor  # None: generation alone, nothing to sync from
         self.weight_dtype, self.engine_name = getattr(engine, "weight_dtype", None), type(engine).__name__
-        module = actor.workers[0].full_module() if actor is not None else None
+        module = actor.workers[0].full_module() if actor is not None and adopt else None
         self.shared = module is not None and engine.adopt_module(module)
         if self.shared:
             log.info("rollout: %s generates from the actor's own model (one rank): no weight copy, no weight sync", type(engine).__name__)
@@ -289,9 +304,11 @@ class LocalController(Controller):
         self.workers.append(worker)
         return LocalWorkerGroup(role, worker)
 
-    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
+    def spawn_rollout(
+        self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None, own_weights: bool = False
+    ) -> RolloutGroup:
         self.engines.append(make_engine())
-        return LocalRollout(self.engines[-1], actor)
+        return LocalRollout(self.engines[-1], actor, adopt=not own_weights)
 
     def shutdown(self) -> None:
         """Close every rollout engine built here (SGLang's scheduler is a subprocess), then every

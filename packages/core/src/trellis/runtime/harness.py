@@ -208,6 +208,7 @@ class Run:
         self.signals = SignalWatch()
         self._rollout: RolloutGroup | None = None
         self._validate: Callable[[], dict[str, float]] | None = None
+        self._overlap = False
 
     # -- set-up ------------------------------------------------------------------------------------
     @property
@@ -237,14 +238,16 @@ class Run:
         self._groups.append(group)
         return group
 
-    def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any, max_len: int = 0) -> RolloutGroup:
+    def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any, max_len: int = 0, own_weights: bool = False) -> RolloutGroup:
         """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh;
-        ``max_len``: the longest prompt + response the recipe asks for (the engine's context)."""
+        ``max_len``: the longest prompt + response the recipe asks for (the engine's context);
+        ``own_weights``: the engine never generates from the actor's own model (see
+        :meth:`Controller.spawn_rollout`)."""
         make_engine, options = resolve_component(self.registry, "rollout", self.cfg.rollout)
         adapter = (policy_section(self.cfg) or {}).get("adapter") or {}
         spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len, adapter_rank=adapter.get("rank", 0))
         mesh = Mesh.for_options(options, self.controller.world_size())
-        return self.controller.spawn_rollout(functools.partial(make_engine, spec), actor, mesh)
+        return self.controller.spawn_rollout(functools.partial(make_engine, spec), actor, mesh, own_weights)
 
     def start(
         self,
@@ -253,6 +256,7 @@ class Run:
         rollout: RolloutGroup | None = None,
         validate: Callable[[], dict[str, float]] | None = None,
         validate_before: bool = True,
+        overlap: bool = False,
     ) -> int:
         """Load the checkpoint being resumed (roles' shards, stateful objects' ``state_dict``,
         RNG states) and remember what to save; open the trackers. Returns the step the run
@@ -262,12 +266,14 @@ class Run:
         validate: held-out figures ``{name: value}`` (generating on ``rollout``), run before the
             first step of a fresh run (``validate_before``), after every ``trainer.val_every_steps``
             and after the last step; logged as ``val/<name>`` and kept in :attr:`summary`
-            (``val_before``, ``val_after``)."""
+            (``val_before``, ``val_after``).
+        overlap: generation overlaps training (``trainer.async_mode``): the engines stay awake
+            and the roles on their devices, so :meth:`generating` moves no memory."""
         if validate is not None and rollout is None:
             raise ValueError("Run.start(validate=...) generates on the rollout: pass rollout= too")
         self.ctx.write_config()
         start = self.checkpointer.restore(roles, state)
-        self._rollout, self._validate = rollout, validate
+        self._rollout, self._validate, self._overlap = rollout, validate, overlap
         if start and rollout is not None:
             rollout.sync_weights(version=start)
         trainer = self.cfg.trainer
@@ -286,7 +292,11 @@ class Run:
         """The engines generate inside the block: on entry every role offloads (optimizer state,
         parameters to host memory as its backend's options say) and engines a step left asleep
         (no weight sync since) wake; on exit the engines sleep (their memory goes to training
-        until the next weight sync wakes them) and the roles onload."""
+        until the next weight sync wakes them) and the roles onload. Nothing moves when generation
+        overlaps training (``start(overlap=True)``): neither side can lend the other its memory."""
+        if self._overlap:
+            yield
+            return
         for role in self._groups:
             role.offload()
         if rollout.asleep:

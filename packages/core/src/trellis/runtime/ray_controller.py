@@ -260,6 +260,7 @@ class RayWorkerGroup(WorkerGroup):
 
 class RayRollout(RolloutGroup):
     def __init__(self, pool: RayPool, actor_role: str, mesh: Mesh) -> None:
+        super().__init__()
         self.pool, self.actor_role, self.mesh = pool, actor_role, mesh
         self.engines = mesh.dp
         # agenerate takes the engine groups in turn (their collecting ranks drive the engine)
@@ -370,8 +371,10 @@ class RayController(Controller):
         routes = pool.get(refs, f"building {role}", role)[0]
         return RayWorkerGroup(role, pool, mesh, routes)
 
-    def spawn_rollout(self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None) -> RolloutGroup:
-        pool = self._pool("actor")
+    def spawn_rollout(
+        self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None, own_weights: bool = False
+    ) -> RolloutGroup:
+        pool = self._pool("actor")  # a rank's engine always holds its own copy
         built = pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
         rollout = RayRollout(pool, actor.role, mesh or Mesh.data_parallel(self.world))
         rollout.weight_dtype, rollout.engine_name = built[0]

@@ -1,0 +1,154 @@
+"""Generation ahead of training (``trainer.async_mode``): a producer thread makes the batches of
+later steps while the trainer trains on earlier ones, never from weights more than
+``max_staleness`` versions behind the step that trains on them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from trellis.config import ConfigError
+
+log = logging.getLogger("trellis")
+
+MODES = ("off", "one_step", "fully_async")
+
+
+def staleness_bound(trainer: DictConfig) -> int | None:
+    """How many weight versions a step's samples may lag (None: ``off``, generation inline).
+    ``one_step`` is 1; ``fully_async`` takes ``trainer.max_staleness`` (default 1)."""
+    mode, bound = trainer.async_mode, trainer.max_staleness
+    if mode == "off":
+        if bound is not None:
+            raise ConfigError(
+                f"config key 'trainer.max_staleness' is {bound} with trainer.async_mode=off, where samples always come from the "
+                "latest weights; set trainer.async_mode=fully_async to let them lag, or remove trainer.max_staleness"
+            )
+        return None
+    if mode == "one_step":
+        if bound not in (None, 1):
+            raise ConfigError(
+                f"config key 'trainer.max_staleness' is {bound} with trainer.async_mode=one_step, which generates one step ahead "
+                "(staleness 1); use trainer.async_mode=fully_async for another bound"
+            )
+        return 1
+    return 1 if bound is None else bound
+
+
+@dataclass
+class Produced:
+    """What the producer made for one step: ``value`` (the recipe's ``make(step)``), the prompt
+    loader's position once the step's prompts were taken, the producer's stage timings
+    (``timing/gen_s``...) and the seconds it waited for the trainer before starting the step."""
+
+    step: int
+    value: Any
+    loader_state: dict[str, Any]
+    timings: dict[str, float]
+    waited_s: float
+
+
+class TrainedPosition:
+    """The prompt loader's position as checkpoints must keep it: after the last *trained* step's
+    prompts, not after what the producer fetched ahead (those steps are generated again on resume)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.trained = loader.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.trained)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+        self.trained = self.loader.state_dict()
+
+
+class ProducerFailed(RuntimeError):
+    """Generation ahead of training failed; the cause is chained."""
+
+
+class Producer:
+    """A thread calling ``make(step)`` for ``first .. last`` in order. Step ``t`` starts once the
+    trainer has finished step ``t - 1 - max_staleness`` (:meth:`finished`), so its samples come
+    from weights at most ``max_staleness`` versions old; with 0 every step is generated after the
+    previous one ended, exactly as without the thread. ``take(t)`` waits for step ``t``.
+
+    make: builds a step's samples from the loader's next prompts (reading ``timer`` for its stage
+    timings); it must use the rollout only under the rollout's lock, which every
+    ``RolloutGroup`` call takes."""
+
+    def __init__(self, make: Callable[[int], Any], loader: Any, first: int, last: int, max_staleness: int, timer: Any) -> None:
+        self.make, self.loader, self.timer = make, loader, timer
+        self.first, self.last, self.max_staleness = first, last, max_staleness
+        self.done_through = first - 1  # the last step the trainer finished
+        self.ready: dict[int, Produced] = {}
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._loop, name="trellis-producer", daemon=True)
+
+    def __enter__(self) -> Producer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _loop(self) -> None:
+        try:
+            for step in range(self.first, self.last + 1):
+                start = time.perf_counter()
+                with self.cond:
+                    self.cond.wait_for(lambda t=step: self.stopped or self.done_through >= t - 1 - self.max_staleness)
+                    if self.stopped:
+                        return
+                waited = time.perf_counter() - start
+                value = self.make(step)
+                produced = Produced(step, value, self.loader.state_dict(), self.timer.metrics(), waited)
+                with self.cond:
+                    self.ready[step] = produced
+                    self.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread by take()
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+
+    def take(self, step: int) -> tuple[Produced, dict[str, float]]:
+        """Step ``step``'s samples and the figures of the hand-over: ``async/buffered_steps`` (steps
+        ready, this one included) and ``timing/wait_gen_s`` (how long the trainer waited)."""
+        start = time.perf_counter()
+        with self.cond:
+            self.cond.wait_for(lambda: step in self.ready or self.error is not None)
+            if step not in self.ready:
+                raise ProducerFailed(f"generating the samples of step {step} ahead of training failed: {self.error!r}") from self.error
+            buffered = len(self.ready)
+            produced = self.ready.pop(step)
+        return produced, {"async/buffered_steps": float(buffered), "timing/wait_gen_s": time.perf_counter() - start}
+
+    def finished(self, step: int) -> None:
+        """The trainer finished ``step`` (update, weight sync, validation, checkpoint)."""
+        with self.cond:
+            self.done_through = step
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Stop after the step being generated (a generation is not interrupted) and wait for it."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        if self.thread.is_alive():
+            self.thread.join()
+
+
+def staleness_metrics(versions: Any, step: int) -> dict[str, float]:
+    """``rollout/staleness_mean|max``: how many weight versions the samples ``versions`` ``(batch,)``
+    (their ``weight_version``) lag the weights step ``step`` starts from (``step - 1``)."""
+    lag = (step - 1 - versions).float()
+    return {"rollout/staleness_mean": float(lag.mean()), "rollout/staleness_max": float(lag.max())}
