@@ -117,7 +117,8 @@ def test_a_sync_that_skips_a_tensor_stops_naming_the_step_engine_and_tensor(ray_
         ctrl.shutdown()
 
 
-def test_generate_in_a_background_thread_while_the_actor_trains(ray_cluster, tiny_model_path):
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_generate_in_a_background_thread_while_the_actor_trains(ray_cluster, tiny_model_path, transport):
     """The lead's producer pattern: generation on the pool from a thread while the main thread
     updates the actor. Both finish; the thread's samples equal the same call made before (the
     engine holds the old weights until the sync), and after the sync the engine samples from the
@@ -131,7 +132,7 @@ def test_generate_in_a_background_thread_while_the_actor_trains(ray_cluster, tin
     prompts = prompts_of(tokenizer, ["12+7=", "3+4=", "20+22="])
     params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=5)
     batch = helpers.grpo_batch(tiny_model_path)
-    ctrl = pool_controller()
+    ctrl = pool_controller(transport)
     try:
         actor = ctrl.spawn("actor", helpers.actor_factory(tiny_model_path))
         rollout = ctrl.spawn_rollout(lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
