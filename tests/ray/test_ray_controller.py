@@ -465,6 +465,7 @@ def test_tensor_parallel_engines_under_ray_are_refused_at_config_time(tiny_model
     data = write_rows(make_arithmetic_split(8, 0, max_value=50), tmp_path / "train.parquet")
     overrides = [f"model.path={tiny_model_path}", f"data.train_path={data}", "rollout.name=recording_hf", "rollout.tensor_parallel_size=2",
                  "trainer.controller=ray", "trainer.procs_per_node=2", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"'rollout.tensor_parallel_size' is 2 with trainer.controller=ray: .* set rollout.tensor_parallel_size=1"):
+    refused = r"'rollout.tensor_parallel_size' is 2 with trainer.controller=ray: .* set trainer.rollout_pool=N .* rollout.tensor_parallel_size=1"
+    with pytest.raises(ConfigError, match=refused):
         train(None, ["recipe=rl", *overrides], plugins=recording_plugins())
     assert not (tmp_path / "run").exists()

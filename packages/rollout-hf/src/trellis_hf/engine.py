@@ -24,6 +24,7 @@ from trellis.kit.engine import (
     prepare_update,
     rollout_batch,
     stop_ids,
+    tensor_digest,
 )
 
 _Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]"]  # prompt ids, sampling, result
@@ -184,6 +185,11 @@ class HFRollout(RolloutEngine):
         with torch.no_grad():
             for name, tensor in update.tensors:
                 state[name].copy_(tensor)
+
+    def weight_checksums(self, names: Sequence[str]) -> dict[str, str]:
+        """The digest of each named tensor the model holds (its own names are the trainer's)."""
+        state = self.model.state_dict()
+        return {name: tensor_digest(state[name]) for name in names if name in state}
 
 
 class _SampledLogProbs(LogitsProcessor):

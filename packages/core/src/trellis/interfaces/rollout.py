@@ -253,6 +253,13 @@ class RolloutEngine(ABC):
         its own weights and take syncs."""
         return False
 
+    def weight_checksums(self, names: Sequence[str]) -> dict[str, str] | None:
+        """After a weight sync: ``tensor_digest`` (:mod:`trellis.interfaces.transport`) of each of
+        ``names`` (the trainer's names) as the engine now holds it, a name it does not hold left
+        out; None (the default): it cannot tell, and the fixed-probe check (``sync_check``) is the
+        only check of the sync."""
+        return None
+
     def sleep(self) -> None:
         """Free what generation holds (KV cache and weights) between rollouts; a no-op if unsupported."""
 

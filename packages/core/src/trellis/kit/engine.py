@@ -20,6 +20,7 @@ from trellis.interfaces.rollout import (
     sleep_skipped,
     stop_ids,
 )
+from trellis.interfaces.transport import tensor_digest
 from trellis.interfaces.weights import DEFAULT_PACKED, WeightSyncError, engine_weights, prepare_update
 from trellis.rng import get_rng_state, set_rng_state
 
@@ -52,6 +53,8 @@ __all__ = [
     "WeightSyncError",
     "WeightBucket",
     "weight_buckets",
+    # a verified sync: the digest of a tensor the engine holds (weight_checksums)
+    "tensor_digest",
     # the process's random states (python, numpy, torch, CUDA): an engine built in the trainer's process must leave them as found
     "get_rng_state",
     "set_rng_state",

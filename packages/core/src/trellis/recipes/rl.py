@@ -47,6 +47,7 @@ from trellis.runtime.ahead import MODES, Producer, TrainedPosition, staleness_bo
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, StageTimer, backend_mesh
 from trellis.runtime.plan import Plan
+from trellis.runtime.rollout_pool import check_rollout_pool
 from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
 
 log = logging.getLogger("trellis")
@@ -204,16 +205,10 @@ def check_length_shaping(cfg: DictConfig) -> None:
 
 
 def check_rollout_placement(cfg: DictConfig, registry) -> None:
-    """Under Ray every rank holds one device and builds its own engine beside its actor shard, so
-    an engine cannot span several devices (tensor parallel): refused here, with the ways out."""
+    """Where the engines go: ``trainer.rollout_pool`` needs Ray, and a colocated engine under Ray
+    cannot span several devices (see :func:`~trellis.runtime.rollout_pool.check_rollout_pool`)."""
     _, options = resolve_component(registry, "rollout", cfg.rollout)
-    tp = getattr(options, "tensor_parallel_size", 1)
-    if cfg.trainer.controller == "ray" and tp > 1:
-        raise ConfigError(
-            f"config key 'rollout.tensor_parallel_size' is {tp} with trainer.controller=ray: each Ray rank holds one device "
-            f"and builds its own rollout engine, so an engine cannot span {tp} devices; set rollout.tensor_parallel_size=1 "
-            "(one data-parallel engine per rank), or trainer.controller=local, where the engine spans the machine's devices itself"
-        )
+    check_rollout_pool(cfg.trainer, getattr(options, "tensor_parallel_size", 1))
 
 
 def on_policy_update(cfg: DictConfig, registry, estimator, samples: int) -> bool:

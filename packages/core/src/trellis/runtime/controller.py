@@ -178,8 +178,8 @@ class RolloutGroup:
         then the KV cache, :func:`~trellis.interfaces.rollout.sync_engine`); later samples carry
         ``version``."""
         with self.lock:
+            self.version = version  # before the transfer: a transport stamps what it sends
             self._sync()
-            self.version = version
             self.asleep = False
 
     def sleep(self) -> None:

@@ -103,7 +103,14 @@ def make_controller(trainer: DictConfig) -> Controller:
         return LocalController()
     from trellis.runtime.ray_controller import RayController
 
-    return RayController(trainer.nnodes, trainer.procs_per_node, trainer.ray_timeout_s, trainer.ray_call_timeout_s, list(trainer.separate_pools))
+    return RayController(
+        trainer.nnodes,
+        trainer.procs_per_node,
+        trainer.ray_timeout_s,
+        trainer.ray_call_timeout_s,
+        list(trainer.separate_pools),
+        rollout_pool=trainer.get("rollout_pool", 0),
+    )
 
 
 def world_size(trainer: DictConfig) -> int:
@@ -239,15 +246,19 @@ class Run:
         return group
 
     def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any, max_len: int = 0, own_weights: bool = False) -> RolloutGroup:
-        """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh;
-        ``max_len``: the longest prompt + response the recipe asks for (the engine's context);
-        ``own_weights``: the engine never generates from the actor's own model (see
-        :meth:`Controller.spawn_rollout`)."""
+        """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh,
+        or in ``trainer.rollout_pool`` processes of their own (Ray), each spanning the engine's
+        ``tensor_parallel_size`` devices; ``max_len``: the longest prompt + response the recipe
+        asks for (the engine's context); ``own_weights``: the engine never generates from the
+        actor's own model (see :meth:`Controller.spawn_rollout`)."""
         make_engine, options = resolve_component(self.registry, "rollout", self.cfg.rollout)
         adapter = (policy_section(self.cfg) or {}).get("adapter") or {}
         spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len, adapter_rank=adapter.get("rank", 0))
         mesh = Mesh.for_options(options, self.controller.world_size())
-        return self.controller.spawn_rollout(functools.partial(make_engine, spec), actor, mesh, own_weights)
+        make = functools.partial(make_engine, spec)
+        if self.cfg.trainer.get("rollout_pool"):
+            return self.controller.spawn_rollout(make, actor, mesh, own_weights, engine_devices=getattr(options, "tensor_parallel_size", 1))
+        return self.controller.spawn_rollout(make, actor, mesh, own_weights)
 
     def start(
         self,

@@ -1,5 +1,6 @@
 """Ray controller: N ranks per role as Ray actors in placement groups; actor, ref and rollout
-share one process per rank (hybrid engine). Every wait on Ray has a timeout. A cluster it starts
+share one process per rank (hybrid engine), or the engines run in a pool of their own
+(``rollout_pool``, :mod:`trellis.runtime.rollout_pool`). Every wait on Ray has a timeout. A cluster it starts
 itself is private: its own temp dir, no dashboard, token authentication with a fresh token."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import secrets
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -26,6 +28,7 @@ from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams
+from trellis.interfaces.transport import WeightTransport, tensor_digest
 from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, run_rollout_fn, sync_from
 from trellis.runtime.worker import Worker
 
@@ -98,6 +101,7 @@ class RankProcess:
         self.rank = rank
         self.workers: dict[str, Worker] = {}
         self.engine: RolloutEngine | None = None
+        self.transport: WeightTransport | None = None  # the actor's rank 0 and a pool's engines: set by join_transport
 
     def address(self) -> tuple[str, int, str]:
         """This node's IP, a free port on it and its temp folder (rank 0's are where the ranks of
@@ -146,12 +150,42 @@ class RankProcess:
     def wake_rollout(self, tags: tuple[str, ...]) -> tuple[None, float]:
         return _timed(self.engine.wake, tags)
 
+    def join_transport(self, transport: WeightTransport, rank: int, world: int, address: tuple[str, int]) -> None:
+        """Keep ``transport`` here as rank ``rank`` of its ``world`` ends (rank 0: the actor's rank 0)."""
+        transport.join(rank, world, address)
+        self.transport = transport
+
+    def send_weights(self, role: str, dtype: torch.dtype | None, version: int) -> tuple[tuple[Any, dict[str, str]] | None, float]:
+        """Every rank exports ``role``'s weights in ``dtype`` (a collective); rank 0 sends them by
+        its transport stamped ``version`` and returns the transport's handle and its digest of each
+        tensor sent (in send order); the other ranks return None."""
+        start = time.perf_counter()
+        worker = self.workers[role]
+        shapes = worker.weight_shapes()  # the manifest first, before the export starts gathering
+        weights = chain.from_iterable(worker.export_weights(all_ranks=True, dtype=dtype))
+        if self.rank:
+            for _ in weights:
+                pass
+            return None, time.perf_counter() - start
+        digests: dict[str, str] = {}
+
+        def noted():
+            for name, tensor in weights:
+                digests[name] = tensor_digest(tensor)
+                yield name, tensor
+
+        handle = self.transport.send(noted(), shapes, version)
+        return (handle, digests), time.perf_counter() - start
+
     def close(self) -> None:
         """Close the rollout engine (its subprocesses, memory), then the workers (a backend leaves
         its process group), before Ray ends this process: ``ray.kill`` skips atexit hooks."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
         while self.workers:
             self.workers.popitem()[1].close()
 
@@ -171,16 +205,28 @@ def forwarded_env() -> dict[str, str]:
 
 class RayPool:
     """``world`` ranks packed by node: one placement group of ``procs_per_node`` bundles per node
-    (``STRICT_PACK``: a node's ranks on one machine, their ranks consecutive), one ``RankProcess``
-    per bundle."""
+    (``STRICT_PACK``: a node's ranks on one machine, their ranks consecutive), one ``process``
+    (a ``RankProcess``) per bundle, holding ``gpus`` devices when the cluster has GPUs."""
 
-    def __init__(self, ray, name: str, world: int, procs_per_node: int, use_gpu: bool, timeouts: tuple[float, float], threads: int) -> None:
+    def __init__(
+        self,
+        ray,
+        name: str,
+        world: int,
+        procs_per_node: int,
+        use_gpu: bool,
+        timeouts: tuple[float, float],
+        threads: int,
+        process: type[RankProcess] = RankProcess,
+        gpus: int = 1,
+    ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         timeout_s, self.timeout_s = timeouts  # placement, then every call
         self.ray, self.name = ray, name
-        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        gpus = gpus if use_gpu else 0
+        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
         per_node = min(world, procs_per_node)
         self.pgs = [placement_group([dict(bundle) for _ in range(per_node)], strategy="STRICT_PACK") for _ in range(world // per_node)]
         try:
@@ -193,7 +239,7 @@ class RayPool:
                 f"{per_node} x {bundle} each but the cluster has {ray.available_resources()} available of {ray.cluster_resources()}; "
                 f"lower trainer.procs_per_node / trainer.nnodes or add resources"
             ) from None
-        remote = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(RankProcess)
+        remote = ray.remote(num_cpus=1, num_gpus=gpus)(process)
         env = {"env_vars": forwarded_env()}
         self.ranks = [
             remote.options(
@@ -210,14 +256,22 @@ class RayPool:
         one_machine = len({ip for ip, _, _ in self.nodes}) == 1
         self.rendezvous = f"file://{tmp}/trellis-rendezvous-{uuid.uuid4().hex}" if one_machine else f"tcp://{master}:{port}"
         self.dispatch_s = 0.0
+        self._clock = threading.Lock()  # a pool may be called from a background thread of the driver
 
     def timed(self, refs: list, what: str, role: str) -> list:
         """Results of timed rank calls; adds the wall time not spent computing on the slowest rank
         (serialisation, transfer, scheduling) to ``dispatch_s``."""
         start = time.perf_counter()
         pairs = self.get(refs, what, role)
-        self.dispatch_s += time.perf_counter() - start - max(seconds for _, seconds in pairs)
+        with self._clock:
+            self.dispatch_s += time.perf_counter() - start - max(seconds for _, seconds in pairs)
         return [result for result, _ in pairs]
+
+    def dispatch_seconds(self) -> float:
+        """``dispatch_s`` since the last call."""
+        with self._clock:
+            seconds, self.dispatch_s = self.dispatch_s, 0.0
+        return seconds
 
     def get(self, refs: list, what: str, role: str | None = None) -> list:
         """``ray.get`` with a timeout; a dead or failing rank becomes a ``RankFailure`` that says where."""
@@ -304,18 +358,31 @@ class RayRollout(RolloutGroup):
 class RayController(Controller):
     """Roles on Ray: one pool of ``nnodes x procs_per_node`` ranks for actor, ref and rollout
     (colocated), and the critic / reward model there too or, if asked, on a pool of their own.
+    ``rollout_pool`` N > 0: the engines in N processes of their own instead, fed by the weight
+    transport ``transport`` (``object_store`` or ``broadcast``, buckets of ``bucket_mb``).
 
     Joins the cluster at ``RAY_ADDRESS`` if set; otherwise starts a private local cluster (own temp
     dir) and stops it at the end. It never runs ``ray stop``, which would kill other users' Ray.
     """
 
-    def __init__(self, nnodes: int, procs_per_node: int, timeout_s: float, call_timeout_s: float, separate_pools: list[str] = ()) -> None:
+    def __init__(
+        self,
+        nnodes: int,
+        procs_per_node: int,
+        timeout_s: float,
+        call_timeout_s: float,
+        separate_pools: list[str] = (),
+        rollout_pool: int = 0,
+        transport: str = "object_store",
+        bucket_mb: float = 64.0,
+    ) -> None:
         ray = import_ray()
         self.ray = ray
         self.world = nnodes * procs_per_node
         self.procs_per_node = procs_per_node
         self.timeout_s, self.call_timeout_s = timeout_s, call_timeout_s
         self.separate = set(separate_pools)
+        self.rollout_pool, self.transport, self.bucket_mb = rollout_pool, transport, bucket_mb
         self.started_cluster = False
         self._restore_env: dict[str, str | None] = {}
         self._token: Path | None = None
@@ -372,9 +439,21 @@ class RayController(Controller):
         return RayWorkerGroup(role, pool, mesh, routes)
 
     def spawn_rollout(
-        self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None, own_weights: bool = False
+        self,
+        make_engine: Callable[[], RolloutEngine],
+        actor: WorkerGroup,
+        mesh: Mesh | None = None,
+        own_weights: bool = False,
+        engine_devices: int = 1,
     ) -> RolloutGroup:
-        pool = self._pool("actor")  # a rank's engine always holds its own copy
+        """Colocated (an engine per rank, laid out as ``mesh``), or with ``rollout_pool`` set a pool
+        of engine processes of their own, each holding ``engine_devices`` GPUs (when there are).
+        Either way an engine holds its own copy of the weights."""
+        if self.rollout_pool:
+            from trellis.runtime.rollout_pool import spawn_pool
+
+            return spawn_pool(self, make_engine, actor, engine_devices)
+        pool = self._pool("actor")
         built = pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
         rollout = RayRollout(pool, actor.role, mesh or Mesh.data_parallel(self.world))
         rollout.weight_dtype, rollout.engine_name = built[0]
@@ -389,10 +468,7 @@ class RayController(Controller):
         source.pool.timed([r.copy_weights.remote(source.role, target.role) for r in source.pool.ranks], "weight copy", target.role)
 
     def dispatch_seconds(self) -> float:
-        total = sum(p.dispatch_s for p in self.pools.values())
-        for p in self.pools.values():
-            p.dispatch_s = 0.0
-        return total
+        return sum(p.dispatch_seconds() for p in self.pools.values())
 
     def shutdown(self) -> None:
         for pool in self.pools.values():

@@ -1,0 +1,138 @@
+"""A rollout pool apart from the trainer (``trainer.rollout_pool=N``, Ray): N engine processes of
+their own, fed the actor's weights by a :class:`~trellis.interfaces.transport.WeightTransport`
+and verified after every sync (each engine's digest of every tensor against the trainer's)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig
+
+from trellis.config import ConfigError
+from trellis.interfaces.dispatch import Mesh
+from trellis.interfaces.rollout import RolloutEngine, sync_engine
+from trellis.interfaces.transport import WeightTransport, digest_dtype
+from trellis.runtime.ray_controller import RankProcess, RayController, RayPool, RayRollout, RayWorkerGroup
+from trellis.runtime.sync_probe import SyncCheckFailed
+from trellis.runtime.transport import BroadcastTransport, ObjectStoreTransport
+
+log = logging.getLogger("trellis")
+
+
+def check_rollout_pool(trainer: DictConfig, tensor_parallel_size: int) -> None:
+    """``trainer.rollout_pool`` needs Ray; under Ray an engine spans several devices (tensor
+    parallel) only in a pool of its own (colocated, each rank holds one device)."""
+    pool = trainer.get("rollout_pool", 0)
+    if pool and trainer.controller != "ray":
+        raise ConfigError(
+            f"config key 'trainer.rollout_pool' is {pool} with trainer.controller={trainer.controller}: engine processes of their own "
+            "are placed by Ray; set trainer.controller=ray, or trainer.rollout_pool=0 (the engine beside the actor in this process)"
+        )
+    if trainer.controller == "ray" and tensor_parallel_size > 1 and not pool:
+        raise ConfigError(
+            f"config key 'rollout.tensor_parallel_size' is {tensor_parallel_size} with trainer.controller=ray: each Ray rank holds one "
+            f"device and builds its own rollout engine, so an engine cannot span {tensor_parallel_size} devices; set "
+            "trainer.rollout_pool=N (N engine processes of their own, each spanning its devices), rollout.tensor_parallel_size=1 "
+            "(one data-parallel engine per rank), or trainer.controller=local, where the engine spans the machine's devices itself"
+        )
+
+
+class EngineProcess(RankProcess):
+    """One engine process of a pool: a ``RankProcess`` with an engine and no workers, that takes
+    weights from a transport and reports what it then holds."""
+
+    def receive_weights(self, handle: Any, version: int) -> tuple[dict[str, str] | None, float]:
+        """Load the update ``handle`` names (version ``version``) into the engine; the engine's
+        digests of the tensors it received (None: it cannot tell)."""
+        start = time.perf_counter()
+        manifest, tensors = self.transport.receive(handle, version)
+        names: list[str] = []
+
+        def noted():
+            for name, tensor in tensors:
+                names.append(name)
+                yield name, tensor
+
+        stream = noted()
+        try:
+            sync_engine(self.engine, stream, manifest)
+        finally:
+            for _ in stream:  # a refused update is still read whole: a broadcast waits for every receiver
+                pass
+        return self.engine.weight_checksums(names), time.perf_counter() - start
+
+
+class PoolRollout(RayRollout):
+    """The engines of a pool apart from the actor: prompts dealt as ``RayRollout`` deals them (each
+    engine a data-parallel group of one process), weights moved by ``transport`` from the actor's
+    rank 0 and verified. Shares no state with the actor's group: its own pool (ranks, dispatch
+    clock), so a background thread may ``generate`` while the main thread trains the actor; a
+    sync waits for the engines' calls already queued (each engine process runs one call at a time)."""
+
+    def __init__(self, pool: RayPool, actor: RayWorkerGroup, transport: WeightTransport) -> None:
+        super().__init__(pool, actor.role, Mesh.data_parallel(len(pool.ranks)))
+        self.actor, self.transport = actor, transport
+        self.unverified: set[str] = set()  # names whose digests could not be compared (another dtype): the probe checks them
+
+    def _sync(self) -> None:
+        """Send the actor's current weights stamped with the version, load them in every engine,
+        then compare every engine's digests with the trainer's (:meth:`verify`)."""
+        self._transfer(self.version)
+
+    def _transfer(self, version: int) -> None:
+        actor = self.actor.pool
+        sends = [r.send_weights.remote(self.actor_role, self.weight_dtype, version) for r in actor.ranks]
+        if self.transport.live:  # the engines receive while rank 0 sends
+            receives = [r.receive_weights.remote(None, version) for r in self.pool.ranks]
+            sent = actor.timed(sends, "weight send", self.actor_role)[0]
+        else:
+            sent = actor.timed(sends, "weight send", self.actor_role)[0]
+            receives = [r.receive_weights.remote(sent[0], version) for r in self.pool.ranks]
+        held = self.pool.timed(receives, "weight receive", "rollout")
+        self.verify(version, sent[1], held)
+
+    def verify(self, version: int, trainer: dict[str, str], engines: list[dict[str, str] | None]) -> None:
+        """Raise :class:`SyncCheckFailed` naming the step, the engine and the first tensor whose
+        digest differs from the trainer's (``trainer``: name -> digest in send order)."""
+        for i, held in enumerate(engines):
+            if held is None:  # the engine cannot tell: the probe after the sync is the check
+                continue
+            for name, want in trainer.items():
+                have = held.get(name)
+                if have is not None and digest_dtype(have) != digest_dtype(want):
+                    if name not in self.unverified:
+                        self.unverified.add(name)
+                        log.info("sync check: engine holds %r as %s, sent as %s: left to the probe", name, digest_dtype(have), digest_dtype(want))
+                    continue
+                if have != want:
+                    raise SyncCheckFailed(
+                        f"step {version}: after the weight sync, rollout engine {i} of {len(engines)} ({self.engine_name}) holds "
+                        f"{name!r} " + ("not at all" if have is None else f"with digest {have}") + f", the trainer sent {want}: the "
+                        "engine did not load that tensor as sent. Check the engine's load_weights for it (its name, a skipped or "
+                        "renamed parameter, a cast)"
+                    )
+
+
+def spawn_pool(ctrl: RayController, make_engine: Callable[[], RolloutEngine], actor: RayWorkerGroup, devices: int) -> PoolRollout:
+    """``ctrl.rollout_pool`` engine processes (one placement group each: Ray spreads them), each
+    building its engine from ``make_engine``, and the weight transport joined by the actor's rank
+    0 (which hosts its rendezvous) and every engine process."""
+    n = ctrl.rollout_pool
+    pool = RayPool(ctrl.ray, "rollout", n, 1, ctrl.use_gpu, (ctrl.timeout_s, ctrl.call_timeout_s), ctrl.threads, EngineProcess, devices)
+    ctrl.pools["rollout"] = pool  # closed and removed at shutdown with the others
+    built = pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout pool", "rollout")
+    if ctrl.transport == "broadcast":
+        transport = BroadcastTransport(ctrl.bucket_mb, "nccl" if ctrl.use_gpu else "gloo", ctrl.call_timeout_s)
+    else:
+        transport = ObjectStoreTransport(ctrl.bucket_mb)
+    sender = actor.pool.ranks[0]
+    ip, port, _ = actor.pool.get([sender.address.remote()], "finding the weight transport's address")[0]
+    ends = [sender, *pool.ranks]
+    pool.get([r.join_transport.remote(transport, i, len(ends), (ip, port)) for i, r in enumerate(ends)], "joining the weight transport")
+    log.info("rollout: %d engine process(es) of their own, weights by %s", n, type(transport).__name__)
+    rollout = PoolRollout(pool, actor, transport)
+    rollout.weight_dtype, rollout.engine_name = built[0]
+    return rollout

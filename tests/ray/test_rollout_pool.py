@@ -1,0 +1,173 @@
+"""A rollout pool apart from the trainer on a real local Ray cluster (loopback): the rl recipe with
+one engine process equals the colocated run, a sync that skips a tensor stops naming it (both
+transports), and a background thread generates while the main thread trains."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import threading
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trellis.config import ConfigError
+
+ray = pytest.importorskip("ray")
+
+import test_ray_controller as helpers  # noqa: E402 - the actor factory and GRPO batch of the Ray controller's tests
+
+SKIPPED = "model.layers.1.mlp.up_proj.weight"
+# a reward with signal on an untrained model: the response's length
+LENGTH_REWARD = """
+def length(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) / 20
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local cluster for this module: 3 logical CPUs (an actor rank, an engine process, a spare)."""
+    for module in (sys.modules[__name__], helpers):
+        ray.cloudpickle.register_pickle_by_value(module)
+    ray.init(num_cpus=3, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="trellis-ray-test-"), log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def make_skipping_engine(spec):
+    """The real HF rollout with a test-only fault: its load keeps its old value of ``SKIPPED``
+    (the update's names and shapes still pass every check: only the digests can tell)."""
+    from trellis_hf.engine import HFRollout
+
+    class TensorSkippingHF(HFRollout):
+        def load_weights(self, weights, shapes=None):
+            state = self.model.state_dict()
+            super().load_weights(((n, state[n].clone() if n == SKIPPED else t) for n, t in weights), shapes)
+
+    return TensorSkippingHF(spec)
+
+
+def pool_controller(transport: str = "object_store"):
+    from trellis.runtime.ray_controller import RayController
+
+    return RayController(nnodes=1, procs_per_node=1, timeout_s=60.0, call_timeout_s=120.0, rollout_pool=1, transport=transport)
+
+
+def prompts_of(tokenizer, texts):
+    from trellis.batch import Batch, position_ids
+    from trellis.data import left_pad
+
+    ids, mask, _ = left_pad([tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], tokenizer.pad_token_id or 0)
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids(mask)})
+
+
+def rl_run(model_path, tmp_path, name, *overrides):
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
+
+    data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
+    reward = tmp_path / "length.py"
+    reward.write_text(LENGTH_REWARD)
+    run = tmp_path / name
+    train(None, ["recipe=rl", f"model.path={model_path}", f"data.train_path={data}", "data.train_batch_prompts=2", "sampling.n=4",
+                 "sampling.max_new_tokens=5", "sampling.seed=11", f"reward.path={reward}", "reward.name=length", "actor.optim.lr=1e-2",
+                 "trainer.total_steps=3", "trainer.trackers=[jsonl]",
+                 "trainer.controller=ray", "trainer.procs_per_node=1", f"trainer.run_dir={run}", *overrides])  # fmt: skip
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
+
+
+def test_rl_with_an_engine_process_of_its_own_equals_the_colocated_run(ray_cluster, tiny_model_path, tmp_path):
+    """Same seed, same samples, same updates: every learning figure equal to float32 exactness
+    (the engine is the same code on the same weights, only in another process); timings differ."""
+    colocated = rl_run(tiny_model_path, tmp_path, "colocated")
+    pooled = rl_run(tiny_model_path, tmp_path, "pooled", "trainer.rollout_pool=1")
+    assert len(colocated) == len(pooled) == 3
+    assert all(r["actor/grad_norm"] > 0 for r in pooled)  # the policy moves: every sync carries new weights
+    assert len({r["actor/entropy"] for r in pooled}) == 3
+    for a, b in zip(colocated, pooled):
+        keys = {k for k in a if not k.startswith(("timing/", "dispatch/"))}
+        assert keys == {k for k in b if not k.startswith(("timing/", "dispatch/"))}
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert pooled[-1]["sync/probe_gap"] < 1e-3  # the probe still checks the pool's engine after each sync
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_a_sync_that_skips_a_tensor_stops_naming_the_step_engine_and_tensor(ray_cluster, tiny_model_path, transport):
+    from transformers import AutoTokenizer
+
+    from trellis.interfaces.rollout import RolloutSpec
+    from trellis.runtime.sync_probe import SyncCheckFailed
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    batch = helpers.grpo_batch(tiny_model_path)
+    ctrl = pool_controller(transport)
+    try:
+        actor = ctrl.spawn("actor", helpers.actor_factory(tiny_model_path))
+        rollout = ctrl.spawn_rollout(lambda: make_skipping_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
+        rollout.sync_weights(version=0)  # nothing trained yet: the kept value is the sent one
+        batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
+        actor.update(batch)
+        with pytest.raises(SyncCheckFailed, match=rf"^step 1: .* rollout engine 0 of 1 \(TensorSkippingHF\) holds '{SKIPPED}' with digest "):
+            rollout.sync_weights(version=1)
+    finally:
+        ctrl.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_generate_in_a_background_thread_while_the_actor_trains(ray_cluster, tiny_model_path, transport):
+    """The lead's producer pattern: generation on the pool from a thread while the main thread
+    updates the actor. Both finish; the thread's samples equal the same call made before (the
+    engine holds the old weights until the sync), and after the sync the engine samples from the
+    updated weights (its log-probs are the trainer's)."""
+    from transformers import AutoTokenizer
+
+    from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+    from trellis_hf.engine import make_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompts = prompts_of(tokenizer, ["12+7=", "3+4=", "20+22="])
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=5)
+    batch = helpers.grpo_batch(tiny_model_path)
+    ctrl = pool_controller(transport)
+    try:
+        actor = ctrl.spawn("actor", helpers.actor_factory(tiny_model_path))
+        rollout = ctrl.spawn_rollout(lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
+        before = rollout.generate(prompts, params)
+        batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
+        out: dict = {}
+        thread = threading.Thread(target=lambda: out.update(samples=rollout.generate(prompts, params)))
+        thread.start()
+        metrics = actor.update(batch)
+        thread.join(timeout=120)
+        assert not thread.is_alive() and "samples" in out and metrics
+        for key in ("responses", "rollout_log_probs"):
+            assert torch.equal(out["samples"][key], before[key])
+        assert (out["samples"]["weight_version"] == 0).all()
+
+        rollout.sync_weights(version=1)
+        after = rollout.generate(prompts, params)
+        assert (after["weight_version"] == 1).all()
+        trainer = actor.log_prob(after)["log_probs"]
+        mask = after["response_mask"].bool()
+        torch.testing.assert_close(after["rollout_log_probs"][mask], trainer[mask], atol=1e-4, rtol=0)
+        # and the update moved the weights enough to tell: the old samples' log-probs changed
+        old_mask = before["response_mask"].bool()
+        assert not torch.allclose(actor.log_prob(before)["log_probs"][old_mask], before["rollout_log_probs"][old_mask], atol=1e-3)
+    finally:
+        ctrl.shutdown()
+
+
+def test_rollout_pool_needs_ray_and_lifts_the_tensor_parallel_refusal():
+    from trellis.runtime.rollout_pool import check_rollout_pool
+
+    local = OmegaConf.create({"controller": "local", "rollout_pool": 2})
+    with pytest.raises(ConfigError, match=r"'trainer.rollout_pool' is 2 with trainer.controller=local: .* set trainer.controller=ray"):
+        check_rollout_pool(local, 1)
+    colocated = OmegaConf.create({"controller": "ray", "rollout_pool": 0})
+    with pytest.raises(ConfigError, match=r"'rollout.tensor_parallel_size' is 2 .* set trainer.rollout_pool=N"):
+        check_rollout_pool(colocated, 2)
+    check_rollout_pool(OmegaConf.create({"controller": "ray", "rollout_pool": 1}), 2)  # an engine process spans its devices
