@@ -26,6 +26,7 @@ from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.endpoint import HEADER, PolicyEndpoint
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AgentRollout
+from trellis.multiturn.tool_calls import HermesParser
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 
@@ -130,7 +131,7 @@ def test_the_endpoint_refuses_what_it_cannot_serve(engine):
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
 
     async def run():
-        endpoint = PolicyEndpoint(engine, tokenizer, {})
+        endpoint = PolicyEndpoint(engine, tokenizer, {}, HermesParser())
         await endpoint.start()
         episode = endpoint.open(prompt_ids, PROMPT, params, budget=256, max_turns=3, turns=[])
         client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.token, default_headers={HEADER: episode.id}, max_retries=0)

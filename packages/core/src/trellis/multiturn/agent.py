@@ -30,10 +30,15 @@ NEEDS = (("openai", "openai"), ("aiohttp", "aiohttp"))  # (module, pip package) 
 
 @dataclass
 class AgentSample:
-    """What an agent function gets besides its client: the row's prompt (chat messages; the
-    first request must begin with them) and its ``extra_info``."""
+    """What an agent function gets besides its client: the row's prompt as chat messages (a chat
+    request must begin with them), as the text and token ids the chat template renders them to
+    (a completions request's prompt must begin with either), the tool schemas it was rendered with
+    (a request's ``tools``, if given, must be these) and the row's ``extra_info``."""
 
     messages: list[dict[str, Any]]
+    prompt_text: str
+    prompt_ids: list[int]
+    tools: list[dict[str, Any]]
     extra_info: dict[str, Any]
 
 
@@ -114,7 +119,8 @@ class OpenAIAgentLoop(AgentLoop):
         )
         outcome, reward = "done", 0.0
         try:
-            sample = AgentSample(copy.deepcopy(list(raw_prompt)), copy.deepcopy(dict(extra_info)))
+            tools = copy.deepcopy(list(self.spec.template_kwargs.get("tools") or []))
+            sample = AgentSample(copy.deepcopy(list(raw_prompt)), episode.chain_text, list(prompt_ids), tools, copy.deepcopy(dict(extra_info)))
             reward = finite_reward(await asyncio.wait_for(self.agent(client, sample), s.agent_timeout_s), "the agent")
         except asyncio.TimeoutError:
             outcome = "timeout"
@@ -142,7 +148,7 @@ class OpenAIAgentLoop(AgentLoop):
             if self.endpoint is None:
                 from trellis.multiturn.endpoint import PolicyEndpoint  # aiohttp: only runs that use this loop need it
 
-                endpoint = PolicyEndpoint(self.engine, self.tokenizer, self.spec.template_kwargs)
+                endpoint = PolicyEndpoint(self.engine, self.tokenizer, self.spec.template_kwargs, self.env.parser)
                 await endpoint.start()
                 self.endpoint = endpoint
         return self.endpoint
