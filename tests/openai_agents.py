@@ -44,3 +44,12 @@ async def three_turns(client, sample):
             return 0.5 if "model turns (multi_turn.max_assistant_turns)" in exc.message else -1.0
         messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": FOLLOW_UP}]
     return -1.0
+
+
+async def closes_its_client(client, sample):
+    """Closes its client after one call (``async with``), then calls again: the samples' clients
+    share one connection pool, which an agent's close leaves open."""
+    async with client:
+        await client.chat.completions.create(model="policy", messages=sample.messages, max_tokens=3)
+    await client.models.list()
+    return 1.0

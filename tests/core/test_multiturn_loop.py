@@ -13,12 +13,13 @@ import agent_loops
 import pytest
 import torch
 from omegaconf import OmegaConf
+from scripted import REASONING_TEMPLATE, ScriptedEngine
 
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tiny import make_tiny_tokenizer
 from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult, Trajectory
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.interfaces.rollout import Generation, SamplingParams
 from trellis.multiturn.chat import ChatDeltas
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names
@@ -40,33 +41,6 @@ def tokenizer():
 @pytest.fixture(autouse=True)
 def _clear_events():
     EVENTS.clear()
-
-
-class ScriptedEngine(RolloutEngine):
-    """Stand-in engine: turn k of every conversation answers ``script[k]`` (cut at the turn's
-    token limit), each token with log-prob -0.25, and records the prompt ids it was given."""
-
-    def __init__(self, tokenizer, script, block: asyncio.Event | None = None):
-        self.tokenizer, self.script, self.block = tokenizer, script, block
-        self.prompts: list[list[int]] = []
-        self.opening = encode_text(tokenizer, "<|im_start|>assistant\n")  # one per assistant turn, this one included
-
-    def generate(self, prompts, params):
-        raise NotImplementedError
-
-    def load_weights(self, weights, shapes=None):
-        raise NotImplementedError
-
-    async def agenerate(self, prompt_ids, params):
-        self.prompts.append(list(prompt_ids))
-        if self.block is not None:
-            await self.block.wait()
-        k = len(self.opening)
-        turn = sum(prompt_ids[i : i + k] == self.opening for i in range(len(prompt_ids))) - 1
-        text = self.script[min(turn, len(self.script) - 1)]
-        ids = encode_text(self.tokenizer, text) + [self.tokenizer.eos_token_id]
-        ids = ids[: params.max_new_tokens]
-        return Generation(ids, [-0.25] * len(ids), "stop" if ids[-1] == self.tokenizer.eos_token_id else "length")
 
 
 class Checker(Interaction):
@@ -445,15 +419,6 @@ def test_an_environment_whose_reset_fails_ends_the_sample(registry, tokenizer):
 
 # Like published reasoning templates: an assistant turn before the last user turn loses its
 # <think>...</think> when the history is rendered again (written for this test).
-REASONING_TEMPLATE = (
-    "{%- set ns = namespace(last_user=0) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for m in messages -%}{%- set content = m.content -%}"
-    "{%- if m.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
-    "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
 
 
 def test_a_template_that_strips_reasoning_from_history_still_trains_on_the_sampled_ids(registry):

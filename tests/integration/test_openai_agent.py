@@ -26,6 +26,7 @@ from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.endpoint import HEADER, PolicyEndpoint
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AgentRollout
+from trellis.multiturn.tool_calls import HermesParser
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 
@@ -130,7 +131,7 @@ def test_the_endpoint_refuses_what_it_cannot_serve(engine):
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
 
     async def run():
-        endpoint = PolicyEndpoint(engine, tokenizer, {})
+        endpoint = PolicyEndpoint(engine, tokenizer, {}, HermesParser())
         await endpoint.start()
         episode = endpoint.open(prompt_ids, PROMPT, params, budget=256, max_turns=3, turns=[])
         client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.token, default_headers={HEADER: episode.id}, max_retries=0)
@@ -206,11 +207,17 @@ def test_a_missing_openai_package_is_named_before_any_model_is_built(tiny_model_
 
 @pytest.mark.parametrize(
     ("function", "finish", "reward", "turns"),
-    [("raises", "error", 0.0, 1), ("sleeps", "timeout", 0.0, 1), ("three_turns", "max_assistant_turns", 0.5, 2)],
+    [
+        ("raises", "error", 0.0, 1),
+        ("sleeps", "timeout", 0.0, 1),
+        ("three_turns", "max_assistant_turns", 0.5, 2),
+        ("closes_its_client", "done", 1.0, 1),
+    ],
 )
 def test_an_agent_that_fails_or_hits_a_limit_keeps_its_sampled_turns(engine, function, finish, reward, turns):
     """Through the rollout function itself: the turns sampled before the failure or the refused
-    call are the sample's (checked as sampled), its reward is 0 or what the agent returned."""
+    call are the sample's (checked as sampled), its reward is 0 or what the agent returned; an
+    agent that closes its client does not close the other samples'."""
     registry = load_plugins().registry
     section = {"enable": True, "agent_loop": "openai_agent", "agent": f"{AGENTS}:{function}", "agent_timeout_s": 2, "max_response_tokens": 256}
     spec = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, engine.tokenizer)

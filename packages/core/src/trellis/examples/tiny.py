@@ -50,6 +50,18 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# CHAT_TEMPLATE with tools: their schemas in a first system turn, an assistant's tool calls after its
+# content as Hermes ``<tool_call>`` JSON (what the ``hermes`` tool parser reads), results as ``tool`` turns.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 # Role words the chat template adds, so that BPE learns them as whole tokens.
 _SCAFFOLD = "system\nuser\nassistant\n"
 

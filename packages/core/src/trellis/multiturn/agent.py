@@ -30,10 +30,15 @@ NEEDS = (("openai", "openai"), ("aiohttp", "aiohttp"))  # (module, pip package) 
 
 @dataclass
 class AgentSample:
-    """What an agent function gets besides its client: the row's prompt (chat messages; the
-    first request must begin with them) and its ``extra_info``."""
+    """What an agent function gets besides its client: the row's prompt as chat messages (a chat
+    request must begin with them), as the text and token ids the chat template renders them to
+    (a completions request's prompt must begin with either), the tool schemas it was rendered with
+    (a request's ``tools``, if given, must be these) and the row's ``extra_info``."""
 
     messages: list[dict[str, Any]]
+    prompt_text: str
+    prompt_ids: list[int]
+    tools: list[dict[str, Any]]
     extra_info: dict[str, Any]
 
 
@@ -96,12 +101,12 @@ class OpenAIAgentLoop(AgentLoop):
         super().__init__(engine, spec, env)
         self.agent = load_agent(self.settings.agent)
         self.endpoint: Any = None
+        self._client: Any = None  # the openai client every sample's is a copy of
+        self._pool: Any = None  # their connection pool
         self._starting = asyncio.Lock()
         self._logged_error = False
 
     async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
-        import openai  # checked installed before any model was built
-
         from trellis.multiturn.endpoint import HEADER
 
         endpoint = await self._endpoint()
@@ -109,12 +114,11 @@ class OpenAIAgentLoop(AgentLoop):
         budget = s.max_response_tokens or params.max_new_tokens * s.max_assistant_turns
         record = current_record()
         episode = endpoint.open(prompt_ids, raw_prompt, params, budget, s.max_assistant_turns, [] if record is None else record)
-        client = openai.AsyncOpenAI(
-            base_url=endpoint.url, api_key=endpoint.token, default_headers={HEADER: episode.id}, max_retries=0, timeout=s.agent_timeout_s
-        )
+        client = self._client.with_options(default_headers={HEADER: episode.id})
         outcome, reward = "done", 0.0
         try:
-            sample = AgentSample(copy.deepcopy(list(raw_prompt)), copy.deepcopy(dict(extra_info)))
+            tools = copy.deepcopy(list(self.spec.template_kwargs.get("tools") or []))
+            sample = AgentSample(copy.deepcopy(list(raw_prompt)), episode.chain_text, list(prompt_ids), tools, copy.deepcopy(dict(extra_info)))
             reward = finite_reward(await asyncio.wait_for(self.agent(client, sample), s.agent_timeout_s), "the agent")
         except asyncio.TimeoutError:
             outcome = "timeout"
@@ -124,7 +128,6 @@ class OpenAIAgentLoop(AgentLoop):
             self._log_error(exc)
         finally:
             await endpoint.end(episode)
-            await client.close()
         if episode.engine_error is not None:
             raise episode.engine_error
         traj = episode.trajectory
@@ -133,6 +136,9 @@ class OpenAIAgentLoop(AgentLoop):
         return traj
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close_pool()
+            self._client = self._pool = None
         if self.endpoint is not None:
             await self.endpoint.close()
             self.endpoint = None
@@ -140,11 +146,18 @@ class OpenAIAgentLoop(AgentLoop):
     async def _endpoint(self) -> Any:
         async with self._starting:
             if self.endpoint is None:
+                import openai  # checked installed before any model was built
+
                 from trellis.multiturn.endpoint import PolicyEndpoint  # aiohttp: only runs that use this loop need it
 
-                endpoint = PolicyEndpoint(self.engine, self.tokenizer, self.spec.template_kwargs)
+                endpoint = PolicyEndpoint(self.engine, self.tokenizer, self.spec.template_kwargs, self.env.parser)
                 await endpoint.start()
                 self.endpoint = endpoint
+                # one connection pool for all samples: building a client per sample (its TLS context) costs ~30 ms
+                self._pool = _shared_pool()
+                self._client = openai.AsyncOpenAI(
+                    base_url=endpoint.url, api_key=endpoint.token, max_retries=0, timeout=self.settings.agent_timeout_s, http_client=self._pool
+                )
         return self.endpoint
 
     def _log_error(self, exc: Exception) -> None:
@@ -155,6 +168,21 @@ class OpenAIAgentLoop(AgentLoop):
                 self.settings.agent,
                 "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             )
+
+
+def _shared_pool() -> Any:
+    """The connection pool of every sample's client; an agent that closes its client (``async
+    with``) leaves it open for the others, the loop closes it (``close_pool``)."""
+    import openai
+
+    class SharedPool(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            pass
+
+        async def close_pool(self) -> None:
+            await super().aclose()
+
+    return SharedPool()
 
 
 def _importable(module: str) -> bool:

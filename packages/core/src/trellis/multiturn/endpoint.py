@@ -1,7 +1,7 @@
-"""The policy endpoint: an OpenAI-compatible ``/v1/chat/completions`` on loopback in front of a
-rollout engine, for agents written against the ``openai`` client. Every call is recorded per
-trajectory (the exact prompt ids, sampled ids and log-probs), and the calls that continue one
-another become the sample's ``Trajectory``, token for token as sampled."""
+"""The policy endpoint: OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` on
+loopback in front of a rollout engine, for agents written against the ``openai`` client. Every call
+is recorded per trajectory (the exact prompt ids, sampled ids and log-probs), and the calls that
+continue one another become the sample's ``Trajectory``, token for token as sampled."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import json
 import logging
 import math
 import secrets
-import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,24 +23,34 @@ from trellis.data import encode_text, render_chat
 from trellis.interfaces.agents import Trajectory
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.multiturn.chat import ChatDeltas
+from trellis.multiturn.openai_api import (
+    MODEL,
+    ChatRequest,
+    Refused,
+    assistant_message,
+    canonical,
+    chat_reply,
+    chat_request,
+    text_reply,
+    text_request,
+)
 from trellis.multiturn.sampled import record_into
+from trellis.multiturn.tool_calls import ToolCallParser
 
 log = logging.getLogger("trellis")
 
 HEADER = "X-Trellis-Trajectory"  # the trajectory a request belongs to (or the body's ``user``)
-MODEL = "trellis-policy"
 MAX_BODY = 64 << 20  # long conversations: aiohttp's 1 MiB default is too small
-# request keys the endpoint reads; any other key with a value is refused by name
-SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "user", "tools", "tool_choice", "stream")
 LIMITS = ("max_assistant_turns", "max_response_tokens")  # episode ends after which every call is refused
-
-
-class Refused(Exception):
-    """A request the endpoint does not serve; answered with ``status`` and the message."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+CHAT_FIRST = (
+    "the first call's messages must begin with the sample's prompt (sample.messages, as the chat template renders them, with "
+    "tools=sample.tools if it has any), which is what the trajectory trains on; send sample.messages, then your own turns after them"
+)
+TEXT_FIRST = (
+    "the first call's prompt must begin with the sample's prompt (sample.prompt_text, or its token ids sample.prompt_ids), "
+    "which is what the trajectory trains on; send it, then your own text after it"
+)
+_SAID: set[str] = set()  # warnings given once per process (one run)
 
 
 @dataclass
@@ -57,8 +67,11 @@ class Episode:
     """One sample's calls and the trajectory they build.
 
     ``chain_ids`` / ``chain_text``: the conversation so far as the engine saw it (the row's prompt,
-    then every token appended) and as the chat template renders it; a request whose rendered
-    messages start with ``chain_text`` continues the trajectory with the ids of the rest.
+    then every token appended) and as text; a request whose rendered messages (or prompt) start
+    with ``chain_text`` continues the trajectory with the ids of the rest. ``history``: the chat
+    messages of the last call and its reply (``canonical``; None before a chat call and after a
+    completions call); a chat request that repeats them and adds messages continues it too, even
+    where the template renders them differently from ``chain_text``.
     ``ended``: why the trajectory stopped growing ("" while it grows).
     """
 
@@ -71,25 +84,33 @@ class Episode:
     turns: list[Generation]  # the sample's record that its trained ids are checked against
     trajectory: Trajectory = field(default_factory=Trajectory)
     calls: list[Call] = field(default_factory=list)
+    history: list[tuple] | None = None
     ended: str = ""
     closed: bool = False
     engine_error: BaseException | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    prompt_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.chain_ids)
 
 
 class PolicyEndpoint:
-    """``/v1/chat/completions`` and ``/v1/models`` on 127.0.0.1 (a free port), for requests that
-    carry this endpoint's bearer ``token`` and the id of a running sample's episode.
+    """``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` on 127.0.0.1 (a free port),
+    for requests that carry this endpoint's bearer ``token`` and the id of a running sample's episode.
 
-    Each request's messages are rendered with the tokenizer's chat template (the request's
-    ``tools`` too, where the template renders them) and sampled by ``engine`` with the sample's
-    settings; the reply's content is the decoded sample. Calls of one episode run one at a time.
+    A chat request's messages are rendered with the tokenizer's chat template (the request's
+    ``tools`` too) and sampled by ``engine`` with the sample's settings; the reply's content is the
+    decoded sample, or, when the request has tools and ``parser`` finds calls in it, the text
+    outside them with the calls as ``tool_calls``. A completions request's prompt (text or ids) is
+    sampled as given. Calls of one episode run one at a time.
     """
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Any, template_kwargs: dict[str, Any]) -> None:
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, template_kwargs: dict[str, Any], parser: ToolCallParser) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs)
+        self.parser = parser
         self.chat = ChatDeltas(tokenizer, template_kwargs)
         self.token = secrets.token_urlsafe(32)
         self.episodes: dict[str, Episode] = {}
@@ -100,7 +121,8 @@ class PolicyEndpoint:
 
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._text)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -134,7 +156,13 @@ class PolicyEndpoint:
             return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's token>)")
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "trellis"}]})
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.Response:
+        return await self._handle(request, self._serve_chat)
+
+    async def _text(self, request: web.Request) -> web.Response:
+        return await self._handle(request, self._serve_text)
+
+    async def _handle(self, request: web.Request, serve: Callable[[Episode, dict], Awaitable[dict[str, Any]]]) -> web.Response:
         if not self._authorized(request):
             return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's token>); use the client trellis gives the agent")
         try:
@@ -148,7 +176,7 @@ class PolicyEndpoint:
             async with episode.lock:
                 if episode.closed:
                     raise Refused(f"trajectory {episode.id!r} has ended")
-                return web.json_response(await self._serve(episode, body))
+                return web.json_response(await serve(episode, body))
         except Refused as exc:
             return _error(exc.status, str(exc))
 
@@ -170,18 +198,74 @@ class PolicyEndpoint:
             )
         return episode
 
-    async def _serve(self, episode: Episode, body: dict) -> dict[str, Any]:
-        messages, kwargs, max_tokens = self._request(body)
+    async def _serve_chat(self, episode: Episode, body: dict) -> dict[str, Any]:
+        req = chat_request(body)
         params = _params(episode.params, body)
-        if episode.ended in LIMITS:
-            raise Refused(_limit_message(episode))
+        kwargs = dict(self.template_kwargs)
+        if req.tools is not None:
+            kwargs["tools"] = self._tools(req.tools)
         try:
-            text = render_chat(self.tokenizer, messages, True, kwargs)
+            text = render_chat(self.tokenizer, req.messages, True, kwargs)
         except Exception as exc:  # noqa: BLE001 - the template's own error is the agent's to read
             raise Refused(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
+        delta = self._chat_delta(episode, text, req, kwargs)
+        ids, gen, trained = await self._step(episode, delta, lambda: encode_text(self.tokenizer, text), params, req.max_tokens, CHAT_FIRST)
+        content, calls = self.parser.split(self._content(gen)) if req.tools else (self._content(gen), [])
+        message = assistant_message(content, calls)
+        if trained:
+            episode.chain_text = text + self._content(gen) + self.chat.sampled_closing(gen.token_ids)
+            reply = {"role": "assistant", "content": content, "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+            episode.history = [canonical(m) for m in req.messages] + [canonical(reply)]
+        return chat_reply(message, gen, len(ids))
+
+    async def _serve_text(self, episode: Episode, body: dict) -> dict[str, Any]:
+        req = text_request(body, len(self.tokenizer))
+        params = _params(episode.params, body)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            given = prompt[len(episode.chain_text) :]
+            delta = encode_text(self.tokenizer, given) if not episode.ended and prompt.startswith(episode.chain_text) else None
+            ids, gen, trained = await self._step(episode, delta, lambda: encode_text(self.tokenizer, prompt), params, req.max_tokens, TEXT_FIRST)
+        else:
+            n = len(episode.chain_ids)
+            delta = prompt[n:] if not episode.ended and prompt[:n] == episode.chain_ids else None
+            given = self.tokenizer.decode(delta or [])
+            ids, gen, trained = await self._step(episode, delta, lambda: list(prompt), params, req.max_tokens, TEXT_FIRST)
+        text = self._content(gen)
+        if trained:
+            episode.chain_text += given + text + self.chat.sampled_closing(gen.token_ids)
+            episode.history = None
+        tokens = [self.tokenizer.decode([t]) for t in gen.token_ids] if req.logprobs else None
+        return text_reply(text, gen, len(ids), tokens)
+
+    def _chat_delta(self, episode: Episode, text: str, req: ChatRequest, kwargs: dict[str, Any]) -> list[int] | None:
+        """The ids a chat request adds to the trajectory; None when it does not continue it."""
+        if episode.ended:
+            return None
+        if text.startswith(episode.chain_text):
+            return encode_text(self.tokenizer, text[len(episode.chain_text) :])
+        known = episode.history
+        if known is None or len(req.messages) <= len(known) or [canonical(m) for m in req.messages[: len(known)]] != known:
+            return None
+        # the same conversation, which the template renders differently (e.g. earlier reasoning
+        # dropped): the new messages go after the sampled ids, as tool_agent appends them
+        try:
+            delta = ChatDeltas(self.tokenizer, kwargs).after_model(episode.calls[-1].generation.token_ids, req.messages[len(known) :])
+        except ValueError:
+            return None
+        self._rerendered(episode, text)
+        return delta
+
+    async def _step(
+        self, episode: Episode, delta: list[int] | None, rendered: Callable[[], list[int]], params: SamplingParams, max_tokens: int, first: str
+    ) -> tuple[list[int], Generation, bool]:
+        """Sample one call: after the trajectory plus ``delta`` (trained), or, when it does not
+        continue the trajectory (``delta`` None), after the ``rendered`` ids (served, not trained).
+        Returns the prompt ids, the generation and whether it was added to the trajectory."""
         traj = episode.trajectory
-        if not episode.ended and text.startswith(episode.chain_text):
-            delta = encode_text(self.tokenizer, text[len(episode.chain_text) :])
+        if episode.ended in LIMITS:
+            raise Refused(_limit_message(episode))
+        if delta is not None:
             room = episode.budget - len(traj.response_ids) - len(delta)
             if traj.assistant_turns >= episode.max_turns:
                 episode.ended = "max_assistant_turns"
@@ -190,56 +274,24 @@ class PolicyEndpoint:
             if episode.ended:
                 raise Refused(_limit_message(episode))
             ids = episode.chain_ids + delta
-            gen = await self._sample(episode, ids, dataclasses.replace(params, max_new_tokens=min(max_tokens, params.max_new_tokens, room)))
-            if not episode.closed:  # a call that outlived its agent (timeout) is not added
-                traj.add_environment(delta)
-                traj.add_model(gen)
-                episode.chain_ids = ids + gen.token_ids
-                episode.chain_text = text + self._content(gen) + self.chat.sampled_closing(gen.token_ids)
-            episode.calls.append(Call(ids, gen, not episode.closed))
         else:
             if not traj.assistant_turns:
-                raise Refused(
-                    "the first call's messages must begin with the sample's prompt (sample.messages, as the chat template renders "
-                    "them), which is what the trajectory trains on; send sample.messages, then your own turns after them"
-                )
+                raise Refused(first)
             self._history_rewritten(episode)
-            ids = encode_text(self.tokenizer, text)
-            room = len(episode.calls[0].prompt_ids) + episode.budget - len(ids)  # the trajectory's own context length
+            ids = rendered()
+            room = episode.prompt_len + episode.budget - len(ids)  # the trajectory's own context length
             if room <= 0:
-                raise Refused(f"the messages render to {len(ids)} tokens, more than this trajectory's context")
-            gen = await self._sample(episode, ids, dataclasses.replace(params, max_new_tokens=min(max_tokens, params.max_new_tokens, room)))
-            episode.calls.append(Call(ids, gen, False))
-        return _completion(self._content(gen), gen, len(ids))
+                raise Refused(f"the request renders to {len(ids)} tokens, more than this trajectory's context")
+        gen = await self._sample(episode, ids, dataclasses.replace(params, max_new_tokens=min(max_tokens, params.max_new_tokens, room)))
+        trained = delta is not None and not episode.closed  # a call that outlived its agent (timeout) is not added
+        if trained:
+            traj.add_environment(delta)
+            traj.add_model(gen)
+            episode.chain_ids = ids + gen.token_ids
+        episode.calls.append(Call(ids, gen, trained))
+        return ids, gen, trained
 
-    def _request(self, body: dict) -> tuple[list[dict], dict[str, Any], int]:
-        """The messages, the chat template's kwargs and the token limit; what cannot be served is refused by name."""
-        unknown = [k for k, v in body.items() if k not in SUPPORTED and v is not None]
-        if unknown:
-            raise Refused(f"the policy endpoint does not support {', '.join(map(repr, sorted(unknown)))} (supported: {', '.join(SUPPORTED)})")
-        if body.get("stream"):
-            raise Refused("stream=true is not supported; the endpoint answers each request whole")
-        if body.get("n") not in (None, 1):
-            raise Refused(f"n={body['n']!r} is not supported: one completion per request (each is a step of one trajectory)")
-        if body.get("tool_choice") not in (None, "auto"):
-            raise Refused(f"tool_choice={body['tool_choice']!r} is not supported; the model decides (auto)")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise Refused("messages must be a non-empty list of {role, content} objects")
-        bad = next((i for i, m in enumerate(messages) if not isinstance(m.get("content"), (str, type(None)))), None)
-        if bad is not None:
-            raise Refused(f"messages[{bad}].content is not a string; content parts (lists) are not supported, send text")
-        kwargs = dict(self.template_kwargs)
-        if body.get("tools") is not None:
-            kwargs["tools"] = self._tools(body["tools"])
-        limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in limits):
-            raise Refused(f"max_tokens / max_completion_tokens must be positive integers, got {limits}")
-        return messages, kwargs, min(limits, default=1 << 62)
-
-    def _tools(self, tools: Any) -> list[dict]:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise Refused("tools must be a list of OpenAI function schemas")
+    def _tools(self, tools: list[dict]) -> list[dict]:
         if self._renders_tools is None:
             probe = [{"role": "user", "content": "?"}]
             with_tools = render_chat(self.tokenizer, probe, True, {**self.template_kwargs, "tools": tools})
@@ -249,6 +301,12 @@ class PolicyEndpoint:
             raise Refused(
                 "this tokenizer's chat template does not render tools, so the model would never see them; drop tools from the "
                 "request or use a model whose template renders them"
+            )
+        rendered = self.template_kwargs.get("tools") or []
+        if tools != rendered:
+            raise Refused(
+                f"tools differ from the {len(rendered)} tool schemas the sample's prompt was rendered with (sample.tools, from "
+                "multi_turn.tools and multi_turn.environment), and the trajectory trains on that prompt; send tools=sample.tools"
             )
         return tools
 
@@ -265,6 +323,23 @@ class PolicyEndpoint:
 
     def _content(self, gen: Generation) -> str:
         return self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+
+    def _rerendered(self, episode: Episode, text: str) -> None:
+        if "rerendered" in _SAID:
+            return
+        _SAID.add("rerendered")
+        ids, chain = encode_text(self.tokenizer, text), episode.chain_ids
+        at = next((i for i, (a, b) in enumerate(zip(ids, chain)) if a != b), min(len(ids), len(chain)))
+        log.warning(
+            "policy endpoint: trajectory %s: the chat template renders the conversation so far differently from the ids the "
+            "endpoint sampled, first at token %d (response position %d: sampled %r, rendered %r), e.g. it drops earlier "
+            "reasoning; the sampled ids are kept and the new messages appended after them (said once per run)",
+            episode.id,
+            at,
+            at - episode.prompt_len,
+            self.tokenizer.decode(chain[at : at + 8]),
+            self.tokenizer.decode(ids[at : at + 8]),
+        )
 
     def _history_rewritten(self, episode: Episode) -> None:
         if episode.ended:
@@ -298,17 +373,6 @@ def _limit_message(episode: Episode) -> str:
     if episode.ended == "max_assistant_turns":
         return f"this trajectory has had its {episode.max_turns} model turns (multi_turn.max_assistant_turns); end the episode"
     return f"this trajectory's token budget ({episode.budget} response tokens, multi_turn.max_response_tokens) is spent; end the episode"
-
-
-def _completion(content: str, gen: Generation, prompt_tokens: int) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": MODEL,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": gen.finish_reason}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(gen.token_ids), "total_tokens": prompt_tokens + len(gen.token_ids)},
-    }
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -23,6 +23,11 @@ class ToolCallParser:
     def parse(self, text: str) -> list[ToolCall]:
         raise NotImplementedError
 
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The text outside the calls and the calls that can run (the policy endpoint answers them
+        as ``content`` and ``tool_calls``); by default the whole text and every call without an error."""
+        return text, [c for c in self.parse(text) if c.error is None]
+
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -34,6 +39,18 @@ class HermesParser(ToolCallParser):
 
     def parse(self, text: str) -> list[ToolCall]:
         return [_parse_one(block.strip()) for block in _HERMES.findall(text)]
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A block that does not parse stays in the text, where the agent can read it."""
+        calls, kept, at = [], [], 0
+        for match in _HERMES.finditer(text):
+            call = _parse_one(match.group(1).strip())
+            if call.error is None:
+                calls.append(call)
+                kept.append(text[at : match.start()])
+                at = match.end()
+        kept.append(text[at:])
+        return "".join(kept).strip(), calls
 
 
 def _parse_one(block: str) -> ToolCall:
