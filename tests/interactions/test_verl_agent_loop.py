@@ -21,6 +21,7 @@ import trellis.recipes.rl as rl  # noqa: E402
 import trellis_interactions.verl_agent_loop as adapter  # noqa: E402
 from trellis.config import ConfigError  # noqa: E402
 from trellis.examples.tasks import make_arithmetic_split, write_rows  # noqa: E402
+from trellis.interfaces.rollout import Generation  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
 
 CHECK = "Check your answer."
@@ -148,3 +149,19 @@ def test_a_verl_loop_is_configured_by_name_and_checked_before_any_model_is_built
     with pytest.raises(ConfigError, match=r"'multi_turn.agent_loop': agent loop 'verl' runs only with options; add an entry"):
         train(None, [*overrides(tiny_model_path, data, tmp_path / "bad", [LOOP]), "multi_turn.agent_loop=verl"])
     assert not (tmp_path / "bad").exists()
+
+
+def output(prompt, response, mask, log_probs=None):
+    return AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=mask, response_logprobs=log_probs, num_turns=3, metrics={})
+
+
+def test_an_output_must_hold_the_rows_prompt_and_the_contexts_its_turns_were_sampled_after():
+    turn = Generation([7, 8], [-0.5, -0.25], "stop")
+    calls = [([1, 2], turn), ([1, 2, 7, 8, 5], Generation([9], [-1.0], "length"))]
+    traj = adapter.trajectory(output([1, 2], [7, 8, 5, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")
+    # no response_logprobs: the engine's, matched in order; the environment's token gets 0
+    assert (traj.log_probs, traj.assistant_turns, traj.user_turns, traj.finish) == ([-0.5, -0.25, 0.0, -1.0], 2, 0, "length")
+    with pytest.raises(ValueError, match=r"'Mine' returned prompt_ids of 3 tokens that differ from the row's prompt .* \(2 tokens\) from position 2"):
+        adapter.trajectory(output([1, 2, 3], [7, 8, 5, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")
+    with pytest.raises(ValueError, match=r"'Mine': model turn 2 was sampled after ids that are not the trajectory's"):
+        adapter.trajectory(output([1, 2], [7, 8, 6, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")  # the environment's token re-rendered
