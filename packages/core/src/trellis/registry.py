@@ -46,6 +46,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("reward", "sandbox_fusion"): "trellis-sandbox",
     ("tool", "code_interpreter"): "trellis-sandbox",
     ("interaction", "*"): "trellis-interactions",
+    ("agent_loop", "verl"): "trellis-interactions",
 }
 
 

@@ -103,7 +103,9 @@ class AgentLoop:
 
     A row of the data picks its loop by name in its ``agent_name`` column (verl's), else
     ``multi_turn.agent_loop``. Built as ``cls(engine, spec, env)`` once per rollout call beside each
-    engine: ``engine`` to await ``agenerate`` on; ``spec`` the resolved ``multi_turn`` section
+    engine (``cls(engine, spec, env, options)`` for an entry of ``multi_turn.agent_loops``: a loop
+    registered with an options dataclass gets its checked options there): ``engine`` to await
+    ``agenerate`` on; ``spec`` the resolved ``multi_turn`` section
     (``trellis.multiturn.environment.AgentSpec``: ``settings``, ``tokenizer``,
     ``template_kwargs``); ``env`` its interactions, tools and tool-call parser built in this process
     (``Environment``), shared by every loop of the call. Many ``sample`` calls run at once on one

@@ -29,7 +29,7 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
     feedback: errors naming the key, except the budget (a warning)."""
     mt = cfg.multi_turn
     if not mt.enable:
-        given = [f"multi_turn.{k} ({len(mt[k])} given)" for k in ("interactions", "tools") if len(mt[k])]
+        given = [f"multi_turn.{k} ({len(mt[k])} given)" for k in ("interactions", "tools", "agent_loops") if len(mt[k])]
         given += [f"multi_turn.{k} ({mt[k]!r})" for k in ("agent", "environment") if mt[k]]
         if given:
             raise ConfigError(

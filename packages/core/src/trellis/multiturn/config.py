@@ -52,6 +52,21 @@ class ToolConfig:
 
 
 @dataclass
+class AgentLoopConfig:
+    """An agent loop that rows name in ``agent_name``: a registered one built with options (e.g.
+    trellis-interactions' ``verl``, which runs a verl ``AgentLoopBase`` subclass).
+
+    name: the name rows give in ``agent_name`` (not one of the installed agent loops).
+    component: the registered agent loop (kind ``agent_loop``) that runs it.
+    options: the component's options, checked against its options dataclass.
+    """
+
+    name: str = MISSING
+    component: str = MISSING
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class MultiTurnConfig:
     """Rollouts as conversations: the model answers, then an interaction replies (or tools run)
     until the interaction ends it or a limit is reached.
@@ -66,6 +81,8 @@ class MultiTurnConfig:
     max_concurrent_samples: conversations in flight at once per engine.
     agent_loop: the registered agent loop (kind ``agent_loop``) of rows without an ``agent_name``
         column; a row's ``agent_name`` picks another one for its samples.
+    agent_loops: agent loops built with options under names of their own, for rows to name in
+        ``agent_name`` (verl's ``agent_loop_config_path`` entries).
     agent: the async function ``agent(client, sample) -> reward`` that the ``openai_agent`` loop
         runs per sample against the policy endpoint: ``path/to/file.py:function`` or
         ``package.module:function``.
@@ -79,6 +96,7 @@ class MultiTurnConfig:
 
     enable: bool = False
     agent_loop: str = choice("tool_agent", kind="agent_loop")
+    agent_loops: list[AgentLoopConfig] = field(default_factory=list)
     max_assistant_turns: int = ranged(2, ge=1)
     max_user_turns: int = ranged(1, ge=0)
     max_response_tokens: int = ranged(0, ge=0)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trellis.config import ConfigError, instantiate_options, validate
 from trellis.interfaces.agents import Interaction, Tool
-from trellis.multiturn.config import InteractionConfig, MultiTurnConfig, ToolConfig
+from trellis.multiturn.config import AgentLoopConfig, InteractionConfig, MultiTurnConfig, ToolConfig
 from trellis.multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
 from trellis.multiturn.tool_calls import ToolCallParser
 from trellis.multiturn.verl_compat import VerlInteraction, VerlTool, import_class
@@ -78,11 +78,13 @@ def _settings(node: DictConfig) -> MultiTurnConfig:
     data = OmegaConf.to_container(node, resolve=True)
     interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
     tools = [ToolConfig(**x) for x in data.pop("tools")]
-    settings = MultiTurnConfig(**data, interactions=interactions, tools=tools)
-    if not settings.interactions and not settings.tools and not settings.agent and not settings.environment:
+    loops = [AgentLoopConfig(**x) for x in data.pop("agent_loops")]
+    settings = MultiTurnConfig(**data, interactions=interactions, tools=tools, agent_loops=loops)
+    if not (settings.interactions or settings.tools or settings.agent or settings.environment or settings.agent_loops):
         raise ConfigError(
-            "multi_turn.enable=true needs at least one entry in multi_turn.interactions or multi_turn.tools, an environment "
-            "class in multi_turn.environment, or an agent function in multi_turn.agent (with multi_turn.agent_loop=openai_agent)"
+            "multi_turn.enable=true needs at least one entry in multi_turn.interactions, multi_turn.tools or "
+            "multi_turn.agent_loops, an environment class in multi_turn.environment, or an agent function in "
+            "multi_turn.agent (with multi_turn.agent_loop=openai_agent)"
         )
     return settings
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from trellis.batch import Batch
-from trellis.config import ConfigError
+from trellis.config import ConfigError, instantiate_options, validate
 from trellis.interfaces.agents import AgentLoop, Trajectory
 from trellis.interfaces.backend import MODEL_INPUTS
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams, pad_id, rollout_batch
@@ -28,11 +29,14 @@ class AgentRollout:
     """``RolloutGroup.rollout``'s function for conversations (picklable: factories and classes).
 
     spec: the resolved ``multi_turn`` section. loops: the agent loop classes the data uses, by
-    name (``spec.settings.agent_loop`` among them), from :func:`agent_rollout`.
+    name (``spec.settings.agent_loop`` among them), from :func:`agent_rollout`. options: the
+    checked options of the ``multi_turn.agent_loops`` among them, by name (built as
+    ``cls(engine, spec, env, options)``).
     """
 
     spec: AgentSpec
     loops: dict[str, type[AgentLoop]]
+    options: dict[str, Any] = field(default_factory=dict)
     inputs = (*MODEL_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
 
     async def __call__(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
@@ -47,7 +51,7 @@ class AgentRollout:
         prompt."""
         env = Environment(self.spec)
         recorded = RecordingEngine(engine)
-        built = {name: cls(recorded, self.spec, env) for name, cls in self.loops.items()}
+        built = {name: self.build(name, recorded, env) for name in self.loops}
         names = self.loop_names(prompts)
         limit = asyncio.Semaphore(self.spec.settings.max_concurrent_samples)
 
@@ -74,6 +78,12 @@ class AgentRollout:
         out[AGENT_COLUMN] = [name for name in names for _ in range(params.n)]
         return out
 
+    def build(self, name: str, engine: RolloutEngine, env: Environment) -> AgentLoop:
+        """Loop ``name`` for one rollout call, with its options where ``multi_turn.agent_loops`` gives them."""
+        if name in self.options:
+            return self.loops[name](engine, self.spec, env, self.options[name])
+        return self.loops[name](engine, self.spec, env)
+
     def loop_names(self, prompts: Batch) -> list[str]:
         """Each prompt's loop: its ``agent_name``, or ``multi_turn.agent_loop`` where it has none."""
         given = prompts[AGENT_COLUMN] if AGENT_COLUMN in prompts else [None] * len(prompts)
@@ -83,27 +93,67 @@ class AgentRollout:
 def agent_rollout(spec: AgentSpec, registry: Registry, data: Mapping[str, Iterable[tuple[int, Any]]] | None = None) -> AgentRollout:
     """The rollout function for ``data``'s rows: per data file (named as in errors, e.g.
     ``data.train_path 'x.parquet'``), each row's ``(row number, agent_name)``. Every name, and
-    ``multi_turn.agent_loop``, must be an installed agent loop; the error names the row, the name
-    and the installed loops (checked before any model is built)."""
+    ``multi_turn.agent_loop``, must be an installed agent loop or one of ``multi_turn.agent_loops``;
+    the error names the row, the name and the loops there are (checked before any model is built)."""
     default = spec.settings.agent_loop
     try:
         used = {default: registry.get("agent_loop", default).obj}
     except RegistryError as exc:
         raise ConfigError(f"config key 'multi_turn.agent_loop': {exc}") from None
-    installed = registry.names("agent_loop")
+    configured = configured_loops(spec, registry)
+    with_options = [n for n in registry.names("agent_loop") if registry.get("agent_loop", n).options is not None]
+    if default in with_options:
+        raise ConfigError(f"config key 'multi_turn.agent_loop': {needs_entry(default)}")
+    installed = [*(n for n in registry.names("agent_loop") if n not in with_options), *configured]
     for where, rows in (data or {}).items():
         for i, name in rows:
-            if name is None:
+            if name is None or name in used:
                 continue
+            if name in with_options:
+                raise ConfigError(f"{where}: row {i} has {AGENT_COLUMN}={name!r}: {needs_entry(name)}")
             if name not in installed:
                 raise ConfigError(
                     f"{where}: row {i} has {AGENT_COLUMN}={name!r}, which is not an installed agent loop (installed: "
                     f"{', '.join(installed)}); install the plugin that registers it, or name one of these (rows without "
                     f"{AGENT_COLUMN} use multi_turn.agent_loop={default!r})"
                 )
-            if name not in used:
-                used[name] = registry.get("agent_loop", name).obj
-    return AgentRollout(spec, used)
+            used[name] = configured[name][0] if name in configured else registry.get("agent_loop", name).obj
+    return AgentRollout(spec, used, {name: configured[name][1] for name in used if name in configured})
+
+
+def needs_entry(name: str) -> str:
+    return (
+        f"agent loop {name!r} runs only with options; add an entry to multi_turn.agent_loops "
+        f"({{name: my_loop, component: {name}, options: {{...}}}}) and name that entry in {AGENT_COLUMN}"
+    )
+
+
+def configured_loops(spec: AgentSpec, registry: Registry) -> dict[str, tuple[type[AgentLoop], Any]]:
+    """``multi_turn.agent_loops`` by name: each component's class and its checked options (errors
+    name the entry's key: a name taken, a component not installed, options it refuses)."""
+    out: dict[str, tuple[type[AgentLoop], Any]] = {}
+    for i, entry in enumerate(spec.settings.agent_loops):
+        key = f"multi_turn.agent_loops[{i}]"
+        if entry.name in out or entry.name in registry.names("agent_loop"):
+            raise ConfigError(
+                f"config key '{key}.name' is {entry.name!r}, which names another agent loop already (installed: "
+                f"{', '.join(registry.names('agent_loop'))}; configured: {', '.join(out) or 'none'}); give it a name of its own"
+            )
+        try:
+            found = registry.get("agent_loop", entry.component)
+        except RegistryError as exc:
+            raise ConfigError(f"config key '{key}.component': {exc}") from None
+        if found.options is None:
+            raise ConfigError(
+                f"config key '{key}.component' is {entry.component!r}, which takes no options; rows name it in {AGENT_COLUMN} "
+                "as it is, so drop this entry"
+            )
+        checked = validate(OmegaConf.create(dict(entry.options)), found.options, registry, f"{key}.options.")
+        try:
+            out[entry.name] = (found.obj, instantiate_options(checked, found.options))
+        except (ValueError, TypeError) as exc:  # the options dataclass's own checks (e.g. a class that does not import)
+            raise ConfigError(f"config key '{key}.options': {exc}") from None
+    return out
 
 
 def assemble(prompts: Batch, params: SamplingParams, trajectories: list[Trajectory], pad_id: int) -> Batch:

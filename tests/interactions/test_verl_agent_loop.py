@@ -1,0 +1,167 @@
+"""verl 0.9.1 agent loops run unchanged: a user's ``AgentLoopBase`` subclass, written against
+verl's own classes (installed ``--no-deps``), trains in an rl run through trellis-interactions'
+``verl`` agent loop; the trained ids are the ids the engine sampled and the loop's reward reaches
+the batch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from uuid import uuid4
+
+import pytest
+
+pytest.importorskip("verl.experimental.agent_loop", reason="verl 0.9.1 and what its agent loop module imports (see noxfile.py)")
+
+from transformers import AutoTokenizer  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register  # noqa: E402
+from verl.utils.profiler import simple_timer  # noqa: E402
+
+import trellis.recipes.rl as rl  # noqa: E402
+import trellis_interactions.verl_agent_loop as adapter  # noqa: E402
+from trellis.config import ConfigError  # noqa: E402
+from trellis.examples.tasks import make_arithmetic_split, write_rows  # noqa: E402
+from trellis.interfaces.rollout import Generation  # noqa: E402
+from trellis.recipes.train import train  # noqa: E402
+
+CHECK = "Check your answer."
+
+
+@register("check_again_agent")
+class CheckAgainAgentLoop(AgentLoopBase):
+    """A user's loop in verl 0.9.1's style: the model answers, the user asks it to check its
+    answer, the model answers again; the reward is a tenth of the last reply's length in characters."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        messages = list(kwargs["raw_prompt"])
+        metrics: dict[str, Any] = {}
+        request_id = uuid4().hex
+        prompt_ids = await self.ct_build_initial_tokens(messages)
+        runtime_ids, response_mask, response_logprobs = list(prompt_ids), [], []
+        reply = ""
+        for turn in range(2):
+            with simple_timer("generate_sequences", metrics):
+                output = await self.server_manager.generate(request_id=request_id, prompt_ids=runtime_ids, sampling_params=sampling_params)
+            merged, response_mask, response_logprobs = await self.ct_merge_assistant_token(
+                runtime_ids, output.token_ids, response_mask, response_logprobs, assistant_logprobs=output.log_probs
+            )
+            runtime_ids = merged.token_ids
+            reply = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": reply})
+            if turn == 0:
+                previous = list(messages)
+                messages.append({"role": "user", "content": CHECK})
+                merged, response_mask, response_logprobs = await self.ct_merge_context_msg(
+                    previous, messages, runtime_ids, response_mask, response_logprobs
+                )
+                runtime_ids = merged.token_ids
+        response_length = self.rollout_config.response_length
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=runtime_ids[len(prompt_ids) :][:response_length],
+            response_mask=response_mask[:response_length],
+            response_logprobs=response_logprobs[:response_length],
+            reward_score=len(reply) / 10,
+            num_turns=4,
+            metrics=metrics,
+            extra_fields={"turn_scores": [], "tool_rewards": []},
+        )
+
+
+LOOP = {"name": "check_again_agent", "component": "verl", "options": {"verl_class": f"{__name__}.CheckAgainAgentLoop"}}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    rows = [{**row, "agent_name": "check_again_agent"} for row in make_arithmetic_split(16, 0, max_value=30)]
+    return str(write_rows(rows, tmp_path_factory.mktemp("data") / "train.parquet"))
+
+
+def overrides(model, data, run_dir, loops):
+    return [
+        "recipe=rl",
+        f"model.path={model}",
+        f"data.train_path={data}",
+        "data.val_path=null",
+        "data.train_batch_prompts=4",
+        "sampling.n=2",
+        "sampling.max_new_tokens=6",
+        "trainer.total_steps=2",
+        "trainer.trackers=[jsonl]",
+        f"trainer.run_dir={run_dir}",
+        "multi_turn.enable=true",
+        "multi_turn.max_response_tokens=64",
+        f"multi_turn.agent_loops={json.dumps(loops)}",
+    ]
+
+
+def test_a_verl_agent_loop_trains_on_what_the_engine_sampled(tiny_model_path, data, tmp_path, monkeypatch):
+    """Two rl steps of 4 prompts x 2 samples, each an episode of the user's loop: the batch's
+    trained tokens are its two sampled turns with the engine's log-probs, the user's turn between
+    them has mask 0, and its reward is what the loop returned."""
+    episodes, batches = [], []
+    trajectory, sample = adapter.trajectory, rl.sample
+
+    def keep_episode(output, prompt_ids, calls, loop):
+        episodes.append((output, prompt_ids, list(calls)))
+        return trajectory(output, prompt_ids, calls, loop)
+
+    def keep_batch(*args, **kwargs):
+        batches.append(sample(*args, **kwargs))
+        return batches[-1]
+
+    monkeypatch.setattr(adapter, "trajectory", keep_episode)
+    monkeypatch.setattr(rl, "sample", keep_batch)
+    train(None, overrides(tiny_model_path, data, tmp_path / "run", [LOOP]))
+
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+    assert len(steps) == 2 and len(batches) == 2 and len(episodes) == 2 * 4 * 2
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    for step, batch in enumerate(batches):
+        assert steps[step]["multiturn/num_turns_mean"] == 2.0 and steps[step]["multiturn/env_errors"] == 0
+        mine = {tuple(e[1] + e[0].response_ids): e for e in episodes[step * 8 : (step + 1) * 8]}
+        for i in range(len(batch)):
+            full = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+            output, prompt_ids, calls = mine.pop(tuple(full))  # the trained sequence is the episode's, token for token
+            (first_context, first), (second_context, second) = calls
+            assert second_context[: len(first_context) + len(first.token_ids)] == first_context + first.token_ids
+            assert first_context == prompt_ids  # the loop's own rendering of the row is trellis's
+            mask = batch["response_mask"][i].bool()
+            assert batch["responses"][i][mask].tolist() == first.token_ids + second.token_ids
+            assert batch["rollout_log_probs"][i][mask].tolist() == pytest.approx(first.log_probs + second.log_probs, abs=0)
+            between = tokenizer.decode(second_context[len(first_context) + len(first.token_ids) :])
+            assert CHECK in between and between.endswith("<|im_start|>assistant\n")
+            reply = tokenizer.decode(second.token_ids, skip_special_tokens=True)
+            assert batch["agent_rewards"][i].item() == pytest.approx(len(reply) / 10)
+        assert not mine
+        assert steps[step]["reward/mean"] == pytest.approx(batch["agent_rewards"].mean().item(), abs=1e-6)
+
+
+def test_a_verl_loop_is_configured_by_name_and_checked_before_any_model_is_built(tiny_model_path, data, tmp_path):
+    bad = {**LOOP, "options": {"verl_class": f"{__name__}.CHECK"}}
+    refused = r"multi_turn.agent_loops\[0\].options': verl_class .*CHECK' is not a subclass of verl.experimental.agent_loop.AgentLoopBase"
+    with pytest.raises(ConfigError, match=refused):
+        train(None, overrides(tiny_model_path, data, tmp_path / "bad", [bad]))
+    with pytest.raises(ConfigError, match=r"row 0 has agent_name='check_again_agent', which is not an installed agent loop"):
+        train(None, overrides(tiny_model_path, data, tmp_path / "bad", [{**LOOP, "name": "other"}]))
+    with pytest.raises(ConfigError, match=r"multi_turn.agent_loops\[0\].name' is 'tool_agent', which names another agent loop already"):
+        train(None, overrides(tiny_model_path, data, tmp_path / "bad", [{**LOOP, "name": "tool_agent"}]))
+    with pytest.raises(ConfigError, match=r"'multi_turn.agent_loop': agent loop 'verl' runs only with options; add an entry"):
+        train(None, [*overrides(tiny_model_path, data, tmp_path / "bad", [LOOP]), "multi_turn.agent_loop=verl"])
+    assert not (tmp_path / "bad").exists()
+
+
+def output(prompt, response, mask, log_probs=None):
+    return AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=mask, response_logprobs=log_probs, num_turns=3, metrics={})
+
+
+def test_an_output_must_hold_the_rows_prompt_and_the_contexts_its_turns_were_sampled_after():
+    turn = Generation([7, 8], [-0.5, -0.25], "stop")
+    calls = [([1, 2], turn), ([1, 2, 7, 8, 5], Generation([9], [-1.0], "length"))]
+    traj = adapter.trajectory(output([1, 2], [7, 8, 5, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")
+    # no response_logprobs: the engine's, matched in order; the environment's token gets 0
+    assert (traj.log_probs, traj.assistant_turns, traj.user_turns, traj.finish) == ([-0.5, -0.25, 0.0, -1.0], 2, 0, "length")
+    with pytest.raises(ValueError, match=r"'Mine' returned prompt_ids of 3 tokens that differ from the row's prompt .* \(2 tokens\) from position 2"):
+        adapter.trajectory(output([1, 2, 3], [7, 8, 5, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")
+    with pytest.raises(ValueError, match=r"'Mine': model turn 2 was sampled after ids that are not the trajectory's"):
+        adapter.trajectory(output([1, 2], [7, 8, 6, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")  # the environment's token re-rendered
