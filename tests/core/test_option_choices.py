@@ -19,8 +19,8 @@ CORE_SCHEMAS = sorted(
 )
 # string options whose values are open: paths, names, free text
 OPEN_ENDED = {
-    "AdapterConfig": {"target_modules"},
-    "AgentLoopConfig": {"name", "component"},  # component: a registered agent loop, checked with the section  # module-name suffixes of the model at hand, or all-linear
+    "AdapterConfig": {"target_modules"},  # module-name suffixes of the model at hand, or all-linear
+    "AgentLoopConfig": {"name", "component"},  # component: a registered agent loop, checked with the section
     "CriticConfig": {"model_path"},
     "InteractionConfig": {"name", "component", "verl_class"},  # component: a registered name, checked with the section
     "ModelConfig": {"path", "tokenizer_path"},
