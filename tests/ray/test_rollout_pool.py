@@ -95,6 +95,31 @@ def test_rl_with_an_engine_process_of_its_own_equals_the_colocated_run(ray_clust
     assert pooled[-1]["sync/probe_gap"] < 1e-3  # the probe still checks the pool's engine after each sync
 
 
+# figures that depend on the clock, or exist only where generation runs ahead of training
+AHEAD_ONLY = ("timing/", "dispatch/", "async/", "rollout/staleness")
+
+
+def test_staleness_zero_on_ray_equals_the_synchronous_run(ray_cluster, tiny_model_path, tmp_path):
+    """trainer.async_mode=fully_async with max_staleness=0: the producer thread generates each step
+    after the previous one ended, so every figure equals the synchronous run's (colocated engine)."""
+    off = rl_run(tiny_model_path, tmp_path, "off")
+    ahead = rl_run(tiny_model_path, tmp_path, "ahead", "trainer.async_mode=fully_async", "trainer.max_staleness=0")
+    assert all(r["actor/grad_norm"] > 0 for r in off)
+    assert [{k: v for k, v in r.items() if not k.startswith(AHEAD_ONLY)} for r in ahead] == [
+        {k: v for k, v in r.items() if not k.startswith(AHEAD_ONLY)} for r in off
+    ]
+    assert [r["rollout/staleness_max"] for r in ahead] == [0.0, 0.0, 0.0]
+
+
+def test_one_step_ahead_with_an_engine_process_of_its_own(ray_cluster, tiny_model_path, tmp_path):
+    """Generation on the pool's engine overlaps the actor's update: later steps train on samples one
+    weight version old, and each sync's digests and probe still pass."""
+    rows = rl_run(tiny_model_path, tmp_path, "one_step", "trainer.rollout_pool=1", "trainer.async_mode=one_step")
+    assert [r["rollout/staleness_max"] for r in rows][0] == 0.0
+    assert all(r["rollout/staleness_max"] <= 1.0 for r in rows) and sum(r["rollout/staleness_mean"] for r in rows) > 0
+    assert all(r["sync/probe_gap"] < 1e-3 for r in rows)
+
+
 @pytest.mark.parametrize("transport", ["object_store", "broadcast"])
 def test_a_sync_that_skips_a_tensor_stops_naming_the_step_engine_and_tensor(ray_cluster, tiny_model_path, transport):
     from transformers import AutoTokenizer
