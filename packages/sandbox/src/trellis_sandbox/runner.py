@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from trellis_sandbox.api import ERROR, FAILED, FINISHED, SUCCESS, TIME_LIMIT, CommandResult, RequestError, RunRequest, RunResponse
-from trellis_sandbox.isolation import SCRUBBED_ENV, Isolation
+from trellis_sandbox.isolation import SCRUBBED_ENV, Isolation, as_user
 from trellis_sandbox.languages import Language
 
 logger = logging.getLogger("trellis.sandbox")
@@ -141,9 +141,7 @@ class Runner:
     async def _command(
         self, argv: list[str], work: Path, stage: Path, slot: int, limits: Limits, stdin: str | None, timeout: float
     ) -> CommandResult:
-        cmd = self.isolation.wrap([*limits.prlimit(), *argv], work, stage)
-        uid = self.uid(slot)
-        ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+        cmd = as_user(self.isolation.wrap([*limits.prlimit(), *argv], work, stage), self.uid(slot))
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd,
@@ -153,7 +151,6 @@ class Runner:
             start_new_session=True,  # one process group to kill, whatever the program does
             cwd=work,
             env=SCRUBBED_ENV,  # also for the launcher: bwrap's own process is visible from inside as PID 1
-            **ids,
         )
         over_cap = asyncio.Event()
         outs = [_Capture(self.config.output_cap, over_cap), _Capture(self.config.output_cap, over_cap)]

@@ -3,7 +3,8 @@
 With a token (see ``auth``), every path but ``/v1/ping`` answers 401 to a request without it.
 
 At most ``workers`` programs run at once, each in its own slot; up to ``queue_size`` more requests
-wait, and past that the server answers 503 (a client retries those: nothing was run).
+wait, and past that the server answers 503 (a client retries those: nothing was run). Waiting requests
+get a slot strictly in arrival order, so a request's wait is bounded by the ones ahead of it.
 """
 
 from __future__ import annotations
@@ -32,13 +33,46 @@ class ServerConfig:
     token: str | None = None  # None: no authentication (loopback only, or --unsafe-no-token)
 
 
+class FifoSlots:
+    """Worker slots handed out in arrival order: a freed slot goes straight to the longest waiter.
+    (An ``asyncio.Queue`` lets a newcomer take a freed slot before the woken waiter runs, and that waiter
+    then queues again at the back: the tail latency grew with the load.)"""
+
+    def __init__(self, n: int) -> None:
+        self.free = collections.deque(range(n))
+        self.waiters: collections.deque[asyncio.Future[int]] = collections.deque()
+
+    def any_free(self) -> bool:
+        return bool(self.free)
+
+    async def acquire(self) -> int:
+        if self.free and not self.waiters:
+            return self.free.popleft()
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(waiter.result())  # handed a slot just as it was cancelled: pass it on
+            elif waiter in self.waiters:  # a release may already have dropped it
+                self.waiters.remove(waiter)
+            raise
+
+    def release(self, slot: int) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(slot)
+                return
+        self.free.append(slot)
+
+
 class SandboxServer:
     def __init__(self, runner: Runner, config: ServerConfig) -> None:
         self.runner = runner
         self.config = config
-        self.slots: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(config.workers):
-            self.slots.put_nowait(slot)
+        self.slots = FifoSlots(config.workers)
         self.waiting = 0
         self.running = 0
         self.counts: collections.Counter[str] = collections.Counter(requests=0, runs=0, rejected_busy=0)
@@ -89,7 +123,7 @@ class SandboxServer:
             self.runner.check(req)
         except RequestError as exc:
             return self._refuse(400, str(exc))
-        if self.slots.empty() and self.waiting >= self.config.queue_size:
+        if not self.slots.any_free() and self.waiting >= self.config.queue_size:
             self.counts["rejected_busy"] += 1
             return web.json_response(
                 {"status": SANDBOX_ERROR, "message": f"the server is busy: {self.waiting} requests are waiting (--queue-size)"},
@@ -98,7 +132,7 @@ class SandboxServer:
             )
         self.waiting += 1
         try:
-            slot = await self.slots.get()
+            slot = await self.slots.acquire()
         finally:
             self.waiting -= 1
         self.running += 1
@@ -111,7 +145,7 @@ class SandboxServer:
             response = RunResponse(SANDBOX_ERROR, f"{type(exc).__name__}: {exc}")
         finally:
             self.running -= 1
-            self.slots.put_nowait(slot)
+            self.slots.release(slot)
         self.counts["runs"] += 1
         self.counts[f"status_{response.status}"] += 1
         return web.json_response(response.to_json())
