@@ -78,6 +78,8 @@ def test_one_step_ahead_trains_the_same_prompts_on_samples_one_version_old(run_r
         (["trainer.max_staleness=2"], "trainer.max_staleness' is 2 with trainer.async_mode=off"),
         (["trainer.async_mode=one_step", "trainer.max_staleness=3"], "use trainer.async_mode=fully_async"),
         (["trainer.async_mode=fuly_async"], "fully_async"),
+        (["trainer.async_mode=one_step", "trainer.partial_rollout=true"], "only generation that runs ahead of training is cut"),
+        (["trainer.rollout_chunk_tokens=8"], "trainer.rollout_chunk_tokens' is 8 with trainer.partial_rollout=false"),
     ],
 )
 def test_async_settings_that_cannot_apply_are_refused_by_name(run_rl, overrides, message):
@@ -105,3 +107,76 @@ def test_a_run_killed_while_generating_ahead_resumes_with_every_prompt_trained_o
     assert trained_prompts(run_dir) == trained_prompts(tmp_path / "off")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "rollout/staleness_max" in r] == [1, 2, 3, 4]
+
+
+@pytest.fixture
+def actor_and_own_rollout(tiny_model_path, data_files):
+    """The FSDP actor (world 1) and an HF engine with weights of its own beside it."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from trellis.config import validate
+    from trellis.data import PromptDataset, load_rows
+    from trellis.interfaces.rollout import RolloutSpec
+    from trellis.plugins import load_plugins
+    from trellis.recipes.options import ActorConfig
+    from trellis.runtime.controller import LocalRollout, LocalWorkerGroup
+    from trellis.runtime.worker import build_worker
+    from trellis_hf.engine import make_engine
+
+    registry = load_plugins().registry
+    options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 8}), ActorConfig, registry)
+    actor = LocalWorkerGroup("actor", build_worker(registry, "fsdp", "actor", tiny_model_path, options, {"update": "policy"}))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rollout = LocalRollout(make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor, adopt=False)
+    prompts = PromptDataset(load_rows(data_files["train"])[:4], tokenizer, 32).as_batch()
+    return actor, rollout, prompts, tokenizer
+
+
+def test_a_generation_cut_for_a_sync_continues_under_the_new_weights(actor_and_own_rollout, tiny_model_path):
+    """A 12-token generation in chunks of 4; between the first two chunks the actor trains and the
+    weights are synced (version 1). Tokens after the sync carry version 1 and their log-probs are
+    the new weights' (a forward of the trained actor); the first chunk's are the old weights'."""
+    from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
+    from trellis.runtime.partial import generate_in_chunks, version_span
+
+    actor, rollout, prompts, tokenizer = actor_and_own_rollout
+    synced = []
+
+    def train_and_sync():
+        if synced:
+            return
+        batch = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=9))
+        batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
+        batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
+        actor.train("update", batch)
+        rollout.sync_weights(version=1)
+        synced.append(True)
+
+    params = SamplingParams(n=2, max_new_tokens=12, seed=3)
+    out = generate_in_chunks(rollout, prompts, params, 4, stop_ids(tiny_model_path, tokenizer), pad_id(tokenizer), train_and_sync)
+    mask = out["response_mask"].bool()
+    assert synced and out["responses"].shape[0] == 8 and mask.sum(-1).max() > 4  # generations went past the first chunk
+    versions = out["token_versions"]
+    assert (versions[:, :4][mask[:, :4]] == 0).all() and (versions[:, 4:][mask[:, 4:]] == 1).all()
+    assert (out["weight_version"] == 0).all()  # a sample's version is its oldest token's
+    now = actor.log_prob(out)["log_probs"]
+    after = mask.clone()
+    after[:, :4] = False
+    torch.testing.assert_close(out["rollout_log_probs"][after], now[after], atol=1e-5, rtol=0)
+    before = mask.clone()
+    before[:, 4:] = False
+    assert (out["rollout_log_probs"][before] - now[before]).abs().max() > 1e-3  # the first chunk came from the old weights
+    span = version_span(out)
+    assert span["rollout/version_span_max"] == 1.0 and span["rollout/partial_frac"] == float((mask.sum(-1) > 4).float().mean())
+
+
+def test_partial_rollouts_run_ahead_within_the_staleness_bound(run_rl, tmp_path, with_signal):
+    _, rows = run_rl(
+        "trainer.total_steps=3", "sampling.max_new_tokens=16", "trainer.async_mode=fully_async", "trainer.max_staleness=1",
+        "trainer.partial_rollout=true", "trainer.rollout_chunk_tokens=4", *with_signal,
+    )  # fmt: skip
+    steps = [r for r in rows if "rollout/staleness_max" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] <= 1.0 and 0.0 <= r["rollout/version_span_max"] <= 1.0 for r in steps)
+    assert all(r["sync/probe_gap"] < 1e-3 for r in steps)

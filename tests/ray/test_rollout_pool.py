@@ -112,9 +112,10 @@ def test_staleness_zero_on_ray_equals_the_synchronous_run(ray_cluster, tiny_mode
 
 
 def test_one_step_ahead_with_an_engine_process_of_its_own(ray_cluster, tiny_model_path, tmp_path):
-    """Generation on the pool's engine overlaps the actor's update: later steps train on samples one
-    weight version old, and each sync's digests and probe still pass."""
-    rows = rl_run(tiny_model_path, tmp_path, "one_step", "trainer.rollout_pool=1", "trainer.async_mode=one_step")
+    """Generation on the pool's engine (weights broadcast over gloo) overlaps the actor's update:
+    later steps train on samples one weight version old, and each sync's digests and probe pass."""
+    pooled = ("trainer.rollout_pool=1", "trainer.weight_transport=broadcast")
+    rows = rl_run(tiny_model_path, tmp_path, "one_step", *pooled, "trainer.async_mode=one_step")
     assert [r["rollout/staleness_max"] for r in rows][0] == 0.0
     assert all(r["rollout/staleness_max"] <= 1.0 for r in rows) and sum(r["rollout/staleness_mean"] for r in rows) > 0
     assert all(r["sync/probe_gap"] < 1e-3 for r in rows)

@@ -39,6 +39,9 @@ class TrainerConfig:
     procs_per_node: int = ranged(1, ge=1)  # ray: ranks per node (GPUs, or CPU processes)
     separate_pools: list[str] = choice(values=("critic", "reward_model"), default_factory=list)  # ray: roles on pools of their own
     rollout_pool: int = ranged(0, ge=0)  # ray: 0 = engines colocated in the actor's ranks (today), N = N engine processes of their own
+    # ray with a rollout pool: how weights reach its engines (Ray's object store, or a gloo/NCCL broadcast group), in buckets of MB
+    weight_transport: str = choice("object_store", ("object_store", "broadcast"))
+    transport_bucket_mb: float = ranged(64.0, gt=0)
     ray_timeout_s: float = ranged(120.0, gt=0)  # ray: placement must succeed within this
     ray_call_timeout_s: float = ranged(3600.0, gt=0)  # ray: any one call to the ranks must finish within this
     ray_network: str = choice("private", ("private", "host"))  # ray, CLI: a private one-machine cluster in a loopback-only network namespace

@@ -19,7 +19,7 @@ from trellis.batch import Batch, last_valid_index
 from trellis.config import ConfigError, choice, component, instantiate_options, ranged, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.export import save_hf_folder
-from trellis.interfaces.rollout import SamplingParams
+from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
 from trellis.interfaces.signatures import AdvantageInputs
 from trellis.memory import check_activation_memory
 from trellis.multiturn.checks import check_multi_turn
@@ -43,9 +43,10 @@ from trellis.recipes.reward_model import ModelReward, check_reward_model
 from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, unknown_sources
-from trellis.runtime.ahead import MODES, Producer, TrainedPosition, staleness_bound, staleness_metrics
+from trellis.runtime.ahead import MODES, Producer, TrainedPosition, partial_chunk, staleness_bound, staleness_metrics
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, StageTimer, backend_mesh
+from trellis.runtime.partial import generate_in_chunks, version_span
 from trellis.runtime.plan import Plan
 from trellis.runtime.rollout_pool import check_rollout_pool
 from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
@@ -105,6 +106,10 @@ class RLTrainerConfig(TrainerConfig):
 
     async_mode: str = choice("off", MODES)
     max_staleness: int | None = ranged(None, ge=0)
+    # fully_async: a weight sync goes in between chunks of this many tokens of a generation running
+    # ahead, which then continues under the new weights (trellis.runtime.partial; default 32)
+    partial_rollout: bool = False
+    rollout_chunk_tokens: int | None = ranged(None, ge=1)
 
 
 @dataclass
@@ -130,6 +135,7 @@ def check(cfg: DictConfig, registry) -> None:
     check_reward(cfg.reward, registry, cfg.recipe)
     check_inputs(cfg)
     staleness_bound(cfg.trainer)
+    partial_chunk(cfg.trainer, cfg.multi_turn.enable)
     check_rollout_placement(cfg, registry)
     samples = cfg.data.train_batch_prompts * cfg.sampling.n
     world = backend_mesh(cfg, registry).dp
@@ -322,9 +328,16 @@ class RLRecipe:
             overlong = cfg.reward.overlong
             multiple = group_multiple(cfg, registry, samples_per_step) if dynamic.enable else 1
 
+            chunk = partial_chunk(cfg.trainer, cfg.multi_turn.enable)
+            stops = stop_ids(cfg.model.path, tokenizer)
+
             def generate(prompts: Batch, params: SamplingParams, timer: StageTimer) -> tuple[Batch, RewardResult]:
                 with timer("gen"):
-                    batch = sample(rollout, prompts, params, agent)
+                    if chunk is None:
+                        batch = sample(rollout, prompts, params, agent)
+                    else:  # a weight sync may go in between two chunks
+                        every = stops | set(params.stop_token_ids)
+                        batch = generate_in_chunks(rollout, prompts, params, chunk, every, pad_id(tokenizer), rollout.let_syncs_in)
                 with timer("reward"):
                     scored = score(batch, reward_fn, agent)
                     if overlong.buffer_len:
@@ -434,6 +447,7 @@ class RLRecipe:
                         "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                         "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
                         **(staleness_metrics(batch["weight_version"], step) if ahead is not None else {}),
+                        **(version_span(batch) if chunk is not None else {}),
                     })
                     if ahead is not None:
                         ahead.finished(step)

@@ -41,6 +41,30 @@ def staleness_bound(trainer: DictConfig) -> int | None:
     return 1 if bound is None else bound
 
 
+def partial_chunk(trainer: DictConfig, multi_turn: bool) -> int | None:
+    """The tokens per chunk of a partial rollout (``trainer.partial_rollout``; default 32), or None
+    when generations are not cut: partial rollouts need ``fully_async`` and single-turn sampling."""
+    chunk = trainer.rollout_chunk_tokens
+    if not trainer.partial_rollout:
+        if chunk is not None:
+            raise ConfigError(
+                f"config key 'trainer.rollout_chunk_tokens' is {chunk} with trainer.partial_rollout=false, where a generation is "
+                "never cut; set trainer.partial_rollout=true, or remove trainer.rollout_chunk_tokens"
+            )
+        return None
+    if trainer.async_mode != "fully_async":
+        raise ConfigError(
+            f"config key 'trainer.partial_rollout' is true with trainer.async_mode={trainer.async_mode}: only generation that runs "
+            "ahead of training is cut for a weight sync; set trainer.async_mode=fully_async"
+        )
+    if multi_turn:
+        raise ConfigError(
+            "config key 'trainer.partial_rollout' is true with multi_turn.enable=true: conversations are not cut into chunks "
+            "yet; set trainer.partial_rollout=false (generation still runs ahead of training)"
+        )
+    return 32 if chunk is None else chunk
+
+
 @dataclass
 class Produced:
     """What the producer made for one step: ``value`` (the recipe's ``make(step)``), the prompt

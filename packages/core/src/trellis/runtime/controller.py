@@ -146,6 +146,8 @@ class RolloutGroup:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self._syncs_waiting = 0  # weight syncs waiting for the lock (a partial rollout lets them in)
+        self._turns = threading.Condition()
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """The engines get the prompts' token ids only; the other fields (data source, ground
@@ -177,10 +179,23 @@ class RolloutGroup:
         """Load the actor's current weights (into sleeping engines too: the weights wake first,
         then the KV cache, :func:`~trellis.interfaces.rollout.sync_engine`); later samples carry
         ``version``."""
-        with self.lock:
-            self.version = version  # before the transfer: a transport stamps what it sends
-            self._sync()
-            self.asleep = False
+        with self._turns:
+            self._syncs_waiting += 1
+        try:
+            with self.lock:
+                self.version = version  # before the transfer: a transport stamps what it sends
+                self._sync()
+                self.asleep = False
+        finally:
+            with self._turns:
+                self._syncs_waiting -= 1
+                self._turns.notify_all()
+
+    def let_syncs_in(self) -> None:
+        """Wait while a weight sync waits for the engines: a generation that runs in chunks calls
+        this between two (``trellis.runtime.partial``), so the sync goes first."""
+        with self._turns:
+            self._turns.wait_for(lambda: not self._syncs_waiting)
 
     def sleep(self) -> None:
         """Every engine frees its KV cache and weights until the next ``sync_weights`` or ``wake``."""

@@ -109,7 +109,9 @@ def make_controller(trainer: DictConfig) -> Controller:
         trainer.ray_timeout_s,
         trainer.ray_call_timeout_s,
         list(trainer.separate_pools),
-        rollout_pool=trainer.get("rollout_pool", 0),
+        rollout_pool=trainer.rollout_pool,
+        transport=trainer.weight_transport,
+        bucket_mb=trainer.transport_bucket_mb,
     )
 
 
@@ -256,7 +258,7 @@ class Run:
         spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len, adapter_rank=adapter.get("rank", 0))
         mesh = Mesh.for_options(options, self.controller.world_size())
         make = functools.partial(make_engine, spec)
-        if self.cfg.trainer.get("rollout_pool"):
+        if self.cfg.trainer.rollout_pool:
             return self.controller.spawn_rollout(make, actor, mesh, own_weights, engine_devices=getattr(options, "tensor_parallel_size", 1))
         return self.controller.spawn_rollout(make, actor, mesh, own_weights)
 

@@ -25,7 +25,7 @@ log = logging.getLogger("trellis")
 def check_rollout_pool(trainer: DictConfig, tensor_parallel_size: int) -> None:
     """``trainer.rollout_pool`` needs Ray; under Ray an engine spans several devices (tensor
     parallel) only in a pool of its own (colocated, each rank holds one device)."""
-    pool = trainer.get("rollout_pool", 0)
+    pool = trainer.rollout_pool
     if pool and trainer.controller != "ray":
         raise ConfigError(
             f"config key 'trainer.rollout_pool' is {pool} with trainer.controller={trainer.controller}: engine processes of their own "
