@@ -37,7 +37,8 @@ ALLOWED = {
     ("docs/coming-from-verl.md", "data.train_batch_size"): "a verl key, given a wrong value",
     ("docs/coming-from-verl.md", "data.max_response_length"): "a verl key, in from-verl's report",
 }
-NOT_FIELDS = {"data_source": "a data column (reward auto picks by it)"}  # words a config table may name that are no config field
+# words a config table may name that are no config field
+NOT_FIELDS = {"data_source": "a data column (reward auto picks by it)", "agent_name": "a data column (the agent loop a row runs)"}
 
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 SPAN = re.compile(r"`([^`\n]+)`")
