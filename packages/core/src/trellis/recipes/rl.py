@@ -446,6 +446,7 @@ class RLRecipe:
                         "response/length_mean": float(mask.sum(-1).mean()),
                         "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
                         "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+                        **throughput(batch, reward_metrics.get("timing/gen_s", timer.times.get("timing/gen_s")), timer.times),
                         **(staleness_metrics(batch["weight_version"], step) if ahead is not None else {}),
                         **(version_span(batch) if chunk is not None else {}),
                     })
@@ -574,6 +575,18 @@ def without_truncated(batch: Batch, params: SamplingParams, tokenizer) -> Batch:
     ``response_mask``, so they leave the actor's loss."""
     out = batch[torch.arange(len(batch))]
     out["response_mask"] = batch["response_mask"] * ~truncated(batch, params, tokenizer)[:, None]
+    return out
+
+
+def throughput(batch: Batch, gen_s: float | None, times: dict[str, float]) -> dict[str, float]:
+    """``timing/gen_tokens_per_s`` (response tokens per second of this step's generation) and
+    ``timing/update_tokens_per_s`` (prompt + response tokens per second of the actor's update):
+    clock figures, kept with the timings."""
+    out = {}
+    if gen_s:
+        out["timing/gen_tokens_per_s"] = float(batch["response_mask"].sum()) / gen_s
+    if times.get("timing/update_actor_s"):
+        out["timing/update_tokens_per_s"] = float(batch["attention_mask"].sum()) / times["timing/update_actor_s"]
     return out
 
 
