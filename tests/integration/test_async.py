@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from trellis.config import ConfigError
 from trellis.recipes.train import train
+from trellis.runtime.ahead import ProducerFailed
 
 KILLABLE = Path(__file__).with_name("killable.py")
 # figures that depend on the clock, or exist only where generation runs ahead (or the engine has its own weights)
@@ -180,3 +181,25 @@ def test_partial_rollouts_run_ahead_within_the_staleness_bound(run_rl, tmp_path,
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["rollout/staleness_max"] <= 1.0 and 0.0 <= r["rollout/version_span_max"] <= 1.0 for r in steps)
     assert all(r["sync/probe_gap"] < 1e-3 for r in steps)
+
+
+FAILING_REWARD = """
+calls = []
+
+
+def fails_later(data_source, solution_str, ground_truth, extra_info=None):
+    calls.append(1)
+    if len(calls) > 16:  # the second step's samples (4 prompts x 4)
+        raise ValueError("the grader crashed")
+    return len(solution_str) / 10
+"""
+
+
+def test_a_failure_while_generating_ahead_stops_the_run_naming_the_step(run_rl, tmp_path):
+    (tmp_path / "fails_later.py").write_text(FAILING_REWARD)
+    overrides = ("trainer.total_steps=3", "trainer.async_mode=one_step", f"reward.path={tmp_path / 'fails_later.py'}", "reward.name=fails_later")
+    with pytest.raises(ProducerFailed, match="generating the samples of step 2 ahead of training failed") as err:
+        run_rl(*overrides, "reward.max_error_rate=0", "validation.before_train=false")
+    assert type(err.value.__cause__).__name__ == "RewardError" and "fails_later" in str(err.value.__cause__)
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]  # the step before trained and was logged; nothing hangs

@@ -308,6 +308,9 @@ class RLRecipe:
             run.signals.watch_reward = "groups" in needs(estimator)
             reward_fn = make_reward(cfg, run, registry, tokenizer)
             bound = staleness_bound(cfg.trainer)  # None: generation inline (async_mode=off)
+            if bound is not None:
+                log.info("trainer.async_mode=%s: generation runs ahead of training (samples at most %d version(s) old) on an engine "
+                         "with weights of its own", cfg.trainer.async_mode, bound)  # fmt: skip
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg), own_weights=bound is not None)
             sampling = SamplingParams(**cfg.sampling)
             probe = SyncProbe(instantiate_options(cfg.sync_check, SyncCheckConfig), rollout, sampling)
