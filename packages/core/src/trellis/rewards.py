@@ -203,6 +203,9 @@ class RewardConfig:
         term scores 0 and counts once in ``reward/errors``.
     model: a reward model (:class:`RewardModelConfig`, the ``rl`` recipe only): alone it is the
         reward (``name``, ``path``, ``kwargs`` and ``batched`` unset), or it is added to ``terms``.
+    stream_prompts: the ``rl`` recipe generates a step in parts of this many prompts and scores each
+        part on a thread of its own while the next generates (``trellis.recipes.streaming``); 0
+        scores the whole batch once generated. The scores are the same either way.
     """
 
     name: str = "gsm8k"
@@ -215,6 +218,7 @@ class RewardConfig:
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     terms: list[RewardTerm] = field(default_factory=list)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    stream_prompts: int = ranged(0, ge=0)
 
     def __post_init__(self) -> None:
         self.terms = [t if isinstance(t, RewardTerm) else RewardTerm(**t) for t in self.terms]
@@ -382,6 +386,18 @@ def add_overlong_penalty(scored: RewardResult, response_mask: torch.Tensor, max_
     return RewardResult(token_scores, metrics, scored.scores + shaped, scored.components)
 
 
+@dataclass
+class Evaluation:
+    """Per-sample results of scoring (a part of) a batch, before the batch's figures: ``scores``
+    and ``failed`` ``(n,)``, ``components`` {key: ``(n,)``} and ``extras`` (each key's values over
+    the samples that returned it, for its mean)."""
+
+    scores: torch.Tensor
+    failed: torch.Tensor
+    components: dict[str, torch.Tensor]
+    extras: dict[str, list[float]]
+
+
 class _Scorer:
     """One reward function with its kwargs: called per sample (in a pool of ``max_concurrency``
     threads when above 1) or once per batch. ``key`` and ``weight``: its term's, or None and 1."""
@@ -440,6 +456,11 @@ class RewardManager:
         return result.token_scores, result.metrics
 
     def score(self, batch: Batch) -> RewardResult:
+        return self.finish(batch, [self.evaluate(batch)])
+
+    def evaluate(self, batch: Batch) -> Evaluation:
+        """Every term's value for each sample of ``batch`` (a whole batch, or a part of one that
+        :meth:`finish` puts together with the others)."""
         responses, mask = batch["responses"], batch["response_mask"]
         n = len(batch)
         last = last_valid_index(mask)
@@ -448,10 +469,7 @@ class RewardManager:
         ground_truths = _ground_truths(batch)
         extra_infos = list(batch["extra_info"]) if "extra_info" in batch else [None] * n
 
-        scores = torch.zeros(n, dtype=torch.float32)
-        failed = torch.zeros(n, dtype=torch.bool)
-        extras: dict[str, list[float]] = {}
-        components: dict[str, torch.Tensor] = {}
+        out = Evaluation(torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.bool), {}, {})
         for scorer in self.scorers:
             if scorer.batched:
                 raw = self._call_batched(scorer, data_sources, solutions, ground_truths, extra_infos)
@@ -463,26 +481,39 @@ class RewardManager:
             values = torch.zeros(n, dtype=torch.float32)
             for i, r in enumerate(raw):
                 if isinstance(r, _Failed):
-                    failed[i] = True
+                    out.failed[i] = True
                     continue
                 try:
                     value, extra = _as_score(r)
                 except RewardError as exc:
-                    failed[i] = True
+                    out.failed[i] = True
                     self._failed(scorer, i, data_sources[i], exc)
                     continue
                 values[i] = value
                 for k, v in extra.items():
                     k = k if scorer.key is None else f"{scorer.key}/{k}"
-                    extras.setdefault(k, []).append(v)
-                    components.setdefault(k, torch.zeros(n, dtype=torch.float32))[i] = v
-            scores += scorer.weight * values
+                    out.extras.setdefault(k, []).append(v)
+                    out.components.setdefault(k, torch.zeros(n, dtype=torch.float32))[i] = v
+            out.scores += scorer.weight * values
             if scorer.key is not None:
-                components[scorer.key] = values
-                extras[scorer.key] = values.tolist()
+                out.components[scorer.key] = values
+                out.extras[scorer.key] = values.tolist()
+        return out
+
+    def finish(self, batch: Batch, parts: list[Evaluation]) -> RewardResult:
+        """The reward of ``batch`` from the evaluations of its parts, in order: token scores, the
+        batch's figures and the error-rate check."""
+        mask = batch["response_mask"]
+        n = len(batch)
+        scores = torch.cat([p.scores for p in parts])
+        failed = torch.cat([p.failed for p in parts])
+        keys = list(dict.fromkeys(k for p in parts for k in p.components))
+        components = {k: torch.cat([p.components.get(k, torch.zeros(len(p.scores))) for p in parts]) for k in keys}
+        extras = {k: [v for p in parts for v in p.extras.get(k, [])] for k in dict.fromkeys(k for p in parts for k in p.extras)}
         scores[failed] = 0.0  # a sample that failed in any term has no score, not a partial sum
         errors = int(failed.sum())
 
+        last = last_valid_index(mask)
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         rows = torch.nonzero(last >= 0).flatten()
         token_scores[rows, last[rows]] = scores[rows]

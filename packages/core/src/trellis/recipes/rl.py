@@ -40,6 +40,7 @@ from trellis.recipes.options import (
 )
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
 from trellis.recipes.reward_model import ModelReward, check_reward_model
+from trellis.recipes.streaming import generate_scored
 from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
 from trellis.registry import RegistryError
 from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, unknown_sources
@@ -165,6 +166,7 @@ def check(cfg: DictConfig, registry) -> None:
                     f"(in data.{key} {cfg.data[key]!r}); name a reward, or give reward.path and reward.name of your own function"
                 )
     check_multi_turn(cfg, registry)
+    check_streaming(cfg)
     declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
     check_length_shaping(cfg)
     check_teacher(cfg, declared)
@@ -191,6 +193,20 @@ def check_dynamic_sampling(cfg: DictConfig, declared: tuple[str, ...]) -> None:
             f"config key 'algorithm.dynamic_sampling.enable' is true with advantage {cfg.algorithm.advantage.name!r}, whose greedy "
             "baseline is generated for one batch of prompts; set algorithm.dynamic_sampling.enable=false or choose another advantage"
         )
+
+
+def check_streaming(cfg: DictConfig) -> None:
+    """``reward.stream_prompts`` scores parts of a single-turn generation with reward functions."""
+    size = cfg.reward.stream_prompts
+    if not size:
+        return
+    for key, on, why in (
+        ("multi_turn.enable", cfg.multi_turn.enable, "conversations are scored as a batch when they end"),
+        ("reward.model.path", cfg.reward.model.path, "the reward model scores the whole batch in one pass"),
+        ("trainer.partial_rollout", cfg.trainer.partial_rollout, "a generation cut in chunks is scored once whole"),
+    ):
+        if on:
+            raise ConfigError(f"config key 'reward.stream_prompts' is {size} with {key} set: {why}; set reward.stream_prompts=0")
 
 
 def check_length_shaping(cfg: DictConfig) -> None:
@@ -335,17 +351,19 @@ class RLRecipe:
             stops = stop_ids(cfg.model.path, tokenizer)
 
             def generate(prompts: Batch, params: SamplingParams, timer: StageTimer) -> tuple[Batch, RewardResult]:
-                with timer("gen"):
-                    if chunk is None:
-                        batch = sample(rollout, prompts, params, agent)
-                    else:  # a weight sync may go in between two chunks
-                        every = stops | set(params.stop_token_ids)
-                        batch = generate_in_chunks(rollout, prompts, params, chunk, every, pad_id(tokenizer), rollout.let_syncs_in)
-                with timer("reward"):
-                    scored = score(batch, reward_fn, agent)
-                    if overlong.buffer_len:
-                        mask = batch["response_mask"]
-                        scored = add_overlong_penalty(scored, mask, cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
+                if cfg.reward.stream_prompts:  # each part scored while the next generates
+                    batch, scored = generate_scored(rollout, prompts, params, reward_fn, cfg.reward.stream_prompts, timer)
+                else:
+                    with timer("gen"):
+                        if chunk is None:
+                            batch = sample(rollout, prompts, params, agent)
+                        else:  # a weight sync may go in between two chunks
+                            every = stops | set(params.stop_token_ids)
+                            batch = generate_in_chunks(rollout, prompts, params, chunk, every, pad_id(tokenizer), rollout.let_syncs_in)
+                    with timer("reward"):
+                        scored = score(batch, reward_fn, agent)
+                if overlong.buffer_len:
+                    scored = add_overlong_penalty(scored, batch["response_mask"], cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
                 return batch, scored
 
             def make_step(step: int, timer: StageTimer) -> StepSamples:

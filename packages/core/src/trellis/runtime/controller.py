@@ -10,7 +10,7 @@ import inspect
 import logging
 import pickle
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -160,6 +160,13 @@ class RolloutGroup:
         engine's event loop). The engines get the fields ``fn.inputs`` names; the others stay
         here and are repeated onto each prompt's samples, as for ``generate``."""
         return self._sample(prompts, params, fn.inputs, functools.partial(self._rollout, fn=fn))
+
+    def stream(self, prompts: Batch, params: SamplingParams, size: int) -> Iterator[Batch]:
+        """The samples of ``prompts`` in parts of at most ``size`` prompts, in order, each as soon
+        as it is generated (the caller can work on one part while the next generates). Part k's
+        seeds move on past the samples before it (``params.skip``), as one call's would."""
+        for start in range(0, len(prompts), size):
+            yield self.generate(prompts[start : start + size], params.skip(start * params.n))
 
     def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...], run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
         shipped = prompts.select(*[k for k in inputs if k in prompts])

@@ -189,6 +189,10 @@ class StageTimer:
                 self.times[peak] = max(self.times.get(peak, 0.0), torch.cuda.max_memory_allocated() / 2**30)
                 self.times[f"memory/{stage}_used_gib"] = (total - free) / 2**30
 
+    def add(self, stage: str, seconds: float) -> None:
+        """Add ``seconds`` to ``timing/<stage>_s`` (time measured elsewhere, e.g. on another thread)."""
+        self.times[f"timing/{stage}_s"] = self.times.get(f"timing/{stage}_s", 0.0) + seconds
+
     def metrics(self) -> dict[str, float]:
         out, self.times = self.times, {}
         return out
