@@ -83,6 +83,9 @@ def test_retokenizing_for_the_policys_own_tokenizer_gives_the_rollouts_ids(tiny_
     again = RewardInputs(tokenizer, tokenizer, 512)(batch)
     for i in range(len(batch)):
         assert again["input_ids"][i][again["attention_mask"][i].bool()].tolist() == batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+    # without the rows' chat messages there is nothing to re-render: refused, naming the field
+    with pytest.raises(ValueError, match="'raw_prompt'"):
+        RewardInputs(tokenizer, tokenizer, 512)(batch.select(*[k for k in batch.keys() if k != "raw_prompt"]))
 
 
 def test_own_tokenizer_scores_equal_transformers_on_the_texts_rendered_by_hand(tiny_model_path, other_rm, caplog):
