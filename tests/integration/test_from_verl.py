@@ -298,7 +298,7 @@ def test_a_reward_model_converts_to_the_reward_model_role():
         "reward_model.micro_batch_size_per_gpu=4",
     )
     assert reward == {"model": {"path": "/models/rm"}}  # verl's reward model alone is the reward
-    assert "refused" in why["reward_model.model.input_tokenizer"] and "micro-batching" in why["reward_model.micro_batch_size_per_gpu"]
+    assert "re-tokenises" in why["reward_model.model.input_tokenizer"] and "micro-batching" in why["reward_model.micro_batch_size_per_gpu"]
     assert "reward_model.enable" not in why and "reward_model.model.path" not in why
     reward, why = converted("reward_model.enable=False", "reward_model.model.path=/models/rm")
     assert reward == {"name": "auto"} and not [k for k in why if k.startswith("reward_model")]  # off: verl ignores the path too

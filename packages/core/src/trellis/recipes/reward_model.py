@@ -1,8 +1,10 @@
 """The ``reward_model`` role of the ``rl`` recipe (``reward.model``): a frozen sequence-classification
-model that scores each sample's prompt + response at its last token, alone or added to ``reward.terms``."""
+model that scores each sample's prompt + response at its last token, alone or added to ``reward.terms``;
+the policy's token ids as they are, or re-tokenized when the reward model's tokenizer differs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,7 +13,8 @@ from transformers import AutoConfig
 
 from trellis.batch import Batch, last_valid_index
 from trellis.config import ConfigError
-from trellis.recipes.teacher import check_actor_tokenizer
+from trellis.recipes.reward_inputs import RewardInputs, retokenize_reason
+from trellis.recipes.teacher import load_tokenizer
 from trellis.rewards import RESERVED_KEYS, RewardManager, RewardResult
 from trellis.runtime.controller import WorkerGroup
 
@@ -19,9 +22,10 @@ ROLE = "reward_model"  # also the name trainer.separate_pools gives a pool of it
 
 
 def check_reward_model(cfg: DictConfig) -> None:
-    """``reward.model.path`` (when set) is a one-label sequence-classification folder with the
-    actor's tokenizer, in a single-turn run; ``trainer.separate_pools`` names ``reward_model``
-    only when there is one. Reads config and tokenizer files only: no model is built."""
+    """``reward.model.path`` (when set) is a one-label sequence-classification folder with a
+    tokenizer (and a chat template when it is not the actor's), in a single-turn run;
+    ``trainer.separate_pools`` names ``reward_model`` only when there is one. Reads config and
+    tokenizer files only: no model is built."""
     path = cfg.reward.model.path
     if not path:
         if ROLE in cfg.trainer.separate_pools:
@@ -49,27 +53,53 @@ def check_reward_model(cfg: DictConfig) -> None:
             "config key 'reward.model.path' is set with multi_turn.enable=true: the reward model is trained on and scores single "
             "answers, not conversations with environment turns; unset reward.model.path for multi-turn runs"
         )
-    check_actor_tokenizer(
-        cfg, "reward.model.path", path,
-        "the reward model scores the actor's token ids (re-tokenising for a reward model's own tokenizer is not done), so both "
-        "must share one tokenizer: choose a reward model trained from the actor's tokenizer",
-    )  # fmt: skip
+    reward_inputs(cfg, load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, "model.tokenizer_path or model.path"))
+
+
+def reward_inputs(cfg: DictConfig, policy) -> RewardInputs | None:
+    """The re-tokenisation of rollouts for ``reward.model.path`` when its tokenizer differs from
+    the policy's (``retokenize_reason``), its samples cut to the model's context
+    (``max_position_embeddings``, or the tokenizer's ``model_max_length`` when smaller); None
+    when the reward model scores the policy's token ids as they are."""
+    path = cfg.reward.model.path
+    reward = load_tokenizer(path, "reward.model.path")
+    why = retokenize_reason(policy, reward)
+    if not why:
+        return None
+    if not getattr(reward, "chat_template", None):
+        raise ConfigError(
+            f"config key 'reward.model.path' is {path!r}, whose tokenizer differs from the actor's ({why}), so samples are "
+            "re-rendered with its chat template, but it has none; give the folder one (chat_template.jinja)"
+        )
+    config = AutoConfig.from_pretrained(path)
+    limits = [n for n in (getattr(config, "max_position_embeddings", None), reward.model_max_length) if n and n < 10**9]
+    if not limits:
+        raise ConfigError(
+            f"config key 'reward.model.path' is {path!r}, whose config and tokenizer give no maximum length "
+            "(max_position_embeddings, model_max_length); set tokenizer_config.json's model_max_length"
+        )
+    return RewardInputs(policy, reward, min(limits))
 
 
 class ModelReward:
     """The reward of a run with ``reward.model``: the role's score of each sample (``(batch,)``,
     its head at the sample's last attended token), times ``weight``, plus the functions' reward
     (``functions``: a manager of ``reward.terms``, or None when the model alone is the reward).
+    ``inputs``: what the role reads from a rollout batch (``RewardInputs``: re-tokenized for the
+    reward model's own tokenizer), or None for the batch's own token ids.
     ``score(batch)`` returns a ``RewardResult`` as ``RewardManager.score`` does, the model's
     unweighted score as the component and metric ``reward/<key>``."""
 
-    def __init__(self, role: WorkerGroup, weight: float, key: str, functions: RewardManager | None) -> None:
-        self.role, self.weight, self.key, self.functions = role, float(weight), key, functions
+    def __init__(
+        self, role: WorkerGroup, weight: float, key: str, functions: RewardManager | None, inputs: Callable[[Batch], Batch] | None = None
+    ) -> None:
+        self.role, self.weight, self.key, self.functions, self.inputs = role, float(weight), key, functions, inputs
 
     def score(self, batch: Batch) -> RewardResult:
+        inputs = batch if self.inputs is None else self.inputs(batch)
         self.role.onload()  # scoring happens while the engines generate, when roles are offloaded
         try:
-            raw = self.role.score(batch)["scores"].float()
+            raw = self.role.score(inputs)["scores"].float()
         finally:
             self.role.offload()
         mask = batch["response_mask"]

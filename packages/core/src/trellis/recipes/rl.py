@@ -39,7 +39,7 @@ from trellis.recipes.options import (
     without_adapter,
 )
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
-from trellis.recipes.reward_model import ModelReward, check_reward_model
+from trellis.recipes.reward_model import ModelReward, check_reward_model, reward_inputs
 from trellis.recipes.streaming import generate_scored
 from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
 from trellis.registry import RegistryError
@@ -537,13 +537,14 @@ class StepSamples:
 
 def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager | ModelReward:
     """The run's reward: the functions ``reward`` names, or with ``reward.model`` the frozen
-    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``."""
+    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``; it
+    scores the policy's token ids, or re-tokenized samples when its tokenizer is another."""
     reward = instantiate_options(cfg.reward, RewardConfig)
     if not reward.model.path:
         return RewardManager(reward, registry, tokenizer)
     role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
     functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
-    return ModelReward(role, reward.model.weight, reward.model.key, functions)
+    return ModelReward(role, reward.model.weight, reward.model.key, functions, reward_inputs(cfg, tokenizer))
 
 
 def longest_sequence(cfg: DictConfig) -> int:
