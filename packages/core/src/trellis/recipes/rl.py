@@ -21,6 +21,7 @@ from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_pro
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AdvantageInputs
+from trellis.judge_server import JudgedReward, check_judge_engine, start_judge, with_served_judges
 from trellis.memory import check_activation_memory
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.config import MultiTurnConfig
@@ -127,6 +128,7 @@ class RLConfig(RecipeConfig):
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built (and, on CUDA, a warning when the
     actor's micro-batches cannot fit the device: ``trellis.memory``)."""
+    check_judge_engine(cfg, registry)  # before the reward's checks, which call the judges' servers
     check_reward(cfg.reward, registry, cfg.recipe)
     check_inputs(cfg)
     staleness_bound(cfg.trainer)
@@ -471,7 +473,11 @@ class RLRecipe:
 
     @staticmethod
     def validate(
-        rollout: RolloutGroup, val: PromptDataset, reward_fn: RewardManager | ModelReward, cfg: DictConfig, agent: AgentRollout | None = None
+        rollout: RolloutGroup,
+        val: PromptDataset,
+        reward_fn: RewardManager | ModelReward | JudgedReward,
+        cfg: DictConfig,
+        agent: AgentRollout | None = None,
     ) -> dict[str, float]:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
         multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
@@ -499,15 +505,21 @@ class StepSamples:
     metrics: dict[str, float]
 
 
-def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager | ModelReward:
+def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager | ModelReward | JudgedReward:
     """The run's reward: the functions ``reward`` names, or with ``reward.model`` the frozen
-    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``."""
+    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``; with
+    ``reward.judge.engine`` the judges that name no url go to the judge engine, served for the run."""
     reward = instantiate_options(cfg.reward, RewardConfig)
+    server = run.closing(start_judge(reward.judge, registry, cfg.seed)) if reward.judge.engine else None
+    if server is not None:
+        reward = with_served_judges(reward, server)
     if not reward.model.path:
-        return RewardManager(reward, registry, tokenizer)
-    role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
-    functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
-    return ModelReward(role, reward.model.weight, reward.model.key, functions)
+        scorer = RewardManager(reward, registry, tokenizer)
+    else:
+        role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
+        functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
+        scorer = ModelReward(role, reward.model.weight, reward.model.key, functions)
+    return scorer if server is None else JudgedReward(scorer, server)
 
 
 def longest_sequence(cfg: DictConfig) -> int:
@@ -523,7 +535,7 @@ def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent:
     return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
 
 
-def score(batch: Batch, reward_fn: RewardManager | ModelReward, agent: AgentRollout | None) -> RewardResult:
+def score(batch: Batch, reward_fn: RewardManager | ModelReward | JudgedReward, agent: AgentRollout | None) -> RewardResult:
     return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
 
 
