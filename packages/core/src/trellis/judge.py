@@ -15,7 +15,7 @@ any other HTTP error, a dead endpoint, a timeout or a reply no rule can parse ra
 reward manager counts the sample in ``reward/errors`` (never a silent 0).
 
 With ``reward.judge.engine`` the ``rl`` recipe serves a judge model itself and sends here every
-judge that names no url (``trellis.judge_server``).
+judge that names no url (``trellis.recipes.judge_engine``).
 """
 
 from __future__ import annotations
@@ -290,3 +290,4 @@ def _rule(parse: str) -> Callable[[str], float]:
 
 judge_score.max_concurrency = 16  # the reward manager's default thread count; the endpoint's max_in_flight caps requests
 judge_score.preflight = preflight
+judge_score.offline_preflight = check_prompt  # for a judge the run serves itself (reward.judge), whose server is not up yet

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from trellis import judge
 from trellis.batch import Batch, last_valid_index
 from trellis.config import ConfigError, choice, instantiate_options, ranged
 from trellis.registry import RegistryError
@@ -180,7 +179,7 @@ class RewardModelConfig:
 
 @dataclass
 class JudgeEngineConfig:
-    """A judge model the ``rl`` recipe serves itself (``reward.judge``; ``trellis.judge_server``).
+    """A judge model the ``rl`` recipe serves itself (``reward.judge``; ``trellis.recipes.judge_engine``).
 
     engine: a registered rollout engine (``hf``, ``vllm``, ``sglang``...; null: none), built from the
         folder ``model`` with the engine's ``options`` (the keys that engine takes under ``rollout``),
@@ -349,8 +348,8 @@ def check_reward(node: Any, registry: Any, recipe: str = "") -> None:
             fn = resolve_reward(source, registry)
         except (RewardError, RegistryError) as exc:
             raise ConfigError(f"config key {key!r}: {exc}") from None
-        # a judge the run serves itself has no server yet: its prompt and parse rule are checked alone
-        preflight = judge.check_prompt if any(source is s for s in served) else getattr(fn, "preflight", None)
+        # a judge the run serves itself has no server yet: the checks that need none
+        preflight = getattr(fn, "offline_preflight" if any(source is s for s in served) else "preflight", None)
         if preflight is not None:
             try:
                 preflight(**dict(source.kwargs or {}))

@@ -21,7 +21,6 @@ from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_pro
 from trellis.export import save_hf_folder
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AdvantageInputs
-from trellis.judge_server import JudgedReward, check_judge_engine, start_judge, with_served_judges
 from trellis.memory import check_activation_memory
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.config import MultiTurnConfig
@@ -29,6 +28,7 @@ from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
+from trellis.recipes.judge_engine import JudgedReward, check_judge_engine, start_judge, with_served_judges
 from trellis.recipes.options import (
     ActorConfig,
     CriticConfig,
