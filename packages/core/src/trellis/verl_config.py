@@ -360,7 +360,11 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("data.val_batch_size", "validation generates every held-out prompt at once; cap them with data.val_max_prompts"),
     ("data.*", "no trellis data option"),
     ("reward_model.model.input_tokenizer", "the reward model scores the actor's token ids: one with its own tokenizer is refused (not re-tokenised)"),
-    ("reward_model.rollout.*", "no generative reward model that trellis starts; a judge served over HTTP is reward.name=judge"),
+    (
+        "reward_model.rollout.*",
+        "a generative reward model trellis starts is reward.judge (engine, model, options) for reward.name=judge, whose template and "
+        "parse rule replace a custom function that calls verl's router; not converted",
+    ),
     ("reward_model.*", "the reward_model role (reward.model.path) takes the actor's micro-batching and the backend section's options"),
     ("trainer.project_name", "a run is named by trainer.run_dir (default_local_dir)"),
     ("trainer.experiment_name", "a run is named by trainer.run_dir (default_local_dir)"),
