@@ -22,8 +22,8 @@ OPEN_ENDED = {
     "AdapterConfig": {"target_modules"},  # module-name suffixes of the model at hand, or all-linear
     "AgentLoopConfig": {"name", "component"},  # component: a registered agent loop, checked with the section
     "CriticConfig": {"model_path"},
-    "InteractionConfig": {"name", "component", "verl_class"},
-    "JudgeEngineConfig": {"model"},  # a folder; engine is a choice of the rollout kind's names  # component: a registered name, checked with the section
+    "InteractionConfig": {"name", "component", "verl_class"},  # component: a registered name, checked with the section
+    "JudgeEngineConfig": {"model"},  # a folder; engine is a choice of the rollout kind's names
     "ModelConfig": {"path", "tokenizer_path"},
     "MultiTurnConfig": {"agent", "environment"},  # a function or class: path/to/file.py:name, checked with the section
     "RLConfig": {"recipe"},
