@@ -23,6 +23,7 @@ OPEN_ENDED = {
     "AgentLoopConfig": {"name", "component"},  # component: a registered agent loop, checked with the section
     "CriticConfig": {"model_path"},
     "InteractionConfig": {"name", "component", "verl_class"},  # component: a registered name, checked with the section
+    "JudgeEngineConfig": {"model"},  # a folder; engine is a choice of the rollout kind's names
     "ModelConfig": {"path", "tokenizer_path"},
     "MultiTurnConfig": {"agent", "environment"},  # a function or class: path/to/file.py:name, checked with the section
     "RLConfig": {"recipe"},

@@ -13,6 +13,9 @@ a cap on requests in flight.
 Retries, with exponential backoff (or the server's ``Retry-After``), on HTTP 429 and 5xx only;
 any other HTTP error, a dead endpoint, a timeout or a reply no rule can parse raises at once, so the
 reward manager counts the sample in ``reward/errors`` (never a silent 0).
+
+With ``reward.judge.engine`` the ``rl`` recipe serves a judge model itself and sends here every
+judge that names no url (``trellis.recipes.judge_engine``).
 """
 
 from __future__ import annotations
@@ -129,8 +132,9 @@ class Endpoint:
         self.in_flight = threading.BoundedSemaphore(max_in_flight)
         self.sent = 0  # HTTP requests sent, retries included
 
-    def post(self, body: dict[str, Any], timeout_s: float, retries: int, backoff_s: float) -> dict[str, Any]:
-        """The JSON reply of ``/v1/chat/completions`` for ``body``, retried on 429 and 5xx only."""
+    def post(self, body: dict[str, Any], timeout_s: float, retries: int, backoff_s: float, api_key: str | None = None) -> dict[str, Any]:
+        """The JSON reply of ``/v1/chat/completions`` for ``body``, retried on 429 and 5xx only;
+        ``api_key``: sent as ``Authorization: Bearer <api_key>`` (None: no header)."""
         data = json.dumps(body).encode()
         # reserved before sending (about 4 characters a token, plus the whole reply), settled with the reply's usage
         estimate = -(-sum(len(m["content"]) for m in body["messages"]) // 4) + body["max_tokens"]
@@ -140,7 +144,7 @@ class Endpoint:
             self.requests.take(1.0, 1.0)
             with self.in_flight:
                 self.sent += 1
-                request = urllib.request.Request(self.url + "/v1/chat/completions", data, {"Content-Type": "application/json"})
+                request = urllib.request.Request(self.url + "/v1/chat/completions", data, _headers(api_key))
                 try:
                     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                         raw = resp.read()
@@ -172,7 +176,10 @@ _ENDPOINTS_LOCK = threading.Lock()
 def base_url(url: Any) -> str:
     """``http://host:port`` from that, or from it followed by ``/v1`` or ``/v1/chat/completions``."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise JudgeError(f"reward.kwargs.url={url!r}; give the judge server's address, e.g. http://127.0.0.1:8000 (vLLM's `vllm serve`)")
+        raise JudgeError(
+            f"reward.kwargs.url={url!r}; give the judge server's address, e.g. http://127.0.0.1:8000 (vLLM's `vllm serve`), "
+            "or set reward.judge.engine and reward.judge.model to have trellis serve a judge model itself"
+        )
     url = url.rstrip("/")
     for tail in ("/chat/completions", "/v1"):
         url = url.removesuffix(tail)
@@ -219,9 +226,11 @@ def judge_score(
     max_in_flight: int = 16,
     max_tokens: int = 512,
     temperature: float = 0.0,
+    api_key: str | None = None,
 ) -> float:
     """The judge's score of ``solution_str``: ``template`` sent as one user message to ``model`` at
-    ``url``, the reply parsed by rule ``parse`` (``last_number``, ``yes_no``, ``score_tag``)."""
+    ``url`` (with ``api_key`` as its bearer token, if given), the reply parsed by rule ``parse``
+    (``last_number``, ``yes_no``, ``score_tag``)."""
     rule = _rule(parse)
     fields = template_fields(template)
     question = (extra_info or {}).get("question")
@@ -230,7 +239,7 @@ def judge_score(
     prompt = template.format(question=question, response=solution_str, reference=ground_truth)
     endpoint = get_endpoint(url, requests_per_minute, tokens_per_minute, max_in_flight)
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": temperature}
-    reply = endpoint.post(body, timeout_s, retries, backoff_s)
+    reply = endpoint.post(body, timeout_s, retries, backoff_s, api_key)
     try:
         text = reply["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError):
@@ -238,16 +247,28 @@ def judge_score(
     return rule(text or "")
 
 
+def check_prompt(template: str = DEFAULT_TEMPLATE, parse: str = "score_tag", **_: Any) -> None:
+    """Checks the template and the parse rule (what a judge needs besides its server)."""
+    _rule(parse)
+    template_fields(template)
+
+
 def preflight(
-    url: str | None = None, model: str = "default", template: str = DEFAULT_TEMPLATE, parse: str = "score_tag", timeout_s: float = 60.0, **_: Any
+    url: str | None = None,
+    model: str = "default",
+    template: str = DEFAULT_TEMPLATE,
+    parse: str = "score_tag",
+    timeout_s: float = 60.0,
+    api_key: str | None = None,
+    **_: Any,
 ) -> None:
     """Checks, before any model is built, the template, the parse rule and that ``url`` answers
     ``GET /v1/models`` listing ``model`` (when it lists models at all)."""
-    _rule(parse)
-    template_fields(template)
+    check_prompt(template, parse)
     base = base_url(url)
     try:
-        with urllib.request.urlopen(base + "/v1/models", timeout=min(timeout_s, 10.0)) as resp:
+        request = urllib.request.Request(base + "/v1/models", headers=_headers(api_key))
+        with urllib.request.urlopen(request, timeout=min(timeout_s, 10.0)) as resp:
             listed = [m.get("id") for m in (json.loads(resp.read()).get("data") or [])]
     except urllib.error.HTTPError as exc:
         raise JudgeError(f"judge at {base} answered GET /v1/models with HTTP {exc.code}; is it an OpenAI-compatible server?") from None
@@ -255,6 +276,10 @@ def preflight(
         raise JudgeError(f"judge at {base} did not answer GET /v1/models: {getattr(exc, 'reason', exc)}; start it or fix url") from None
     if listed and model not in listed:
         raise JudgeError(f"judge at {base} serves {listed}, not model={model!r}; set the judge's model to one of them")
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
 def _rule(parse: str) -> Callable[[str], float]:
@@ -265,3 +290,4 @@ def _rule(parse: str) -> Callable[[str], float]:
 
 judge_score.max_concurrency = 16  # the reward manager's default thread count; the endpoint's max_in_flight caps requests
 judge_score.preflight = preflight
+judge_score.offline_preflight = check_prompt  # for a judge the run serves itself (reward.judge), whose server is not up yet

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from trellis.batch import Batch, last_valid_index
-from trellis.config import ConfigError, instantiate_options, ranged
+from trellis.config import ConfigError, choice, instantiate_options, ranged
 from trellis.registry import RegistryError
 
 logger = logging.getLogger("trellis")
@@ -178,6 +178,26 @@ class RewardModelConfig:
 
 
 @dataclass
+class JudgeEngineConfig:
+    """A judge model the ``rl`` recipe serves itself (``reward.judge``; ``trellis.recipes.judge_engine``).
+
+    engine: a registered rollout engine (``hf``, ``vllm``, ``sglang``...; null: none), built from the
+        folder ``model`` with the engine's ``options`` (the keys that engine takes under ``rollout``),
+        frozen (it never takes a weight sync), and served for the run on loopback as OpenAI-compatible
+        chat completions. Every ``judge`` reward or term that names no ``kwargs.url`` is sent to it;
+        one that names a url keeps it.
+    max_new_tokens: the longest reply (a request's ``max_tokens`` may ask for fewer).
+    chat_template_kwargs: passed to the judge tokenizer's chat template (e.g. ``{enable_thinking: false}``).
+    """
+
+    engine: Optional[str] = choice(None, kind="rollout")  # noqa: UP045
+    model: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int = ranged(512, ge=1)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RewardConfig:
     """Which reward to use.
 
@@ -206,6 +226,8 @@ class RewardConfig:
     stream_prompts: the ``rl`` recipe generates a step in parts of this many prompts and scores each
         part on a thread of its own while the next generates (``trellis.recipes.streaming``); 0
         scores the whole batch once generated. The scores are the same either way.
+    judge: a judge model trellis serves for the ``judge`` rewards that name no url
+        (:class:`JudgeEngineConfig`, the ``rl`` recipe only).
     """
 
     name: str = "gsm8k"
@@ -219,11 +241,14 @@ class RewardConfig:
     terms: list[RewardTerm] = field(default_factory=list)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     stream_prompts: int = ranged(0, ge=0)
+    judge: JudgeEngineConfig = field(default_factory=JudgeEngineConfig)
 
     def __post_init__(self) -> None:
         self.terms = [t if isinstance(t, RewardTerm) else RewardTerm(**t) for t in self.terms]
         if isinstance(self.model, dict):
             self.model = RewardModelConfig(**self.model)
+        if isinstance(self.judge, dict):
+            self.judge = JudgeEngineConfig(**self.judge)
 
 
 # metric names of their own under reward/, which a term's key must not take
@@ -252,6 +277,17 @@ def check_terms(cfg: RewardConfig) -> None:
                 f"reward.terms[{i}] and reward.terms[{seen[key]}] both log as reward/{key}; give one of them its own reward.terms[{i}].key"
             )
         seen[key] = i
+
+
+def judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
+    """The registered ``judge`` rewards ``cfg`` uses (the reward itself, or its terms), each with its config key."""
+    sources = [(f"reward.terms[{i}]", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
+    return [(key, source) for key, source in sources if source.name == "judge" and not source.path]
+
+
+def served_judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
+    """The judges that ``reward.judge.engine`` serves: those naming no ``kwargs.url`` (none without an engine)."""
+    return [(key, source) for key, source in judges(cfg) if cfg.judge.engine and not (source.kwargs or {}).get("url")]
 
 
 def load_function(path: str | Path, name: str, keys: tuple[str, str] = ("reward.path", "reward.name")) -> Callable[..., Any]:
@@ -291,6 +327,11 @@ def check_reward(node: Any, registry: Any, recipe: str = "") -> None:
         check_terms(cfg)
     except RewardError as exc:
         raise ConfigError(f"config key 'reward.terms': {exc}") from None
+    if cfg.judge.engine and recipe != "rl":
+        raise ConfigError(
+            f"config key 'reward.judge.engine' is {cfg.judge.engine!r}, but recipe {recipe!r} serves no judge model "
+            "(the rl recipe does); unset reward.judge.engine and give each judge's kwargs.url"
+        )
     if cfg.model.path and recipe != "rl":
         raise ConfigError(
             f"config key 'reward.model.path' is {cfg.model.path!r}, but recipe {recipe!r} builds no reward-model role "
@@ -305,12 +346,14 @@ def check_reward(node: Any, registry: Any, recipe: str = "") -> None:
             )
         return
     named = [(f"reward.terms[{i}].name", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
+    served = [source for _, source in served_judges(cfg)]
     for key, source in named:
         try:
             fn = resolve_reward(source, registry)
         except (RewardError, RegistryError) as exc:
             raise ConfigError(f"config key {key!r}: {exc}") from None
-        preflight = getattr(fn, "preflight", None)
+        # a judge the run serves itself has no server yet: the checks that need none
+        preflight = getattr(fn, "offline_preflight" if any(source is s for s in served) else "preflight", None)
         if preflight is not None:
             try:
                 preflight(**dict(source.kwargs or {}))
@@ -449,6 +492,7 @@ class RewardManager:
             self.scorers = [_Scorer(cfg, registry, cfg.max_concurrency, None, 1.0)]
         self.name = " + ".join(f"{s.weight:g}*{s.key}" for s in self.scorers) if cfg.terms else self.scorers[0].name
         self._logged_error = False
+        self._last_error = ""  # the latest failure, named when a batch's failures stop the run
         self._error_lock = threading.Lock()
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -527,7 +571,8 @@ class RewardManager:
         if n and errors / n > self.cfg.max_error_rate:
             raise RewardError(
                 f"reward {self.name!r} failed on {errors} of {n} samples ({errors / n:.0%}), above reward.max_error_rate="
-                f"{self.cfg.max_error_rate:g}; the first failure's traceback is logged above; fix the reward or raise reward.max_error_rate"
+                f"{self.cfg.max_error_rate:g} (the last: {self._last_error}); the first failure's traceback is logged above; "
+                "fix the reward or raise reward.max_error_rate"
             )
         metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
         return RewardResult(token_scores, metrics, scores, components)
@@ -558,6 +603,7 @@ class RewardManager:
             raise RewardError(f"reward {scorer.name!r} failed on {what}: {type(exc).__name__}: {exc} (reward.fail_fast=true)") from exc
         with self._error_lock:
             first, self._logged_error = not self._logged_error, True
+            self._last_error = f"{type(exc).__name__}: {str(exc)[:300]}"
         if first:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             logger.error(

@@ -363,7 +363,11 @@ REASONS: tuple[tuple[str, str], ...] = (
         "reward_model.model.input_tokenizer",
         "trellis compares the actor's tokenizer with the reward model's and re-tokenises samples when they differ",
     ),
-    ("reward_model.rollout.*", "no generative reward model that trellis starts; a judge served over HTTP is reward.name=judge"),
+    (
+        "reward_model.rollout.*",
+        "a generative reward model trellis starts is reward.judge (engine, model, options) for reward.name=judge, whose template and "
+        "parse rule replace a custom function that calls verl's router; not converted",
+    ),
     ("reward_model.*", "the reward_model role (reward.model.path) takes the actor's micro-batching and the backend section's options"),
     ("trainer.project_name", "a run is named by trainer.run_dir (default_local_dir)"),
     ("trainer.experiment_name", "a run is named by trainer.run_dir (default_local_dir)"),

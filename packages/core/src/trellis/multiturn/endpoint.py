@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import math
 import secrets
@@ -31,6 +30,8 @@ from trellis.multiturn.openai_api import (
     canonical,
     chat_reply,
     chat_request,
+    error_body,
+    request_body,
     text_reply,
     text_request,
 )
@@ -166,12 +167,7 @@ class PolicyEndpoint:
         if not self._authorized(request):
             return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's token>); use the client trellis gives the agent")
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise Refused(f"the request body is not JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise Refused("the request body must be a JSON object")
+            body = await request_body(request)
             episode = self._episode(request, body)
             async with episode.lock:
                 if episode.closed:
@@ -376,5 +372,4 @@ def _limit_message(episode: Episode) -> str:
 
 
 def _error(status: int, message: str) -> web.Response:
-    kind = {401: "authentication_error", 500: "server_error"}.get(status, "invalid_request_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
+    return web.json_response(error_body(status, message), status=status)

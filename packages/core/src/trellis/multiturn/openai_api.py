@@ -1,6 +1,6 @@
-"""The OpenAI wire format of the policy endpoint: requests of ``/v1/chat/completions`` and
-``/v1/completions`` checked field by field (what cannot be served is refused by name), chat
-messages as the chat template takes them, and the replies."""
+"""The OpenAI wire format of the policy endpoint and the judge engine's server: requests of
+``/v1/chat/completions`` and ``/v1/completions`` checked field by field (what cannot be served is
+refused by name), chat messages as the chat template takes them, and the replies."""
 
 from __future__ import annotations
 
@@ -46,6 +46,17 @@ class TextRequest:
     logprobs: bool
 
 
+async def request_body(request: Any) -> dict:
+    """The JSON object an aiohttp ``request`` carries; refused when it holds none."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise Refused(f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise Refused("the request body must be a JSON object")
+    return body
+
+
 def chat_request(body: dict) -> ChatRequest:
     _common(body, CHAT_FIELDS)
     if body.get("tool_choice") not in (None, "auto"):
@@ -87,7 +98,7 @@ def text_request(body: dict, vocab_size: int) -> TextRequest:
 def _common(body: dict, fields: tuple[str, ...]) -> None:
     unknown = [k for k, v in body.items() if k not in fields and v is not None]
     if unknown:
-        raise Refused(f"the policy endpoint does not support {', '.join(map(repr, sorted(unknown)))} here (supported: {', '.join(fields)})")
+        raise Refused(f"this endpoint does not support {', '.join(map(repr, sorted(unknown)))} here (supported: {', '.join(fields)})")
     if body.get("stream"):
         raise Refused("stream=true is not supported; the endpoint answers each request whole")
     if body.get("n") not in (None, 1):
@@ -155,20 +166,26 @@ def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
     return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
 
 
-def chat_reply(message: dict[str, Any], gen: Generation, prompt_tokens: int) -> dict[str, Any]:
+def chat_reply(message: dict[str, Any], gen: Generation, prompt_tokens: int, model: str = MODEL) -> dict[str, Any]:
     finish = "tool_calls" if message.get("tool_calls") and gen.finish_reason != "length" else gen.finish_reason
     choice = {"index": 0, "message": message, "finish_reason": finish}
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", **_envelope(gen, prompt_tokens), "choices": [choice]}
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", **_envelope(gen, prompt_tokens, model), "choices": [choice]}
 
 
 def text_reply(text: str, gen: Generation, prompt_tokens: int, tokens: list[str] | None) -> dict[str, Any]:
     """tokens: each sampled token's text, to answer the log-probs with (None: not asked)."""
     logprobs = None if tokens is None else {"tokens": tokens, "token_logprobs": list(gen.log_probs), "top_logprobs": None}
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **_envelope(gen, prompt_tokens), "choices": [choice]}
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **_envelope(gen, prompt_tokens, MODEL), "choices": [choice]}
 
 
-def _envelope(gen: Generation, prompt_tokens: int) -> dict[str, Any]:
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """An OpenAI-style error reply for HTTP ``status``."""
+    kind = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _envelope(gen: Generation, prompt_tokens: int, model: str) -> dict[str, Any]:
     completion = len(gen.token_ids)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
-    return {"created": int(time.time()), "model": MODEL, "usage": usage}
+    return {"created": int(time.time()), "model": model, "usage": usage}

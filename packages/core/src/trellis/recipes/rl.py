@@ -28,6 +28,7 @@ from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.multiturn.scoring import score_multiturn
 from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
+from trellis.recipes.judge_engine import JudgedReward, check_judge_engine, start_judge, with_served_judges
 from trellis.recipes.options import (
     ActorConfig,
     CriticConfig,
@@ -133,6 +134,7 @@ class RLConfig(RecipeConfig):
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built (and, on CUDA, a warning when the
     actor's micro-batches cannot fit the device: ``trellis.memory``)."""
+    check_judge_engine(cfg, registry)  # before the reward's checks, which call the judges' servers
     check_reward(cfg.reward, registry, cfg.recipe)
     check_inputs(cfg)
     staleness_bound(cfg.trainer)
@@ -507,7 +509,11 @@ class RLRecipe:
 
     @staticmethod
     def validate(
-        rollout: RolloutGroup, val: PromptDataset, reward_fn: RewardManager | ModelReward, cfg: DictConfig, agent: AgentRollout | None = None
+        rollout: RolloutGroup,
+        val: PromptDataset,
+        reward_fn: RewardManager | ModelReward | JudgedReward,
+        cfg: DictConfig,
+        agent: AgentRollout | None = None,
     ) -> dict[str, float]:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
         multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
@@ -535,16 +541,22 @@ class StepSamples:
     metrics: dict[str, float]
 
 
-def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager | ModelReward:
+def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> RewardManager | ModelReward | JudgedReward:
     """The run's reward: the functions ``reward`` names, or with ``reward.model`` the frozen
-    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``; it
-    scores the policy's token ids, or re-tokenized samples when its tokenizer is another."""
+    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``, scoring
+    the policy's token ids or re-tokenized samples when its tokenizer is another; with
+    ``reward.judge.engine`` the judges that name no url go to the judge engine, served for the run."""
     reward = instantiate_options(cfg.reward, RewardConfig)
+    server = run.closing(start_judge(reward.judge, registry, cfg.seed)) if reward.judge.engine else None
+    if server is not None:
+        reward = with_served_judges(reward, server)
     if not reward.model.path:
-        return RewardManager(reward, registry, tokenizer)
-    role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
-    functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
-    return ModelReward(role, reward.model.weight, reward.model.key, functions, reward_inputs(cfg, tokenizer))
+        scorer = RewardManager(reward, registry, tokenizer)
+    else:
+        role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
+        functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
+        scorer = ModelReward(role, reward.model.weight, reward.model.key, functions, reward_inputs(cfg, tokenizer))
+    return scorer if server is None else JudgedReward(scorer, server)
 
 
 def longest_sequence(cfg: DictConfig) -> int:
@@ -560,7 +572,7 @@ def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent:
     return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
 
 
-def score(batch: Batch, reward_fn: RewardManager | ModelReward, agent: AgentRollout | None) -> RewardResult:
+def score(batch: Batch, reward_fn: RewardManager | ModelReward | JudgedReward, agent: AgentRollout | None) -> RewardResult:
     return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
 
 

@@ -202,8 +202,8 @@ class Run:
     """One run of a recipe. Enter it to pin threads and seed torch; it makes the controller on
     the first spawn; ``start`` restores a checkpoint, opens the trackers and fires
     ``trellis_train_start``; ``end_step`` logs a step, fires ``trellis_step_end`` and saves when
-    due; leaving it (also on an error) closes trackers, stops the controller and fires
-    ``trellis_train_end``."""
+    due; leaving it (also on an error) closes trackers and what :meth:`closing` was given, stops
+    the controller and fires ``trellis_train_end``."""
 
     def __init__(self, cfg: DictConfig, ctx: RunContext) -> None:
         self.cfg, self.ctx = cfg, ctx
@@ -222,6 +222,7 @@ class Run:
         self._rollout: RolloutGroup | None = None
         self._validate: Callable[[], dict[str, float]] | None = None
         self._overlap = False
+        self._closing = contextlib.ExitStack()
 
     # -- set-up ------------------------------------------------------------------------------------
     @property
@@ -250,6 +251,12 @@ class Run:
         group = spawn_worker(self.controller, self.registry, self.cfg, role, model_path, role_options, objectives, head)
         self._groups.append(group)
         return group
+
+    def closing(self, thing: Any) -> Any:
+        """``thing``, whose ``close()`` runs when the run ends, also on an error (the last given
+        first, before the controller stops): what a recipe starts outside the controller."""
+        self._closing.callback(thing.close)
+        return thing
 
     def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any, max_len: int = 0, own_weights: bool = False) -> RolloutGroup:
         """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh,
@@ -416,8 +423,11 @@ class Run:
             if self._samples is not None:
                 self._samples.close()
         finally:
-            if self._controller is not None:
-                self._controller.shutdown()
+            try:
+                self._closing.close()
+            finally:
+                if self._controller is not None:
+                    self._controller.shutdown()
             if self._trackers is not None:
                 self.ctx.hook.trellis_train_end(run_dir=self.ctx.run_dir, metrics=self.metrics)
 

@@ -1,0 +1,189 @@
+"""``reward.judge``: a judge model the rl recipe serves itself (the tiny model on the ``hf`` engine),
+called over real HTTP on loopback; its refusals before any model is built."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from trellis import judge
+from trellis.config import ConfigError
+from trellis.plugins import load_plugins
+from trellis.recipes import rl
+from trellis.recipes.judge_engine import JudgeServer, start_judge, with_served_judges
+from trellis.recipes.train import train
+from trellis.rewards import JudgeEngineConfig, RewardConfig, RewardError
+
+TEMPLATE = "Grade this answer to the reference {reference}: {response}"
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """The judge servers the rl recipe starts, kept for the test to inspect after the run."""
+    started: list[JudgeServer] = []
+
+    def start(*args, **kwargs):
+        started.append(start_judge(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(rl, "start_judge", start)
+    return started
+
+
+def post(url: str, body: dict, token: str | None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def closed(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/v1/models", timeout=5)
+    except urllib.error.HTTPError:
+        return False  # it answered
+    except (urllib.error.URLError, OSError):
+        return True
+    return False
+
+
+def test_the_server_answers_chat_completions_with_the_run_token_only(tiny_model_path):
+    registry = load_plugins().registry
+    server = start_judge(JudgeEngineConfig(engine="hf", model=tiny_model_path, max_new_tokens=5), registry, seed=0)
+    try:
+        ask = {"messages": [{"role": "user", "content": "2+3="}], "max_tokens": 3, "temperature": 0}
+        status, reply = post(server.url, ask, server.token)
+        assert status == 200 and reply["model"] == tiny_model_path
+        assert reply["usage"]["completion_tokens"] <= 3 and isinstance(reply["choices"][0]["message"]["content"], str)
+        # greedy: the same prompt gets the same reply
+        assert post(server.url, ask, server.token)[1]["choices"][0]["message"] == reply["choices"][0]["message"]
+        assert post(server.url, ask, None)[0] == 401 and post(server.url, ask, "wrong")[0] == 401
+        status, refused = post(server.url, {**ask, "model": "gpt-4o"}, server.token)
+        assert status == 404 and f"this server serves {tiny_model_path!r}" in refused["error"]["message"]
+        status, refused = post(server.url, {**ask, "tools": [{"type": "function", "function": {"name": "f"}}]}, server.token)
+        assert status == 400 and "serves no tools" in refused["error"]["message"]
+        status, refused = post(server.url, {**ask, "temperature": 3}, server.token)
+        assert status == 400 and "temperature=3" in refused["error"]["message"]
+        counts = server.counts()
+        assert counts["requests"] == 2 and counts["refused"] == 5 and counts["completion_tokens"] == 2 * reply["usage"]["completion_tokens"]
+    finally:
+        server.close()
+        server.close()  # twice is harmless
+    assert closed(server.url)
+
+
+def test_a_failed_engine_build_is_raised_by_start():
+    def broken():
+        raise RuntimeError("no such device")
+
+    server = JudgeServer(broken, None, "m", 8, {})
+    with pytest.raises(RuntimeError, match="no such device"):
+        server.start()
+    server.close()
+
+
+def test_only_judges_without_a_url_are_sent_to_the_server():
+    cfg = RewardConfig(terms=[
+        {"name": "judge", "key": "hosted", "kwargs": {"url": "http://judge.example:8000", "template": TEMPLATE}},
+        {"name": "judge", "key": "local", "kwargs": {"template": TEMPLATE}},
+        {"name": "gsm8k"},
+    ], judge={"engine": "hf", "model": "/models/judge"})  # fmt: skip
+
+    class Server:
+        url, token, name = "http://127.0.0.1:1234", "secret", "/models/judge"
+
+    pointed = with_served_judges(cfg, Server())
+    hosted, local, rule = (t.kwargs for t in pointed.terms)
+    assert hosted == {"url": "http://judge.example:8000", "template": TEMPLATE} and rule == {}
+    assert local == {"template": TEMPLATE, "url": Server.url, "api_key": "secret", "model": "/models/judge"}
+    assert cfg.terms[1].kwargs == {"template": TEMPLATE}  # the config itself is left as it was
+
+
+def test_an_rl_run_is_scored_by_the_judge_engine_it_serves(run_rl, tiny_model_path, served, monkeypatch):
+    # a random tiny model writes no score: a test-only rule turns any reply into a number
+    replies: list[float] = []
+
+    def chars(text: str) -> float:
+        replies.append(float(len(text) % 5))
+        return replies[-1]
+
+    monkeypatch.setitem(judge.PARSERS, "chars", chars)
+    summary, rows = run_rl(
+        "reward.name=judge",
+        f"reward.kwargs={{template: '{TEMPLATE}', parse: chars, max_tokens: 6}}",
+        "reward.judge.engine=hf",
+        f"reward.judge.model={tiny_model_path}",
+        "reward.judge.max_new_tokens=8",
+    )
+    (server,) = served
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2
+    # 4 prompts x 4 samples a step, each one request the server answered; validation before and
+    # after: 8 held-out prompts greedy and 8 sampled
+    assert [r["judge/requests"] for r in steps] == [16.0, 16.0] and all(r["judge/refused"] == 0 for r in steps)
+    assert all(0 < r["judge/completion_tokens"] <= 16 * 6 for r in steps)
+    assert server.counts()["requests"] == len(replies) == 2 * 16 + 2 * 16
+    # the step's rewards are the judge's replies read by the rule (validation's 16 came first)
+    for i, row in enumerate(steps):
+        scores = replies[16 * (i + 1) : 16 * (i + 2)]
+        assert row["reward/mean"] == pytest.approx(sum(scores) / 16) and row["reward/max"] == max(scores) and row["reward/errors"] == 0
+    assert set(summary["val_after"]) == {"greedy_reward_mean", "reward_mean"}
+    assert closed(server.url)  # closed with the run
+
+
+def test_unparseable_judge_replies_are_errors_that_stop_the_run(run_rl, tiny_model_path, served):
+    with pytest.raises(RewardError) as caught:
+        run_rl(
+            "reward.name=judge",
+            f"reward.kwargs={{template: '{TEMPLATE}', max_tokens: 4}}",  # the default rule: a <score> tag
+            "reward.judge.engine=hf",
+            f"reward.judge.model={tiny_model_path}",
+            "validation.before_train=false",
+        )
+    message = str(caught.value)
+    assert "reward 'judge' failed on 16 of 16 samples (100%), above reward.max_error_rate=0.1" in message
+    assert "JudgeError: parse 'score_tag' found no <score>number</score> in the judge's reply" in message
+    (server,) = served
+    assert server.counts()["requests"] == 16 and closed(server.url)  # served every sample, and closed on the error
+
+
+# -- refusals before any model is built -------------------------------------------------------------------
+def refused(*overrides: str, recipe: str = "rl") -> str:
+    with pytest.raises(ConfigError) as caught:
+        train(None, [f"recipe={recipe}", *overrides], dry_run=True)
+    return str(caught.value)
+
+
+def test_bad_judge_engine_configs_are_refused_by_name(tiny_model_path, data_files):
+    base = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
+    judge_ = ["reward.name=judge", f"reward.kwargs.template='{TEMPLATE}'"]
+    engine = ["reward.judge.engine=hf", f"reward.judge.model={tiny_model_path}"]
+
+    message = refused(*base, *judge_, "reward.judge.engine=hff", f"reward.judge.model={tiny_model_path}")
+    assert message.startswith("config key 'reward.judge.engine' is 'hff': rollout 'hff' is not installed") and "did you mean 'hf'?" in message
+    message = refused(*base, *engine)  # reward.name is gsm8k
+    assert "'reward.judge.engine' is 'hf', but no judge reward is in use (reward.name='gsm8k'" in message and "reward.name=judge" in message
+    message = refused(*base, *engine, "reward.terms=[{name: gsm8k}, {name: judge, kwargs: {url: 'http://127.0.0.1:9', template: x}}]")
+    assert "every judge names its own server (reward.terms[1].kwargs.url='http://127.0.0.1:9')" in message and "unset reward.judge.engine" in message
+    message = refused(*base, *judge_, "reward.judge.engine=hf")
+    assert "config key 'reward.judge.model' is ''" in message and "no config.json" in message
+    message = refused(*base, *judge_, f"reward.judge.model={tiny_model_path}")
+    assert "reward.judge.engine is not set" in message
+    message = refused(*base, *judge_, *engine, "reward.kwargs.model=gpt-4o")
+    assert message.startswith("config key 'reward.kwargs.model' is 'gpt-4o'") and "drop reward.kwargs.model" in message
+    message = refused(*base, *judge_, *engine, "reward.judge.options.dtyp=float32")
+    assert "unknown config key 'reward.judge.options.dtyp'" in message and "did you mean 'reward.judge.options.dtype'?" in message
+    message = refused(*base, *judge_, *engine, "reward.kwargs.parse=score")
+    assert "config key 'reward': reward 'judge' is not ready: judge parse='score'" in message
+    message = refused(*base, *judge_)  # neither a url nor an engine
+    assert "reward.kwargs.url=None" in message and "reward.judge.engine" in message
+    message = refused(*base, *judge_, *engine, recipe="spin")
+    assert "config key 'reward.judge.engine' is 'hf', but recipe 'spin' serves no judge model" in message
+    # the same settings pass the rl recipe's checks
+    assert train(None, ["recipe=rl", *base, *judge_, *engine], dry_run=True)["data"].startswith("64 training prompts")
