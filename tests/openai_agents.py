@@ -79,3 +79,15 @@ async def runs_its_own_add(client, sample):
         messages.append({"role": "tool", "tool_call_id": call.id, "content": str(arguments["a"] + arguments["b"])})
     final = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
     return float(final.choices[0].message.content == "#### 46")
+
+
+async def says_where_it_runs(client, sample):
+    """``answer_then_follow_up``, then writes its process id, endpoint address and reward to the
+    file the row's ``extra_info.log`` names (the test cannot look inside a Ray rank)."""
+    import json
+    import os
+
+    reward = await answer_then_follow_up(client, sample)
+    with open(sample.extra_info["log"], "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "base_url": str(client.base_url), "reward": reward}) + "\n")
+    return reward
