@@ -21,13 +21,16 @@ FOLLOW_UP = "again?"  # openai_agents.FOLLOW_UP
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A private local cluster for this module: 2 logical CPUs (one rank, a spare)."""
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="trellis-ray-test-"), log_to_driver=False)
+    """A private local cluster for this module: 3 logical CPUs (one rank, an engine process, a spare)."""
+    ray.init(num_cpus=3, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="trellis-ray-test-"), log_to_driver=False)
     yield
     ray.shutdown()
 
 
-def test_openai_agent_episodes_run_against_an_endpoint_inside_the_rank(ray_cluster, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("pool", [[], ["trainer.rollout_pool=1"]], ids=["colocated", "rollout pool"])
+def test_openai_agent_episodes_run_against_an_endpoint_inside_the_rank(ray_cluster, tiny_model_path, tmp_path, pool):
+    """Colocated, the endpoint runs in the actor rank's process; with a rollout pool, in the
+    engine process's (either way not the driver's, and one process for the one engine)."""
     from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
 
@@ -41,7 +44,7 @@ def test_openai_agent_episodes_run_against_an_endpoint_inside_the_rank(ray_clust
                  "data.train_batch_prompts=2", "sampling.n=2", "sampling.max_new_tokens=6", "trainer.total_steps=2",
                  "trainer.trackers=[jsonl]", "trainer.log_samples=4", "trainer.controller=ray", "trainer.procs_per_node=1",
                  f"trainer.run_dir={run}", "multi_turn.enable=true", "multi_turn.agent_loop=openai_agent", f"multi_turn.agent={AGENT}",
-                 "multi_turn.max_response_tokens=64"])  # fmt: skip
+                 "multi_turn.max_response_tokens=64", *pool])  # fmt: skip
 
     steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
     assert len(steps) == 2
