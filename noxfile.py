@@ -57,7 +57,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         ["tensorboard>=2.14"],
         "tests/integration",
     ),
-    "ray": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"], [], "tests/ray"),
+    "ray": (["packages/core[ray,agent]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"], [], "tests/ray"),
     # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_interactions
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],

@@ -53,3 +53,41 @@ async def closes_its_client(client, sample):
         await client.chat.completions.create(model="policy", messages=sample.messages, max_tokens=3)
     await client.models.list()
     return 1.0
+
+
+ADD = {  # the agent's own tool, declared to the run by this schema alone (multi_turn.tools: [{schema: ...}])
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+    },
+}
+
+
+async def runs_its_own_add(client, sample):
+    """Offers its own ``add`` through the tool-calling API, runs the calls itself, sends the
+    results back and is rewarded for the final answer."""
+    import json
+
+    messages = list(sample.messages)
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+    message = reply.choices[0].message
+    messages.append(message)
+    for call in message.tool_calls or []:
+        arguments = json.loads(call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(arguments["a"] + arguments["b"])})
+    final = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+    return float(final.choices[0].message.content == "#### 46")
+
+
+async def says_where_it_runs(client, sample):
+    """``answer_then_follow_up``, then writes its process id, endpoint address and reward to the
+    file the row's ``extra_info.log`` names (the test cannot look inside a Ray rank)."""
+    import json
+    import os
+
+    reward = await answer_then_follow_up(client, sample)
+    with open(sample.extra_info["log"], "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "base_url": str(client.base_url), "reward": reward}) + "\n")
+    return reward

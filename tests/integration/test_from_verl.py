@@ -304,3 +304,66 @@ def test_a_reward_model_converts_to_the_reward_model_role():
     assert reward == {"name": "auto"} and not [k for k in why if k.startswith("reward_model")]  # off: verl ignores the path too
     _, why = converted("reward_model.enable=True")
     assert "reward_model.model.path is not given" in why["reward_model.enable"]
+
+
+def test_verl_agent_loop_config_file_becomes_agent_loop_entries(tmp_path):
+    """Each ``{name, _target_, ...}`` of verl's ``agent_loop_config_path`` file is a
+    ``multi_turn.agent_loops`` entry run by the ``verl`` loop (``_target_`` its class, the other
+    keys its constructor's kwargs); a file that is not there, or a run that is not multi-turn, is
+    named in the report instead."""
+    (tmp_path / "loops.yaml").write_text(
+        "- name: check_again_agent\n  _target_: my_pkg.loops.CheckAgainAgentLoop\n"
+        "- name: search_agent\n  _target_: my_pkg.loops.SearchAgentLoop\n  max_searches: 3\n  engine: {url: http://127.0.0.1:8000}\n"
+    )
+    base = ["actor_rollout_ref.model.path=/models/base", "trainer.total_training_steps=5"]
+    multi_turn = "actor_rollout_ref.rollout.multi_turn.enable=true"
+    out = trellis("config", "from-verl", *base, multi_turn, "actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["multi_turn"]["agent_loops"] == [
+        {"name": "check_again_agent", "component": "verl", "options": {"verl_class": "my_pkg.loops.CheckAgainAgentLoop"}},
+        {
+            "name": "search_agent",
+            "component": "verl",
+            "options": {"verl_class": "my_pkg.loops.SearchAgentLoop", "kwargs": {"max_searches": 3, "engine": {"url": "http://127.0.0.1:8000"}}},
+        },
+    ]
+    assert "agent_loop_config_path" not in out.stderr
+
+    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    why = {k: reason for k, _, reason in convert(read_verl([*base, multi_turn, f"{key}={tmp_path / 'gone.yaml'}"])).unmapped}
+    assert why[key] == f"cannot read '{tmp_path / 'gone.yaml'}' (FileNotFoundError); copy its entries into multi_turn.agent_loops by hand"
+    why = {k: reason for k, _, reason in convert(read_verl([*base, f"{key}={tmp_path / 'loops.yaml'}"])).unmapped}
+    assert why[key].startswith("trellis runs agent loops in multi-turn runs only; set actor_rollout_ref.rollout.multi_turn.enable=true")
+    (tmp_path / "flat.yaml").write_text("name: one\n_target_: my_pkg.loops.One\n")
+    conversion = convert(read_verl([*base, multi_turn, f"{key}={tmp_path / 'flat.yaml'}"]))
+    assert "agent_loops" not in conversion.config["multi_turn"]
+    assert {k: reason for k, _, reason in conversion.unmapped}[key].endswith("is not a list of entries with a name and a _target_ (verl's layout)")
+
+
+def test_verl_async_keys_are_dropped_with_the_trellis_setting_nearest_them():
+    """verl's async trainers let one trajectory span weight versions (partial rollouts) and bound
+    staleness by a fraction of a batch; trellis generates each sample from one version and bounds
+    whole steps, so nothing converts: each key is named with the trellis setting nearest it, and
+    the values that are what trellis does anyway (sync, no partial rollout) pass silently."""
+    given = [
+        "actor_rollout_ref.model.path=/models/base",
+        "trainer.total_training_steps=5",
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.sampler.max_off_policy_threshold=2",
+        "trainer.v1.separate_async.parameter_sync_step=4",
+        "async_training.staleness_threshold=0.1",
+        "async_training.partial_rollout=true",
+        "async_training.trigger_parameter_sync_step=4",
+        "rollout.nnodes=1",
+    ]
+    conversion = convert(read_verl(given))
+    why = {k: reason for k, _, reason in conversion.unmapped}
+    assert set(why) == {g.split("=")[0] for g in given[2:]}
+    assert "trainer.async_mode=one_step or fully_async with trainer.max_staleness" in why["trainer.v1.trainer_mode"]
+    assert "trainer.max_staleness with trainer.async_mode=fully_async" in why["trainer.v1.sampler.max_off_policy_threshold"]
+    assert "a fraction of a batch" in why["async_training.staleness_threshold"] and "trainer.max_staleness" in why["async_training.staleness_threshold"]
+    assert why["async_training.partial_rollout"].startswith("trellis never interrupts a generation for a weight update")
+    assert "trainer.rollout_pool=N" in why["rollout.nnodes"]
+    assert "async_mode" not in conversion.config.get("trainer", {})
+    silent = convert(read_verl([*given[:2], "trainer.v1.trainer_mode=sync", "async_training.partial_rollout=false"]))
+    assert silent.unmapped == []

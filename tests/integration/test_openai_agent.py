@@ -34,6 +34,7 @@ AGENTS = Path(__file__).parents[1] / "openai_agents.py"
 AGENT = f"{AGENTS}:answer_then_follow_up"
 PROMPT = [{"role": "user", "content": "1+2="}]
 FOLLOW_UP_TEXT = "again?"  # openai_agents.FOLLOW_UP
+SCHEMA_ONLY = "{type: function, function: {name: add, description: Add., parameters: {type: object}}}"
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +191,13 @@ def test_the_endpoint_refuses_what_it_cannot_serve(engine):
         ([f"multi_turn.agent={AGENTS}:answer"], r"multi_turn.agent 'answer' is not defined there in .*; functions found: answer_then_follow_up"),
         (["multi_turn.agent=/nowhere/agent.py:run"], r"multi_turn.agent '/nowhere/agent.py' does not exist"),
         (["multi_turn.score=reward"], r"config key 'multi_turn.score' is reward with multi_turn.agent"),
+        (
+            ["multi_turn.agent_loop=tool_agent", "multi_turn.agent=''", f"multi_turn.tools=[{{schema: {SCHEMA_ONLY}}}]"],
+            r"config key 'multi_turn.tools\[0\]' gives only a schema for tool 'add', which trellis never runs .* but agent loop "
+            r"'tool_agent' runs the model's tool calls itself and has no 'add' to run; give the entry a component or verl_class",
+        ),
     ],
-    ids=["unset", "unused", "not async", "misspelt", "no file", "score reward"],
+    ids=["unset", "unused", "not async", "misspelt", "no file", "score reward", "schema-only tool with tool_agent"],
 )
 def test_agent_config_errors_are_found_before_any_model_is_built(tiny_model_path, data, tmp_path, more, message):
     with pytest.raises(ConfigError, match=message):

@@ -7,19 +7,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 
 import openai
 import pytest
+from omegaconf import OmegaConf
 from scripted import REASONING_TEMPLATE, ScriptedEngine
 
 import trellis.multiturn.endpoint as endpoint_module
-from trellis.data import encode_text, render_chat
+from trellis.config import ConfigError, validate
+from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis.interfaces.rollout import SamplingParams
+from trellis.multiturn.agent import OpenAIAgentLoop
 from trellis.multiturn.chat import ChatDeltas
+from trellis.multiturn.config import MultiTurnConfig
 from trellis.multiturn.endpoint import HEADER, PolicyEndpoint
+from trellis.multiturn.environment import agent_spec
+from trellis.multiturn.rollout import AgentRollout
 from trellis.multiturn.sampled import check_sampled
 from trellis.multiturn.tool_calls import HermesParser
+from trellis.plugins import load_plugins
+
+AGENTS = Path(__file__).parents[1] / "openai_agents.py"
 
 PROMPT = [{"role": "user", "content": "12+34="}]
 ADD = {
@@ -215,3 +225,62 @@ def test_the_endpoint_refuses_what_it_cannot_serve_naming_the_field():
     assert "the first call's prompt must begin with the sample's prompt (sample.prompt_text" in refused["first prompt"]
     assert "tools differ from the 1 tool schemas the sample's prompt was rendered with" in refused["other tools"]
     assert "messages[1].tool_calls[0].function.arguments is not JSON" in refused["arguments"]
+
+
+def test_a_tool_the_agent_runs_itself_is_declared_by_its_schema_alone(monkeypatch):
+    """``multi_turn.tools: [{schema: ...}]`` and no component: the prompt is rendered with the
+    schema, the agent's request offering the same schema (its own copy) continues that prompt, the
+    agent runs the call itself, and the sample trains on exactly the sampled ids."""
+    registry = load_plugins().registry
+    tokenizer = tokenizer_with(TOOLS_CHAT_TEMPLATE)
+    section = {
+        "enable": True,
+        "agent_loop": "openai_agent",
+        "agent": f"{AGENTS}:runs_its_own_add",
+        "max_response_tokens": 256,
+        "tools": [{"schema": ADD}],
+    }
+    spec = agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, tokenizer)
+    assert spec.tools == [] and spec.agent_tools == {"add": "multi_turn.tools[0]"}  # nothing for trellis to run
+    batch = PromptDataset([{"prompt": PROMPT}], tokenizer, 512, chat_template_kwargs=spec.template_kwargs).as_batch()
+    prompt_ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    assert '"name": "add"' in tokenizer.decode(prompt_ids)  # the schema is in the prompt the sample trains on
+    episodes, end = [], PolicyEndpoint.end
+
+    async def keep_episode(self, episode):
+        await end(self, episode)
+        episodes.append(episode)
+
+    monkeypatch.setattr(PolicyEndpoint, "end", keep_episode)
+    engine = ScriptedEngine(tokenizer, ['<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>', "#### 46"])
+    out = asyncio.run(AgentRollout(spec, {"openai_agent": OpenAIAgentLoop})(engine, batch, SamplingParams(max_new_tokens=64)))
+
+    assert out["finish_reason"] == ["done"] and out["agent_rewards"].tolist() == [1.0] and out["num_turns"].tolist() == [2]
+    (episode,) = episodes
+    assert engine.prompts[0] == prompt_ids  # the agent's first request rendered to the trajectory's prompt, token for token
+    assert_trains_on_the_sampled_ids(episode, tokenizer)
+    mask = out["response_mask"][0].bool()
+    assert out["responses"][0][mask].tolist() == [i for c in episode.calls for i in c.generation.token_ids]
+    first, second = episode.calls
+    between = second.prompt_ids[len(first.prompt_ids) + len(first.generation.token_ids) :]
+    assert tokenizer.decode(between) == "\n<|im_start|>tool\n46<|im_end|>\n<|im_start|>assistant\n"  # the agent's own result
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"schema": {"type": "function", "function": {"description": "Add."}}}, r"'multi_turn.tools\[0\].schema.function.name' is None"),
+        (
+            {"schema": {"type": "function", "function": {"name": "add", "description": "Add."}}},
+            r"'multi_turn.tools\[0\].schema.function.parameters' is missing from tool 'add', which your agent runs itself",
+        ),
+        ({"schema": ADD, "max_concurrency": 2}, r"'multi_turn.tools\[0\].max_concurrency' is set for tool 'add', which has only a schema"),
+        ({}, r"'multi_turn.tools\[0\]' gives neither 'component' .* or only 'schema'"),
+    ],
+    ids=["no name", "no parameters", "max_concurrency", "nothing"],
+)
+def test_a_schema_only_tool_is_refused_by_name_when_incomplete(entry, message):
+    registry = load_plugins().registry
+    section = {"enable": True, "agent_loop": "openai_agent", "agent": f"{AGENTS}:runs_its_own_add", "tools": [entry]}
+    with pytest.raises(ConfigError, match=message):
+        agent_spec(validate(OmegaConf.create(section), MultiTurnConfig, registry, "multi_turn."), registry, None)

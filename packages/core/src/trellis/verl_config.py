@@ -150,6 +150,29 @@ def _tools(value: Any, src: Source) -> list[dict[str, Any]]:
     return [{"verl_class": e["class_name"], "options": e.get("config") or {}, "schema": e.get("tool_schema")} for e in _verl_yaml(value, "tools")]
 
 
+def _agent_loops(value: Any, src: Source) -> list[dict[str, Any]]:
+    """verl's ``agent_loop_config_path``: a YAML list of ``{name, _target_, ...}``, each an entry
+    run by trellis-interactions' ``verl`` loop (``_target_`` its class, the other keys its
+    constructor's keyword arguments); rows pick one by name in ``agent_name``, as in verl."""
+    if not src.get(ROLLOUT + "multi_turn.enable"):
+        raise Unmapped(
+            "trellis runs agent loops in multi-turn runs only; set actor_rollout_ref.rollout.multi_turn.enable=true "
+            "(multi_turn.enable=true) to convert the file's entries into multi_turn.agent_loops"
+        )
+    try:
+        entries = yaml.safe_load(Path(str(value)).expanduser().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise Unmapped(f"cannot read {value!r} ({type(exc).__name__}); copy its entries into multi_turn.agent_loops by hand") from None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and e.get("name") and e.get("_target_") for e in entries):
+        raise Unmapped(f"{value!r} is not a list of entries with a name and a _target_ (verl's layout)")
+    loops = []
+    for e in entries:
+        kwargs = {k: v for k, v in e.items() if k not in ("name", "_target_")}
+        options = {"verl_class": e["_target_"], **({"kwargs": kwargs} if kwargs else {})}
+        loops.append({"name": e["name"], "component": "verl", "options": options})
+    return loops
+
+
 def total_steps(src: Source) -> int:
     """verl's step count: ``total_training_steps``, else ``total_epochs`` x (training rows //
     ``train_batch_size``), verl dropping an epoch's last partial batch."""
@@ -246,6 +269,12 @@ RULES: tuple[Rule, ...] = (
     Rule(
         ROLLOUT + "multi_turn.tool_config_path", "multi_turn.tools", _when_multi_turn(_tools), "the file's entries, as verl_class with their schema"
     ),
+    Rule(
+        ROLLOUT + "agent.agent_loop_config_path",
+        "multi_turn.agent_loops",
+        _agent_loops,
+        "the file's entries, component verl (verl_class from _target_, the other keys as kwargs); multi-turn runs",
+    ),
     Rule(ROLLOUT + "multi_turn.format", "multi_turn.tool_parser"),
     Rule(ROLLOUT + "multi_turn.max_tool_response_length", "multi_turn.max_tool_response_chars", note="characters in both"),
     Rule("data.max_response_length", "multi_turn.max_response_tokens", _when_multi_turn(lambda v, s: v), "multi-turn: all turns"),
@@ -336,6 +365,8 @@ TRELLIS_BEHAVIOUR: Source = {
     "data.filter_overlong_prompts": True,
     "data.return_raw_chat": False,
     ROLLOUT + "val_kwargs.do_sample": False,
+    "trainer.v1.trainer_mode": "sync",  # generate, then train: trellis's trainer.async_mode=off
+    "async_training.partial_rollout": False,  # no generation is resumed across a weight update
     ROLLOUT + "val_kwargs.top_p": 1.0,
     ROLLOUT + "val_kwargs.top_k": -1,
     "reward_model.reward_manager": "naive",
@@ -369,6 +400,38 @@ REASONS: tuple[tuple[str, str], ...] = (
         "parse rule replace a custom function that calls verl's router; not converted",
     ),
     ("reward_model.*", "the reward_model role (reward.model.path) takes the actor's micro-batching and the backend section's options"),
+    (
+        "trainer.v1.trainer_mode",
+        "verl's async trainers resume generations cut by a weight update (one trajectory spans versions) and train from a "
+        "replay buffer; trellis generates every sample whole from one weight version: trainer.async_mode=one_step or "
+        "fully_async with trainer.max_staleness (versions) is the nearest",
+    ),
+    (
+        "trainer.v1.sampler.max_off_policy_threshold",
+        "the versions one trajectory may span in verl's async trainers (dropped or waited for); trellis's bound is "
+        "trainer.max_staleness with trainer.async_mode=fully_async, whole steps behind, each sample from one version",
+    ),
+    ("trainer.v1.*", "verl's v1 async trainers (trainer_mode colocate_async / separate_async) have no trellis counterpart"),
+    (
+        "async_training.staleness_threshold",
+        "a fraction of a batch generated beyond what the next parameter sync needs (verl's fully-async recipe); trellis bounds "
+        "whole steps: trainer.max_staleness (weight versions) with trainer.async_mode=fully_async",
+    ),
+    (
+        "async_training.partial_rollout",
+        "trellis never interrupts a generation for a weight update: every sample comes whole from one weight version",
+    ),
+    (
+        "async_training.*",
+        "verl's fully-async rollouter (chosen by its entry point, not a key): trellis syncs weights once per step; generate "
+        "ahead with trainer.async_mode=one_step or fully_async",
+    ),
+    (
+        "rollout.*",
+        "the rollout GPUs of verl's one-step-off / fully-async recipes: trellis's engines apart from the trainer are "
+        "trainer.rollout_pool=N processes (Ray), each of rollout.tensor_parallel_size devices",
+    ),
+    (ROLLOUT + "agent.default_agent_loop", "rows without agent_name run multi_turn.agent_loop (trellis's own loops: tool_agent, openai_agent)"),
     ("trainer.project_name", "a run is named by trainer.run_dir (default_local_dir)"),
     ("trainer.experiment_name", "a run is named by trainer.run_dir (default_local_dir)"),
     ("trainer.critic_warmup", "the critic and actor update from the first step"),

@@ -111,7 +111,13 @@ class AgentLoop:
     (``Environment``), shared by every loop of the call. Many ``sample`` calls run at once on one
     loop object. Core's ``tool_agent`` (``trellis.multiturn.loop.ToolAgentLoop``) is the default;
     ``trellis.multiturn.chat.ChatDeltas`` renders environment turns token-exactly.
+
+    ``runs_tools``: the loop runs the model's tool calls itself from ``env.tools``, so it cannot
+    serve a ``multi_turn.tools`` entry that gives only a schema (a tool the agent runs; refused
+    before any model is built).
     """
+
+    runs_tools = False
 
     def __init__(self, engine: RolloutEngine, spec: Any, env: Any) -> None:
         self.engine = engine

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from trellis.config import ConfigError
 from trellis.data import load_prompt_rows
+from trellis.interfaces.agents import AgentLoop
 from trellis.multiturn.agent import check_agent
 from trellis.multiturn.config import InteractionConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names, interaction_name
@@ -63,7 +64,9 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
         if spec.environment is not None:
             check_reset_fields(rows, spec.environment.reset_needs, where)
         loops[where] = enumerate(row.get(AGENT_COLUMN) for row in rows)
-    check_agent(spec.settings, agent_rollout(spec, registry, loops).loops)  # every row's agent loop is installed, and what it runs
+    used = agent_rollout(spec, registry, loops).loops  # every row's agent loop is installed
+    check_agent(spec.settings, used)
+    check_agent_tools(spec.agent_tools, used)
     if mt.max_response_tokens == 0 and mt.max_assistant_turns > 1:
         new, turns = cfg.sampling.max_new_tokens, mt.max_assistant_turns
         log.warning(
@@ -73,6 +76,18 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
             "the replies you expect",
             new, turns, new * turns, new * turns,
         )  # fmt: skip
+
+
+def check_agent_tools(agent_tools: dict[str, str], loops: dict[str, type[AgentLoop]]) -> None:
+    """A schema-only tool (the agent runs it) is not used with a loop that runs tools itself."""
+    runners = sorted(name for name, cls in loops.items() if cls.runs_tools)
+    if agent_tools and runners:
+        name, key = next(iter(agent_tools.items()))
+        raise ConfigError(
+            f"config key {key!r} gives only a schema for tool {name!r}, which trellis never runs (an agent that calls the policy "
+            f"endpoint runs it), but agent loop {runners[0]!r} runs the model's tool calls itself and has no {name!r} to run; give the "
+            "entry a component or verl_class, or run these rows with an agent that runs its own tools (multi_turn.agent_loop=openai_agent)"
+        )
 
 
 def build_once(make: Any, key: str) -> None:

@@ -38,7 +38,9 @@ class ToolConfig:
     component / verl_class / options: as for interactions (a verl tool's class takes
         ``(config, tool_schema)``).
     schema: the OpenAI function schema (``{type: function, function: {name, description,
-        parameters}}``); default: the component's own. Required for a verl class.
+        parameters}}``); default: the component's own. Required for a verl class. Given alone
+        (no component, no verl_class): a tool the agent runs itself (``openai_agent``, a verl
+        loop of your own), rendered into the prompt and never run by trellis.
     max_concurrency: calls of this tool running at once over all samples (0: no limit).
     timeout_s: the longest one call may take; past it the model is told the call timed out.
     """

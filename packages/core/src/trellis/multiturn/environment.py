@@ -8,7 +8,7 @@ import asyncio
 import difflib
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,7 +26,9 @@ from trellis.registry import Registry, RegistryError
 class AgentSpec:
     """Everything the agent loop needs, resolved from ``multi_turn`` (factories, not objects, so
     it pickles to Ray ranks); ``template_kwargs`` go to the chat template (``tools``: the schemas,
-    the environment class's methods after the configured tools)."""
+    the environment class's methods after the configured tools). ``tools`` are those trellis runs;
+    ``agent_tools`` the schema-only entries of ``multi_turn.tools`` (rendered, never run: the
+    agent runs them), their function name to their config key."""
 
     settings: MultiTurnConfig
     interactions: dict[str, Callable[[], Interaction]]
@@ -35,6 +37,7 @@ class AgentSpec:
     tokenizer: Any
     template_kwargs: dict[str, Any]
     environment: EnvironmentClass | None = None
+    agent_tools: dict[str, str] = field(default_factory=dict)
 
     @property
     def interaction_names(self) -> list[str]:
@@ -52,17 +55,22 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
         interactions[icfg.name] = _factory(icfg, "interaction", registry, key)
     tools: list[tuple[Callable[[], Tool], ToolConfig]] = []
     schemas: list[dict[str, Any]] = []
+    agent_tools: dict[str, str] = {}
     for i, tcfg in enumerate(settings.tools):
         key = f"multi_turn.tools[{i}]"
-        if tcfg.verl_class and not tcfg.schema:
-            raise ConfigError(f"config key '{key}.schema' is required for a verl tool; give its OpenAI function schema")
-        make = _factory(tcfg, "tool", registry, key)
-        schema = tcfg.schema or getattr(registry.get("tool", tcfg.component).obj, "schema", None)
-        name = check_tool_schema(schema, f"{key}.schema")
+        if tcfg.component or tcfg.verl_class:
+            if tcfg.verl_class and not tcfg.schema:
+                raise ConfigError(f"config key '{key}.schema' is required for a verl tool; give its OpenAI function schema")
+            tools.append((_factory(tcfg, "tool", registry, key), tcfg))
+            schema = tcfg.schema or getattr(registry.get("tool", tcfg.component).obj, "schema", None)
+            name = check_tool_schema(schema, f"{key}.schema")
+        else:
+            schema = tcfg.schema
+            name = check_agent_tool(tcfg, key)
+            agent_tools[name] = key
         if name in (tool_name(s, "") for s in schemas):
             raise ConfigError(f"config key '{key}': a tool named {name!r} is configured twice")
         schemas.append(schema)
-        tools.append((make, tcfg))
     environment = describe_environment(settings.environment) if settings.environment else None
     for schema in environment.schemas if environment else ():
         name = schema["function"]["name"]
@@ -70,7 +78,32 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
             raise ConfigError(f"config key 'multi_turn.environment': its method {name!r} has the name of a tool in multi_turn.tools; rename one")
         schemas.append(schema)
     parser = registry.get("tool_parser", settings.tool_parser).obj
-    return AgentSpec(settings, interactions, tools, parser, tokenizer, {"tools": schemas} if schemas else {}, environment)
+    return AgentSpec(settings, interactions, tools, parser, tokenizer, {"tools": schemas} if schemas else {}, environment, agent_tools)
+
+
+def check_agent_tool(tcfg: ToolConfig, key: str) -> str:
+    """A ``multi_turn.tools`` entry without component or verl_class: a tool the agent runs itself,
+    given by its whole schema (parameters included: nothing else describes its arguments) and
+    nothing that only a tool trellis runs would read; returns its function name."""
+    if tcfg.schema is None:
+        raise ConfigError(
+            f"config key {key!r} gives neither 'component' (a registered tool), 'verl_class' (a class path) nor 'schema'; set one "
+            "of the first two for a tool trellis runs, or only 'schema' (its OpenAI function schema) for a tool your agent runs itself"
+        )
+    name = check_tool_schema(tcfg.schema, f"{key}.schema")
+    if "parameters" not in tcfg.schema["function"]:
+        raise ConfigError(
+            f"config key '{key}.schema.function.parameters' is missing from tool {name!r}, which your agent runs itself (no "
+            "component): the schema is all the model learns of its arguments; give parameters: {type: object, properties: {...}}"
+        )
+    default = ToolConfig()
+    ignored = [k for k in ("options", "max_concurrency", "timeout_s") if getattr(tcfg, k) != getattr(default, k)]
+    if ignored:
+        raise ConfigError(
+            f"config key '{key}.{ignored[0]}' is set for tool {name!r}, which has only a schema: trellis never runs it (your agent "
+            f"does), so it would be ignored; drop it, or give the tool a component or verl_class"
+        )
+    return name
 
 
 def _settings(node: DictConfig) -> MultiTurnConfig:

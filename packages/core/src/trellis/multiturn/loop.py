@@ -35,6 +35,8 @@ class ToolAgentLoop(AgentLoop):
     after the last turn, as the sample's ``agent_reward``).
     """
 
+    runs_tools = True
+
     def __init__(self, engine: RolloutEngine, spec: AgentSpec, env: Environment) -> None:
         super().__init__(engine, spec, env)
         self.chat = ChatDeltas(spec.tokenizer, spec.template_kwargs)
