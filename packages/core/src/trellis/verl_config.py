@@ -366,7 +366,7 @@ TRELLIS_BEHAVIOUR: Source = {
     "data.return_raw_chat": False,
     ROLLOUT + "val_kwargs.do_sample": False,
     "trainer.v1.trainer_mode": "sync",  # generate, then train: trellis's trainer.async_mode=off
-    "async_training.partial_rollout": False,  # no generation is resumed across a weight update
+    "async_training.partial_rollout": False,  # trellis's default too (trainer.partial_rollout=false)
     ROLLOUT + "val_kwargs.top_p": 1.0,
     ROLLOUT + "val_kwargs.top_k": -1,
     "reward_model.reward_manager": "naive",
@@ -402,14 +402,14 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("reward_model.*", "the reward_model role (reward.model.path) takes the actor's micro-batching and the backend section's options"),
     (
         "trainer.v1.trainer_mode",
-        "verl's async trainers resume generations cut by a weight update (one trajectory spans versions) and train from a "
-        "replay buffer; trellis generates every sample whole from one weight version: trainer.async_mode=one_step or "
-        "fully_async with trainer.max_staleness (versions) is the nearest",
+        "verl's async trainers resume generations cut by a weight update and train from a replay buffer, with their own "
+        "placement; the nearest in trellis is trainer.async_mode=one_step, or fully_async with trainer.max_staleness (whole "
+        "steps) and trainer.partial_rollout: set them by hand",
     ),
     (
         "trainer.v1.sampler.max_off_policy_threshold",
-        "the versions one trajectory may span in verl's async trainers (dropped or waited for); trellis's bound is "
-        "trainer.max_staleness with trainer.async_mode=fully_async, whole steps behind, each sample from one version",
+        "the versions one trajectory may span in verl's async trainers (dropped or waited for); trellis bounds how many "
+        "versions a step's oldest token lags: trainer.max_staleness with trainer.async_mode=fully_async",
     ),
     ("trainer.v1.*", "verl's v1 async trainers (trainer_mode colocate_async / separate_async) have no trellis counterpart"),
     (
@@ -419,7 +419,8 @@ REASONS: tuple[tuple[str, str], ...] = (
     ),
     (
         "async_training.partial_rollout",
-        "trellis never interrupts a generation for a weight update: every sample comes whole from one weight version",
+        "trellis cuts a generation for a weight sync with trainer.partial_rollout=true (trainer.async_mode=fully_async), but "
+        "verl's fully-async recipe is chosen by its entry point and bounds staleness otherwise: set them by hand"
     ),
     (
         "async_training.*",
