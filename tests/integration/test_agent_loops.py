@@ -8,6 +8,7 @@ import json
 
 import agent_loops
 import pytest
+from multiturn_runs import multi_turn_run
 
 from trellis.config import ConfigError
 from trellis.examples.tasks import make_arithmetic_split, write_rows
@@ -38,21 +39,8 @@ def files(tmp_path_factory):
 
 
 def overrides(model, files, run_dir):
-    return [
-        "recipe=rl",
-        f"model.path={model}",
-        f"data.train_path={files['train']}",
-        f"data.val_path={files['test']}",
-        "data.train_batch_prompts=4",
-        "sampling.n=2",
-        "sampling.max_new_tokens=6",
-        "trainer.total_steps=2",
-        "trainer.trackers=[jsonl]",
-        f"trainer.run_dir={run_dir}",
-        "multi_turn.enable=true",
-        "multi_turn.max_response_tokens=64",
-        "multi_turn.interactions=[{name: answer, component: contains_answer}]",
-    ]
+    interaction = "multi_turn.interactions=[{name: answer, component: contains_answer}]"
+    return multi_turn_run(model, files["train"], run_dir, "multi_turn.max_response_tokens=64", interaction, val_path=files["test"])
 
 
 def test_rl_trains_on_a_loop_where_the_environment_speaks_first(tiny_model_path, files, tmp_path):

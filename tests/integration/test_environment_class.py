@@ -10,6 +10,7 @@ from pathlib import Path
 
 import environments
 import pytest
+from multiturn_runs import multi_turn_run
 
 from trellis.config import ConfigError
 from trellis.examples.tasks import make_arithmetic_split, write_rows
@@ -31,24 +32,8 @@ def data(tmp_path_factory):
 
 
 def overrides(model, train_path, run_dir, *more):
-    return [
-        "recipe=rl",
-        f"model.path={model}",
-        f"data.train_path={train_path}",
-        "data.val_path=null",
-        "data.train_batch_prompts=4",
-        "sampling.n=2",
-        "sampling.max_new_tokens=6",
-        "trainer.total_steps=2",
-        "trainer.trackers=[jsonl]",
-        f"trainer.run_dir={run_dir}",
-        "multi_turn.enable=true",
-        f"multi_turn.environment={GUESS_SUM}",
-        "multi_turn.tool_parser=always_guess",
-        "multi_turn.max_assistant_turns=2",
-        "multi_turn.max_response_tokens=200",
-        *more,
-    ]
+    environment = (f"multi_turn.environment={GUESS_SUM}", "multi_turn.tool_parser=always_guess", "multi_turn.max_assistant_turns=2")
+    return multi_turn_run(model, train_path, run_dir, *environment, "multi_turn.max_response_tokens=200", *more)
 
 
 def test_rl_trains_with_an_environment_class_and_its_reward(tiny_model_path, data, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from multiturn_runs import multi_turn_run
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,23 +45,8 @@ def data(tmp_path_factory):
 
 
 def overrides(model, data, run_dir, *more):
-    return [
-        "recipe=rl",
-        f"model.path={model}",
-        f"data.train_path={data}",
-        "data.val_path=null",
-        "data.train_batch_prompts=4",
-        "sampling.n=2",
-        "sampling.max_new_tokens=6",
-        "trainer.total_steps=2",
-        "trainer.trackers=[jsonl]",
-        f"trainer.run_dir={run_dir}",
-        "multi_turn.enable=true",
-        "multi_turn.agent_loop=openai_agent",
-        f"multi_turn.agent={AGENT}",
-        "multi_turn.max_response_tokens=64",
-        *more,
-    ]
+    loop = ("multi_turn.agent_loop=openai_agent", f"multi_turn.agent={AGENT}", "multi_turn.max_response_tokens=64")
+    return multi_turn_run(model, data, run_dir, *loop, *more)
 
 
 def test_rl_trains_on_exactly_what_the_endpoint_sampled(tiny_model_path, data, tmp_path, monkeypatch):

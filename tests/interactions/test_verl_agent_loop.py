@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("verl.experimental.agent_loop", reason="verl 0.9.1 and what its agent loop module imports (see noxfile.py)")
 
+from multiturn_runs import multi_turn_run
 from transformers import AutoTokenizer  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register  # noqa: E402
 from verl.utils.profiler import simple_timer  # noqa: E402
@@ -78,21 +79,7 @@ def data(tmp_path_factory):
 
 
 def overrides(model, data, run_dir, loops):
-    return [
-        "recipe=rl",
-        f"model.path={model}",
-        f"data.train_path={data}",
-        "data.val_path=null",
-        "data.train_batch_prompts=4",
-        "sampling.n=2",
-        "sampling.max_new_tokens=6",
-        "trainer.total_steps=2",
-        "trainer.trackers=[jsonl]",
-        f"trainer.run_dir={run_dir}",
-        "multi_turn.enable=true",
-        "multi_turn.max_response_tokens=64",
-        f"multi_turn.agent_loops={json.dumps(loops)}",
-    ]
+    return multi_turn_run(model, data, run_dir, "multi_turn.max_response_tokens=64", f"multi_turn.agent_loops={json.dumps(loops)}")
 
 
 def test_a_verl_agent_loop_trains_on_what_the_engine_sampled(tiny_model_path, data, tmp_path, monkeypatch):
