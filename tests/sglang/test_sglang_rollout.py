@@ -1,7 +1,8 @@
 """The SGLang rollout against the real engine (on CPU here): the shared engine tests
 (``tests/engine_cases.py``) plus SGLang's own: the distributed weight sync against the tensor one
-(each from a list and streamed), tensor parallel reaching the engine, and the distributed sync
-refused on the trainer's own GPU."""
+(each from a list and streamed), tensor parallel reaching the engine, the distributed sync
+refused on the trainer's own GPU, and the tensor sync's payloads (host memory on CPU, the device on
+a GPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from engine_cases import LONG, TEXTS, RolloutCases, checkpoint_state, forward_lo
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.interfaces.weights import WeightSyncError
 from trellis_sglang import SGLangRolloutOptions
-from trellis_sglang.engine import engine_args
+from trellis_sglang.engine import engine_args, tensor_payloads
 
 CPU = not torch.cuda.is_available()
 
@@ -108,3 +109,27 @@ def test_distributed_sync_is_refused_on_the_trainers_own_gpu():
     with pytest.raises(ValueError, match=r"engine on GPU 4"):
         spaced.check(trainer_gpu=4)
     SGLangRolloutOptions(sync_method="tensor").check(trainer_gpu=0)  # the fix the message names
+
+
+def test_tensor_sync_payloads_one_pickle_per_rank_on_the_engines_device():
+    """No engine started: what ``update_weights_from_tensor`` gets, unpickled with SGLang's own
+    deserializer (its scheduler's). On CPU: the host tensors themselves. The ``meta`` device stands
+    in for a GPU engine's CUDA device (no GPU here): a host tensor goes to the engine's device, not
+    through host memory, and each tensor-parallel rank gets a pickle of its own (one CUDA IPC
+    release per pickle). The CUDA IPC handles themselves need a GPU."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    bucket = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.ones(3, 2, dtype=torch.bfloat16))]
+    (payload,) = tensor_payloads(bucket, 1, torch.device("cpu"))
+    got = MultiprocessingSerializer.deserialize(payload)
+    assert [n for n, _ in got] == ["model.norm.weight", "lm_head.weight"]
+    assert all(t.device.type == "cpu" and torch.equal(t, want) for (_, t), (_, want) in zip(got, bucket))
+
+    payloads = tensor_payloads(bucket, 2, torch.device("meta"))  # stand-in for the GPU engine's device
+    assert len(payloads) == 2 and payloads[0] is not payloads[1]  # two pickles, not one sent twice
+    for rank in payloads:
+        got = MultiprocessingSerializer.deserialize(rank)
+        assert [(n, t.device.type, t.shape, t.dtype) for n, t in got] == [
+            ("model.norm.weight", "meta", (4,), torch.float32),
+            ("lm_head.weight", "meta", (3, 2), torch.bfloat16),
+        ]

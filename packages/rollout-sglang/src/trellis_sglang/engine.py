@@ -201,7 +201,8 @@ class SGLangRollout(RolloutEngine):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Update the weights in place, in buckets of about ``sync_bucket_mb`` MiB, inside SGLang's
         begin/end weight-update calls, then the prefix cache (KV of the old weights) is flushed.
-        ``sync_method``: ``tensor`` hands each bucket over serialised (``update_weights_from_tensor``);
+        ``sync_method``: ``tensor`` hands each bucket over serialised (``update_weights_from_tensor``:
+        CUDA IPC handles on a GPU, shared memory on CPU, see :func:`tensor_payloads`);
         ``distributed`` broadcasts it from this process over a process group it shares with the
         engine's (``update_weights_from_distributed``; gloo on CPU, NCCL on GPU). The update (or its
         manifest ``shapes``, then the stream is read a bucket at a time) is checked first; a refused
@@ -221,14 +222,16 @@ class SGLangRollout(RolloutEngine):
                 send(bucket, flush_cache=last)
         finally:
             self._check(self._run(manager.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
+            if not self.on_cpu:  # torch holds CUDA memory it sent by IPC until collected, past empty_cache
+                torch.cuda.ipc_collect()
         self.last_sync_s = time.perf_counter() - start
 
     def _send_tensors(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = [MultiprocessingSerializer.serialize([(n, t.detach().cpu()) for n, t in bucket])] * self.opts.tensor_parallel_size
-        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=flush_cache)
+        device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+        payloads = tensor_payloads(bucket, self.opts.tensor_parallel_size, device)
+        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, flush_cache=flush_cache)
         self._check(self._run(self.engine.tokenizer_manager.update_weights_from_tensor(obj, None)), "update_weights_from_tensor")
 
     def _send_distributed(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
@@ -346,6 +349,29 @@ def engine_args(opts: SGLangRolloutOptions, spec: RolloutSpec, hf_config, on_cpu
     if not on_cpu and opts.enable_memory_saver:
         kwargs["enable_memory_saver"] = True
     return kwargs | opts.engine_kwargs
+
+
+def tensor_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int, device: torch.device) -> list[bytes]:
+    """``bucket`` as ``update_weights_from_tensor`` takes it: one pickle per tensor-parallel rank of
+    the tensors moved to ``device``, the engine's. On CPU they are host copies in shared memory
+    (``/dev/shm``); on a GPU they stay on the device (a host tensor is copied there, a bucket at a
+    time) and travel as CUDA IPC handles, through no host memory.
+
+    SGLang 0.5.23 facts relied on: each TP rank unpickles only the payload at its rank
+    (``TpModelWorker.deserialize_own_rank``, ``srt/managers/tp_worker.py``), which is why
+    ``Engine._serialize_tensors_per_rank`` (``srt/entrypoints/engine.py``) pickles once per rank: a
+    CUDA tensor's pickle holds a producer-side IPC reference that one unpickling releases; the rank
+    then moves each tensor to its own device (``_unwrap_tensor``,
+    ``model_runner_components/weight_updater.py``). SGLang's ``monkey_patch_torch_reductions``
+    (``srt/utils/patch_torch.py``) is not applied here: the ranks apply it and read a device index
+    as well as its UUID, and the index names the same GPU there, since the engine's processes
+    inherit this one's ``CUDA_VISIBLE_DEVICES`` (unless ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS``);
+    in this process it would break every later multiprocessing pickle of a CPU tensor (IndexError,
+    seen with SGLang 0.5.23 on CPU)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    named = [(name, t.detach().to(device)) for name, t in bucket]  # a tensor already there is not copied
+    return [MultiprocessingSerializer.serialize(named) for _ in range(tp_size)]
 
 
 _END = object()
