@@ -86,6 +86,21 @@ def percentile(values: list[int], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def one_thread_per_process() -> None:
+    """Give each Ray process (the trainer rank, the engine process) one torch thread. The
+    controller gives every process a node's cores / ``procs_per_node`` (2 here), the engine
+    process too: trainer and engine overlapping would run 4 threads on 2 cores."""
+    from trellis.runtime.ray_controller import RayController
+
+    build = RayController.__init__
+
+    def with_one_thread(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.threads = 1
+
+    RayController.__init__ = with_one_thread
+
+
 def run_mode(name: str, common: list[str], work: Path) -> Path:
     from trellis.recipes.train import train
 
@@ -150,6 +165,7 @@ def main() -> None:
         "trainer.controller=ray", "trainer.procs_per_node=1", "trainer.rollout_pool=1", "trainer.threads=1",
     ]  # fmt: skip
     modes = args.modes.split(",")
+    one_thread_per_process()
     ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(work / "ray"), log_to_driver=False)
     try:
         runs = {m: run_mode(m, common, work) for m in modes}

@@ -392,8 +392,7 @@ class RayController(Controller):
             else:
                 self._start_private_cluster()
         self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        # a node's cores, shared by its ranks and the engine processes of the pool Ray spreads over the nodes
-        self.threads = max(1, (os.cpu_count() or 1) // (procs_per_node + -(-rollout_pool // nnodes)))
+        self.threads = max(1, (os.cpu_count() or 1) // procs_per_node)
         self.pools: dict[str, RayPool] = {}
 
     def _start_private_cluster(self) -> None:
