@@ -2,7 +2,8 @@
 ``trainer.async_mode`` off / one_step / fully_async (max_staleness 1 and 2).
 
 The trainer (one Ray rank) and the rollout engine (``trainer.rollout_pool=1``, a process of its
-own) each get one torch thread, so on a 2-core machine each holds a core: ``off`` leaves the
+own) share the node's cores (the controller gives each process cores / (ranks + engine processes)
+threads), so on a 2-core machine each holds a core: ``off`` leaves the
 engine idle while the trainer trains and the trainer idle while the engine generates, the async
 modes overlap the two. A random tiny Qwen2 (built locally) answers the arithmetic prompts; its
 ``generation_config.json`` lists 8 more end-of-sequence ids besides ``<|im_end|>``, so a response
@@ -39,10 +40,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from curves import SAMPLED, at_time, plot_curves, train_seconds, val_curve  # noqa: E402
 
 MODES = {  # name -> overrides
-    "off": [],  # the default (written unquoted on the command line, YAML reads `off` as false)
+    "off": ["trainer.async_mode=off"],
     "one_step": ["trainer.async_mode=one_step"],
     "async1": ["trainer.async_mode=fully_async", "trainer.max_staleness=1"],
     "async2": ["trainer.async_mode=fully_async", "trainer.max_staleness=2"],
+    # a weight sync no longer waits for the generation in flight: it goes in between two chunks
+    "async1_partial": ["trainer.async_mode=fully_async", "trainer.max_staleness=1", "trainer.partial_rollout=true"],
 }
 ALNUM_SHARE = """
 def alnum_share(data_source, solution_str, ground_truth, extra_info=None):
@@ -84,21 +87,6 @@ def length_distribution(model: Path, prompts: list[list[dict]], n: int, max_new:
 def percentile(values: list[int], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def one_thread_per_process() -> None:
-    """Give each Ray process (the trainer rank, the engine process) one torch thread. The
-    controller gives every process a node's cores / ``procs_per_node`` (2 here), the engine
-    process too: trainer and engine overlapping would run 4 threads on 2 cores."""
-    from trellis.runtime.ray_controller import RayController
-
-    build = RayController.__init__
-
-    def with_one_thread(self, *args, **kwargs):
-        build(self, *args, **kwargs)
-        self.threads = 1
-
-    RayController.__init__ = with_one_thread
 
 
 def run_mode(name: str, common: list[str], work: Path) -> Path:
@@ -165,7 +153,6 @@ def main() -> None:
         "trainer.controller=ray", "trainer.procs_per_node=1", "trainer.rollout_pool=1", "trainer.threads=1",
     ]  # fmt: skip
     modes = args.modes.split(",")
-    one_thread_per_process()
     ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(work / "ray"), log_to_driver=False)
     try:
         runs = {m: run_mode(m, common, work) for m in modes}
@@ -192,7 +179,7 @@ def main() -> None:
                  f"{curves[m][-1][2]:.3f}", f"{at_time(curves[m], equal):.3f}")  # fmt: skip
         print("".join(f"{c:>15}" for c in cells))
     print("per-step means: wait gen = the trainer waiting for samples, wait train = the producer waiting for the trainer (the bound),")
-    print("sync = the weight sync, which waits for a generation in flight (the rollout's lock) before it sends")
+    print("sync = the weight sync, which waits for a generation in flight (the rollout's lock; with partial rollouts only for a chunk)")
     print(f"load: {load}")
     if args.plot:
         plot_curves({m: [c] for m, c in curves.items()}, args.plot, "held-out share of letters and digits")

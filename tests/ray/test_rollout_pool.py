@@ -88,11 +88,14 @@ def test_rl_with_an_engine_process_of_its_own_equals_the_colocated_run(ray_clust
     assert len(colocated) == len(pooled) == 3
     assert all(r["actor/grad_norm"] > 0 for r in pooled)  # the policy moves: every sync carries new weights
     assert len({r["actor/entropy"] for r in pooled}) == 3
+    # the pool's rank and engine take a core each (the colocated rank both): the probe's gap, a
+    # difference of two log-probs computed with another thread count, moves in its last bits
+    skipped = ("timing/", "dispatch/", "sync/")
     for a, b in zip(colocated, pooled):
-        keys = {k for k in a if not k.startswith(("timing/", "dispatch/"))}
-        assert keys == {k for k in b if not k.startswith(("timing/", "dispatch/"))}
+        keys = {k for k in a if not k.startswith(skipped)}
+        assert keys == {k for k in b if not k.startswith(skipped)}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
-    assert pooled[-1]["sync/probe_gap"] < 1e-3  # the probe still checks the pool's engine after each sync
+    assert all(r["sync/probe_gap"] < 1e-5 for r in pooled)  # the probe still checks the pool's engine after each sync
 
 
 # figures that depend on the clock, or exist only where generation runs ahead of training

@@ -315,6 +315,8 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", 
                 value = float(value)
             elif type(value) is int and str in declared:  # e.g. trainer.threads=2 from the command line
                 value = str(value)
+            elif type(value) is bool and str in declared and _word(f, value) is not None:
+                value = _word(f, value)  # YAML reads off / on as booleans: trainer.async_mode=off
             try:
                 node[name] = value
             except OmegaConfBaseException as exc:
@@ -327,6 +329,13 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", 
         if choices is not None:
             choices.check(sub_path, node[name], registry)
     return node
+
+
+def _word(f: dataclasses.Field, value: bool) -> str | None:
+    """The word YAML read as ``value`` (``off``/``on``), when it is one of choice field ``f``'s values."""
+    choices = field_choices(f)
+    word = "on" if value else "off"
+    return word if choices is not None and word in choices.values else None
 
 
 def _needs_registry(f: dataclasses.Field) -> bool:

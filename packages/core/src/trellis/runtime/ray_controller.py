@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import secrets
 import socket
@@ -392,7 +393,8 @@ class RayController(Controller):
             else:
                 self._start_private_cluster()
         self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        self.threads = max(1, (os.cpu_count() or 1) // procs_per_node)
+        # a node's cores are shared by its ranks and, with a rollout pool, its engine processes
+        self.threads = max(1, (os.cpu_count() or 1) // (procs_per_node + math.ceil(rollout_pool / nnodes)))
         self.pools: dict[str, RayPool] = {}
 
     def _start_private_cluster(self) -> None:
