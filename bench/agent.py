@@ -3,7 +3,8 @@ HTTP on loopback) against core's in-process ``tool_agent`` loop doing the same w
 
 Every episode is one tool call and an answer: the model (the tiny model of
 ``trellis.examples.tiny``, first taught in a few seconds of SFT to answer every arithmetic
-question of the demo's task with the same ``add`` call, then ``#### 46`` after the tool's result)
+question of the demo's task with the same ``add`` call, then ``#### 46`` after the tool's result:
+``trellis.examples.tool_call``)
 calls the tool, the result goes back, and the model answers (each turn ``--tokens`` new tokens at most). Both loops decode
 greedily from the same prompts, so they sample the same tokens: the script checks that every
 trajectory is the same token for token, then times each (median of ``--repeats``). The ratio
@@ -23,13 +24,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-
-ADD = {
-    "type": "function",
-    "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}},
-}
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>'
-ANSWER = "#### 46"
 
 
 async def agent(client, sample):
@@ -61,21 +55,18 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from trellis.data import PromptDataset
-    from trellis.examples.tasks import make_arithmetic_split, task_texts
-    from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
+    from trellis.examples.tasks import make_arithmetic_split
+    from trellis.examples.tool_call import ADD, make_tool_calling_model
     from trellis.interfaces.rollout import RolloutSpec
     from trellis_hf.engine import make_engine
 
     work = Path(tempfile.mkdtemp(prefix="trellis-bench-agent-"))
-    texts = [*task_texts(), json.dumps(ADD), CALL, "Tools:\ntool\n"]
-    path = make_tiny_model(work / "tiny", texts * 4, hidden_size=32, num_layers=2, seed=0)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
     rows = make_arithmetic_split(args.prompts, 0)
-    prompts = PromptDataset(rows, tokenizer, 512, chat_template_kwargs={"tools": [ADD]}).as_batch()
     start = time.perf_counter()
-    taught = teach_tool_call(str(path), tokenizer, prompts, work / "taught", args.sft_steps)
+    taught = make_tool_calling_model(work, rows, args.sft_steps)
     print(f"taught the tool call in {time.perf_counter() - start:.1f} s ({args.sft_steps} steps)")
+    tokenizer = AutoTokenizer.from_pretrained(taught)
+    prompts = PromptDataset(rows, tokenizer, 512, chat_template_kwargs={"tools": [ADD]}).as_batch()
     engine = make_engine(RolloutSpec(taught, None, tokenizer))
 
     runs = {name: rollout_fn(name, tokenizer, args) for name in ("inprocess", "endpoint")}
@@ -103,43 +94,12 @@ def main() -> None:
     print(f"RESULT endpoint_eps={result['endpoint']['eps']:.2f} inprocess_eps={result['inprocess']['eps']:.2f} ratio={ratio:.3f}")
 
 
-def teach_tool_call(path: str, tokenizer, prompts, out: Path, steps: int) -> str:
-    """SFT the tiny model on one episode per prompt (``CALL``, the tool's result 46, ``ANSWER``)
-    until greedy decoding plays it; returns the saved folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from trellis.data import encode_text
-    from trellis.multiturn.chat import ChatDeltas
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    call = encode_text(tokenizer, CALL) + [tokenizer.eos_token_id]
-    result = ChatDeltas(tokenizer, {"tools": [ADD]}).after_model(call, [{"role": "tool", "content": "46"}])
-    answer = encode_text(tokenizer, ANSWER) + [tokenizer.eos_token_id]
-    episode, trained = call + result + answer, call + [-100] * len(result) + answer
-    rows = [prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist() for i in range(len(prompts))]
-    width = max(map(len, rows)) + len(episode)
-    pad = [tokenizer.pad_token_id] * width
-    ids = torch.tensor([(r + episode + pad)[:width] for r in rows])
-    mask = torch.tensor([[1] * (len(r) + len(episode)) + [0] * (width - len(r) - len(episode)) for r in rows])
-    labels = torch.tensor([([-100] * len(r) + trained + [-100] * width)[:width] for r in rows])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
-
-
 def rollout_fn(name: str, tokenizer, args):
     """``fn(engine, prompts) -> Batch``: one rollout of every prompt's ``n`` episodes through ``name``'s loop."""
     from omegaconf import OmegaConf
 
     from trellis.config import validate
+    from trellis.examples.tool_call import ADD
     from trellis.interfaces.agents import Tool, ToolResult
     from trellis.interfaces.rollout import SamplingParams
     from trellis.multiturn.config import MultiTurnConfig

@@ -4,6 +4,8 @@ again after a follow-up question, and returns a reward from the second answer.""
 
 from __future__ import annotations
 
+from trellis.examples.tool_call import ADD  # the agent's own tool, declared to the run by its schema alone
+
 FOLLOW_UP = "again?"
 
 
@@ -53,16 +55,6 @@ async def closes_its_client(client, sample):
         await client.chat.completions.create(model="policy", messages=sample.messages, max_tokens=3)
     await client.models.list()
     return 1.0
-
-
-ADD = {  # the agent's own tool, declared to the run by this schema alone (multi_turn.tools: [{schema: ...}])
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two numbers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
-    },
-}
 
 
 async def runs_its_own_add(client, sample):

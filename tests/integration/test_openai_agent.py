@@ -21,6 +21,7 @@ import trellis.recipes.rl as rl
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.examples.tool_call import ADD, make_tool_calling_model
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.multiturn.agent import OpenAIAgentLoop
 from trellis.multiturn.config import MultiTurnConfig
@@ -100,6 +101,60 @@ def test_rl_trains_on_exactly_what_the_endpoint_sampled(tiny_model_path, data, t
         logits = model(input_ids=first_step["input_ids"], attention_mask=first_step["attention_mask"], position_ids=first_step["position_ids"]).logits
     width = first_step["responses"].shape[1]
     log_probs = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1).gather(-1, first_step["responses"][..., None])[..., 0]
+    mask = first_step["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask], first_step["rollout_log_probs"][mask], atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tool_calling_model(tmp_path_factory):
+    return make_tool_calling_model(tmp_path_factory.mktemp("tool-calling"), make_arithmetic_split(16, 0, max_value=30))
+
+
+def test_rl_trains_on_an_agent_whose_model_calls_a_tool(tool_calling_model, data, tmp_path, monkeypatch):
+    """A model that writes tool calls (taught one by SFT: ``trellis.examples.tool_call``) behind the
+    endpoint, and an agent on the ``openai`` client that offers its own ``add`` (declared to the
+    run by its schema alone), runs the calls the replies carry in ``tool_calls`` and asks again.
+    Two rl steps train on exactly the ids the endpoint sampled, with the engine's log-probs."""
+    episodes, batches = [], []
+    end, sample = PolicyEndpoint.end, rl.sample
+
+    async def keep_episode(self, episode):
+        await end(self, episode)
+        episodes.append(episode)
+
+    def keep_batch(*args, **kwargs):
+        batches.append(sample(*args, **kwargs))
+        return batches[-1]
+
+    monkeypatch.setattr(PolicyEndpoint, "end", keep_episode)
+    monkeypatch.setattr(rl, "sample", keep_batch)
+    tools = f'multi_turn.tools=[{{"schema": {json.dumps(ADD)}}}]'
+    loop = ("multi_turn.agent_loop=openai_agent", f"multi_turn.agent={AGENTS}:runs_its_own_add", tools)
+    more = ("multi_turn.max_response_tokens=256", "sampling.max_new_tokens=48", "sampling.temperature=0.5", "actor.optim.lr=1e-4")
+    train(None, multi_turn_run(tool_calling_model, data, tmp_path / "run", *loop, *more))
+
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+    assert len(steps) == 2 and len(episodes) == 2 * 4 * 2
+    tokenizer = AutoTokenizer.from_pretrained(tool_calling_model)
+    calls = [tokenizer.decode(e.calls[0].generation.token_ids) for e in episodes]
+    assert sum('<tool_call>{"name": "add"' in c for c in calls) >= len(calls) // 2  # the model calls the tool
+    results = [tokenizer.decode(e.calls[1].prompt_ids) for e in episodes if len(e.calls) == 2]
+    assert any("<|im_start|>tool\n46<|im_end|>" in r for r in results)  # the agent ran it and sent the result back
+    for batch in batches:
+        by_sequence = {tuple(e.chain_ids): e for e in episodes}
+        for i in range(len(batch)):
+            full = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+            episode = by_sequence[tuple(full)]  # the trained sequence is the one the engine saw, token for token
+            mask = batch["response_mask"][i].bool()
+            sampled = [t for c in episode.calls if c.trained for t in c.generation.token_ids]
+            assert batch["responses"][i][mask].tolist() == sampled
+    # step 1 sampled from the initial weights: a plain forward pass gives the rollout's log-probs
+    first_step = batches[0]
+    model = AutoModelForCausalLM.from_pretrained(tool_calling_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=first_step["input_ids"], attention_mask=first_step["attention_mask"], position_ids=first_step["position_ids"]).logits
+    width = first_step["responses"].shape[1]
+    log_probs = torch.log_softmax(logits[:, -width - 1 : -1].float() / 0.5, -1).gather(-1, first_step["responses"][..., None])[..., 0]
     mask = first_step["response_mask"].bool()
     torch.testing.assert_close(log_probs[mask], first_step["rollout_log_probs"][mask], atol=1e-4, rtol=0)
 
