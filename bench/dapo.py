@@ -81,7 +81,7 @@ def main() -> None:
     sampled = {m: [val_curve(d, SAMPLED) for d in dirs] for m, dirs in runs.items()}
     plot_curves(curves, out / "dapo.png", "held-out greedy accuracy")
     # DAPO's runs first and a first panel every run has: a run keeps its colour in every panel and the legend names them all
-    panels = ["actor/entropy", "reward/mean", "reward/groups_with_signal", "dynamic_sampling/rounds", "dynamic_sampling/dropped_zero_variance"]
+    panels = ["actor/entropy", "reward/mean", "reward/groups_with_signal", "dynamic_sampling/rounds", "dynamic_sampling/dropped_groups"]
     plot_metrics([*runs["DAPO"], *runs["GRPO"]], out / "dapo_metrics.png", panels)
 
     def step_mean(method: str, key: str) -> float:
@@ -118,7 +118,7 @@ def main() -> None:
             f"entropy mean {figures[m]['entropy_mean']:.3f}, last step {mean_std(last(m, 'actor/entropy'))}"
         )
     rounds = step_mean("DAPO", "dynamic_sampling/rounds")
-    figures["DAPO"] |= {"rounds_per_step": rounds, "dropped_per_step": step_mean("DAPO", "dynamic_sampling/dropped_zero_variance"),
+    figures["DAPO"] |= {"rounds_per_step": rounds, "dropped_per_step": step_mean("DAPO", "dynamic_sampling/dropped_groups"),
                         "groups_with_signal": step_mean("DAPO", "reward/groups_with_signal")}  # fmt: skip
     print(
         f"DAPO: {rounds:.2f} generation rounds/step, {figures['DAPO']['dropped_per_step']:.1f} prompt groups dropped/step "

@@ -11,7 +11,7 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.rollout import SamplingParams
-from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill
+from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 from trellis.recipes.rl import truncated, without_truncated
 from trellis.rewards import RewardResult, add_overlong_penalty, overlong_penalty
 
@@ -43,14 +43,38 @@ def test_zero_variance_groups_are_dropped_and_the_batch_is_filled_exactly():
     assert out.components["acc"].tolist() == [0, 1, 1, 0, 0, 1]
     assert out.first.metrics == {"reward/mean": 0.5}  # the reward metrics describe the first, unfiltered round
     # round 0's two constant groups and round 1's [5, 5]; round 1's [3, 4] and [6, 7] vary but are not needed
-    assert out.metrics == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/kept_groups": 3.0, "dynamic_sampling/dropped_zero_variance": 3.0}
+    assert out.metrics == {
+        "dynamic_sampling/rounds": 2.0, "dynamic_sampling/kept_groups": 3.0, "dynamic_sampling/dropped_groups": 3.0,
+        "dynamic_sampling/carried_groups": 0.0,
+    }  # fmt: skip
+
+
+def test_groups_beyond_the_target_are_left_over_and_carried_first_next_time():
+    generate, calls = rounds_of([[0, 1], [2, 2], [3, 4], [5, 6]], [[7, 8]])
+    out = fill(generate, 2, DynamicSamplingConfig(enable=True), step=1)
+    assert out.batch["uid"].tolist() == ["r0g0", "r0g0", "r0g2", "r0g2"]
+    [(left, scored)] = out.leftover  # [5, 6] varies but was not needed
+    assert left["uid"].tolist() == ["r0g3", "r0g3"] and scored.scores.tolist() == [5, 6]
+    nxt = fill(generate, 2, DynamicSamplingConfig(enable=True), step=2, carried=out.leftover)
+    assert calls == [0, 0]  # the next step's one round: generate numbers its rounds per call of fill
+    assert nxt.batch["uid"].tolist() == ["r0g3", "r0g3", "r0g0", "r0g0"]  # the carried group first, then one fresh
+    assert nxt.metrics["dynamic_sampling/carried_groups"] == 1.0 and nxt.metrics["dynamic_sampling/rounds"] == 1.0
+
+
+def test_every_filter_must_keep_a_group():
+    def some_right(values, groups):
+        return torch.zeros(int(groups.max()) + 1).scatter_reduce(0, groups, values, "amax") > 0
+
+    generate, _ = rounds_of([[0, 0], [-1, 0], [0, 3], [1, 1]])  # varies: groups 1, 2; some sample above 0: groups 2, 3
+    out = fill(generate, 2, DynamicSamplingConfig(enable=True, max_rounds=1), step=1, filters=(group_has_signal, some_right))
+    assert out.batch["uid"].tolist() == ["r0g2", "r0g2"] and out.metrics["dynamic_sampling/dropped_groups"] == 3.0
 
 
 def test_acc_ignores_a_score_that_varies_with_the_same_answer():
     generate, _ = rounds_of([[1, 2], [0, 3]])  # acc: [1, 1] (constant), [0, 1]
     out = fill(generate, 1, DynamicSamplingConfig(enable=True, metric="acc", max_rounds=1), step=1)
     assert out.batch["uid"].tolist() == ["r0g1", "r0g1"]
-    assert out.metrics["dynamic_sampling/dropped_zero_variance"] == 1.0
+    assert out.metrics["dynamic_sampling/dropped_groups"] == 1.0
 
 
 def test_the_round_cap_trains_on_what_was_kept_and_says_so(caplog):
@@ -61,7 +85,7 @@ def test_the_round_cap_trains_on_what_was_kept_and_says_so(caplog):
     assert out.batch["uid"].tolist() == ["r0g1", "r0g1", "r1g0", "r1g0"]  # 3 kept, cut to a multiple of 2
     assert out.metrics["dynamic_sampling/kept_groups"] == 2.0 and out.metrics["dynamic_sampling/rounds"] == 2.0
     [warning] = [r.getMessage() for r in caplog.records]
-    assert warning.startswith("step 7: dynamic sampling found 3 of data.train_batch_prompts=4 prompt groups with varying reward")
+    assert warning.startswith("step 7: dynamic sampling found 3 of data.train_batch_prompts=4 prompt groups that algorithm.dynamic")
     assert "algorithm.dynamic_sampling.max_rounds=2 rounds; training on 2 groups (a multiple of 2)" in warning
 
 

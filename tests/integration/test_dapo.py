@@ -46,4 +46,20 @@ def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_
         assert all(scores[groups == g].unique().numel() > 1 for g in range(4))  # never a zero-variance group
         assert row["response/masked_truncated"] == int((update["response_mask"].sum(-1) == 0).sum())
     # about half the prompts have an even answer: their groups are dropped, so some steps need a second round
-    assert sum(r["dynamic_sampling/dropped_zero_variance"] for r in steps) > 0
+    assert sum(r["dynamic_sampling/dropped_groups"] for r in steps) > 0
+
+
+def test_generating_ahead_carries_kept_groups_over_and_filters_plug_in(run_rl, tmp_path):
+    """Two rounds of 4 prompts can keep more groups than a step needs: generating ahead of training,
+    they are carried to the next step (never older than the staleness bound) instead of dropped.
+    The example plugin's filter ``example_some_right`` (a sample above 0) adds to zero_variance."""
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_REWARD)
+    _, rows = run_rl(
+        f"reward.path={reward}", "reward.name=half", "algorithm.dynamic_sampling.enable=true", "trainer.total_steps=4",
+        "algorithm.dynamic_sampling.filters=[zero_variance,example_some_right]", "trainer.async_mode=one_step", "data.train_batch_prompts=3",
+    )  # fmt: skip
+    steps = [r for r in rows if "dynamic_sampling/kept_groups" in r]
+    assert [r["dynamic_sampling/kept_groups"] for r in steps] == [3.0] * 4
+    assert sum(r["dynamic_sampling/carried_groups"] for r in steps) > 0  # some step began with groups an earlier one kept
+    assert all(r["rollout/staleness_max"] <= 1.0 for r in steps)

@@ -7,6 +7,7 @@ from trellis.judge import judge_score
 from trellis.multiturn.agent import OpenAIAgentLoop
 from trellis.multiturn.loop import ToolAgentLoop
 from trellis.multiturn.tool_calls import HermesParser
+from trellis.recipes.dynamic_sampling import group_has_signal
 from trellis.recipes.rl import RLRecipe
 from trellis.recipes.rm import RMRecipe
 from trellis.recipes.sft import SFTRecipe
@@ -28,6 +29,7 @@ def trellis_register(registry):
     registry.add("tool_parser", "hermes", HermesParser)
     registry.add("agent_loop", "tool_agent", ToolAgentLoop)
     registry.add("agent_loop", "openai_agent", OpenAIAgentLoop)
+    registry.add("group_filter", "zero_variance", group_has_signal)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
     registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)
     registry.add("recipe", "rm", RMRecipe(), options=RMRecipe.Config)

@@ -23,6 +23,7 @@ KINDS = (
     "tool",
     "tool_parser",
     "agent_loop",
+    "group_filter",
     "tracker",
     "recipe",
     "dataset",

@@ -429,6 +429,13 @@ def add_overlong_penalty(scored: RewardResult, response_mask: torch.Tensor, max_
     return RewardResult(token_scores, metrics, scored.scores + shaped, scored.components)
 
 
+def reward_figures(scores: torch.Tensor) -> dict[str, float]:
+    """``reward/mean|max|min`` of the samples' scores ``(batch,)`` (0 for none)."""
+    if not len(scores):
+        return {"reward/mean": 0.0, "reward/max": 0.0, "reward/min": 0.0}
+    return {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min())}
+
+
 @dataclass
 class Evaluation:
     """Per-sample results of scoring (a part of) a batch, before the batch's figures: ``scores``
@@ -561,13 +568,7 @@ class RewardManager:
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         rows = torch.nonzero(last >= 0).flatten()
         token_scores[rows, last[rows]] = scores[rows]
-        metrics = {
-            "reward/mean": float(scores.mean()) if n else 0.0,
-            "reward/max": float(scores.max()) if n else 0.0,
-            "reward/min": float(scores.min()) if n else 0.0,
-            "reward/errors": float(errors),
-            "reward/error_rate": errors / n if n else 0.0,
-        }
+        metrics = {**reward_figures(scores), "reward/errors": float(errors), "reward/error_rate": errors / n if n else 0.0}
         if n and errors / n > self.cfg.max_error_rate:
             raise RewardError(
                 f"reward {self.name!r} failed on {errors} of {n} samples ({errors / n:.0%}), above reward.max_error_rate="

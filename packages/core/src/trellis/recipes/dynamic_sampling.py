@@ -1,11 +1,13 @@
-"""Dynamic sampling for the rl recipe (``algorithm.dynamic_sampling``): prompt groups whose samples
-all score the same give a group-relative estimator no signal, so they are dropped and fresh prompts
-are generated until the step holds ``data.train_batch_prompts`` informative groups."""
+"""Dynamic sampling for the rl recipe (``algorithm.dynamic_sampling``): prompt groups that the
+filters drop (``group_filter`` kind; the default ``zero_variance``: samples that all score the same
+give a group-relative estimator no signal) are replaced by fresh prompts, generated until the step
+holds ``data.train_batch_prompts`` kept groups. Generating ahead of training, the kept groups a
+step does not need are carried to the next step instead of dropped, while fresh enough."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,19 +22,31 @@ log = logging.getLogger("trellis")
 @dataclass
 class DynamicSamplingConfig:
     """enable: drop zero-variance prompt groups and refill the batch with new prompts.
-    metric: what must vary within a group: ``reward`` (the sample's score, shaping included) or
-        ``acc`` (the reward's ``acc`` component when it returns one, else the score).
+    metric: the per-sample values the filters read: ``reward`` (the sample's score, shaping
+        included) or ``acc`` (the reward's ``acc`` component when it returns one, else the score).
+    filters: registered group filters (kind ``group_filter``), each ``f(values, groups) -> keep``
+        with ``values`` and ``groups`` ``(batch,)`` and ``keep`` ``(groups,)`` bool; a group is kept
+        when every filter keeps it.
     max_rounds: generation rounds a step may take; when they do not fill the batch, the step
         trains on the groups kept (a warning says how many), or is skipped if none."""
 
     enable: bool = False
     metric: str = choice("reward", ("reward", "acc"))
     max_rounds: int = ranged(10, ge=1)
+    filters: list[str] = choice(kind="group_filter", default_factory=lambda: ["zero_variance"])
+
+
+def kept_groups(filters: list, values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``(groups,)`` bool: the groups every filter keeps."""
+    keep = torch.ones(int(groups.max()) + 1, dtype=torch.bool)
+    for f in filters:
+        keep &= f(values, groups)
+    return keep
 
 
 def group_has_signal(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """``(groups,)`` bool: whether the samples of each group differ in ``scores`` ``(batch,)``;
-    ``groups`` ``(batch,)`` numbers the groups from 0."""
+    ``groups`` ``(batch,)`` numbers the groups from 0. Registered as group filter ``zero_variance``."""
     n = int(groups.max()) + 1
     low = torch.full((n,), float("inf")).scatter_reduce(0, groups, scores.float(), "amin")
     high = torch.full((n,), float("-inf")).scatter_reduce(0, groups, scores.float(), "amax")
@@ -50,49 +64,68 @@ def metric_values(scored: RewardResult, metric: str) -> torch.Tensor:
 class Filled:
     """A step's training samples: ``batch`` (``token_scores`` included), their ``scores`` and reward
     ``components`` ``(batch,)``, the first round's reward result (``first``, the unfiltered draw
-    the reward metrics describe) and the ``dynamic_sampling/*`` metrics. ``batch`` is None when
-    no group was kept."""
+    the reward metrics describe; None when carried groups filled the step) and the
+    ``dynamic_sampling/*`` metrics. ``batch`` is None when no group was kept. ``leftover``: the
+    kept groups beyond the target, in order (each a ``(batch, reward result)`` part)."""
 
     batch: Batch | None
     scores: torch.Tensor | None
     components: dict[str, torch.Tensor] | None
-    first: RewardResult
+    first: RewardResult | None
     metrics: dict[str, float]
+    leftover: list[tuple[Batch, RewardResult]]
+
+
+Part = tuple[Batch, RewardResult]
 
 
 def fill(
-    generate: Callable[[int], tuple[Batch, RewardResult]],
+    generate: Callable[[int], Part],
     groups_wanted: int,
     cfg: DynamicSamplingConfig,
     step: int,
     group_multiple: int = 1,
+    filters: Sequence[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = (group_has_signal,),
+    carried: Sequence[Part] = (),
 ) -> Filled:
-    """Call ``generate(round)`` (new prompts each call, their samples and rewards) until the
-    informative groups kept reach ``groups_wanted`` (then cut to exactly that many, in the
-    order generated) or ``cfg.max_rounds`` rounds ran. Short of the target, the kept groups are
-    cut to a multiple of ``group_multiple`` (what the batch must divide into) and a warning says
-    how many remain."""
-    kept: list[tuple[Batch, RewardResult]] = []
+    """Take the groups ``carried`` over (kept by an earlier step's rounds), then call
+    ``generate(round)`` (new prompts each call, their samples and rewards) until the groups every
+    filter keeps reach ``groups_wanted`` (then cut to exactly that many, in the order generated;
+    the rest are ``leftover``) or ``cfg.max_rounds`` rounds ran. Short of the target, the kept
+    groups are cut to a multiple of ``group_multiple`` (what the batch must divide into) and a
+    warning says how many remain."""
+    kept: list[Part] = []
+    leftover: list[Part] = []
     count = dropped = rounds = 0
     first = None
+
+    def keep(batch: Batch, scored: RewardResult, chosen: torch.Tensor) -> None:
+        """Groups ``chosen`` of a part towards the target, the rest of them left over."""
+        nonlocal count
+        groups = batch.group_index("uid")
+        needed, rest = chosen[: groups_wanted - count], chosen[groups_wanted - count :]
+        count += len(needed)
+        for into, which in ((kept, needed), (leftover, rest)):
+            rows = torch.isin(groups, which)
+            if rows.any():
+                into.append(_take(batch, scored, rows))
+
+    for batch, scored in carried:
+        keep(batch, scored, torch.arange(int(batch.group_index("uid").max()) + 1))
     while count < groups_wanted and rounds < cfg.max_rounds:
         batch, scored = generate(rounds)
         rounds += 1
         first = first or scored
-        groups = batch.group_index("uid")
-        signal = group_has_signal(metric_values(scored, cfg.metric), groups)
+        batch["token_scores"] = scored.token_scores
+        signal = kept_groups(filters, metric_values(scored, cfg.metric), batch.group_index("uid"))
         dropped += int((~signal).sum())
-        chosen = signal.nonzero().flatten()[: groups_wanted - count]
-        count += len(chosen)
-        rows = torch.isin(groups, chosen)
-        if rows.any():
-            batch["token_scores"] = scored.token_scores
-            kept.append(_take(batch, scored, rows))
+        keep(batch, scored, signal.nonzero().flatten())
     if count < groups_wanted:
         usable = count - count % group_multiple
         log.warning(
-            "step %d: dynamic sampling found %d of data.train_batch_prompts=%d prompt groups with varying %s in "
-            "algorithm.dynamic_sampling.max_rounds=%d rounds; %s (raise max_rounds, or check that the reward can vary)",
+            "step %d: dynamic sampling found %d of data.train_batch_prompts=%d prompt groups that algorithm.dynamic_sampling.filters "
+            "keep (on the %s) in algorithm.dynamic_sampling.max_rounds=%d rounds; %s (raise max_rounds, or check that the reward "
+            "can vary)",
             step, count, groups_wanted, cfg.metric, cfg.max_rounds,
             f"training on {usable} groups" + (f" (a multiple of {group_multiple})" if usable != count else "") if usable else "skipping the step",
         )
@@ -100,14 +133,15 @@ def fill(
     metrics = {
         "dynamic_sampling/rounds": float(rounds),
         "dynamic_sampling/kept_groups": float(count),
-        "dynamic_sampling/dropped_zero_variance": float(dropped),
+        "dynamic_sampling/dropped_groups": float(dropped),
+        "dynamic_sampling/carried_groups": float(sum(int(b.group_index("uid").max()) + 1 for b, _ in carried)),
     }
     if not count:
-        return Filled(None, None, None, first, metrics)
+        return Filled(None, None, None, first, metrics, leftover)
     keys = sorted({k for _, s in kept for k in s.components})
     components = {k: torch.cat([s.components.get(k, torch.zeros(len(s.scores))) for _, s in kept]) for k in keys}
     batch = Batch.cat([b for b, _ in kept], pad=True)
-    return Filled(batch, torch.cat([s.scores for _, s in kept]), components or None, first, metrics)
+    return Filled(batch, torch.cat([s.scores for _, s in kept]), components or None, first, metrics, leftover)
 
 
 def _first_groups(kept: list[tuple[Batch, RewardResult]], groups: int) -> list[tuple[Batch, RewardResult]]:

@@ -44,7 +44,7 @@ from trellis.recipes.reward_model import ModelReward, check_reward_model, reward
 from trellis.recipes.streaming import generate_scored
 from trellis.recipes.teacher import TEACHER_NEED, TeacherConfig, check_teacher, reverse_kl
 from trellis.registry import RegistryError
-from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, unknown_sources
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, check_reward, reward_figures, unknown_sources
 from trellis.runtime.ahead import MODES, Producer, TrainedPosition, partial_chunk, staleness_bound, staleness_metrics
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, StageTimer, backend_mesh
@@ -368,6 +368,9 @@ class RLRecipe:
                     scored = add_overlong_penalty(scored, batch["response_mask"], cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
                 return batch, scored
 
+            group_filters = [registry.get("group_filter", name).obj for name in dynamic.filters]
+            carry: list[tuple[Batch, RewardResult]] = []  # kept groups a step ahead of training did not need
+
             def make_step(step: int, timer: StageTimer) -> StepSamples:
                 """Step ``step``'s prompts, samples and rewards (the loader's next prompts)."""
                 params = sampling.at_step(step, samples_per_step)
@@ -376,11 +379,19 @@ class RLRecipe:
                     def round_at(r: int) -> tuple[Batch, RewardResult]:
                         return generate(train.next_batch(), sampling.at_step((step - 1) * dynamic.max_rounds + r + 1, samples_per_step), timer)
 
-                    filled = fill(round_at, cfg.data.train_batch_prompts, dynamic, step, multiple)
+                    # generating ahead, the groups an earlier step kept beyond its need come first while fresh enough
+                    oldest = step - 1 - bound if bound is not None else None
+                    carried = [p for p in carry if int(p[0]["weight_version"].min()) >= oldest] if bound is not None else []
+                    stale = sum(_groups(b) for b, _ in carry) - sum(_groups(b) for b, _ in carried)
+                    filled = fill(round_at, cfg.data.train_batch_prompts, dynamic, step, multiple, group_filters, carried)
+                    carry[:] = filled.leftover if bound is not None else []
+                    metrics = {**filled.metrics, **({"dynamic_sampling/stale_groups_dropped": float(stale)} if bound is not None else {})}
                     if filled.batch is None:  # nothing to train on
-                        return StepSamples(None, params, filled.first, filled.metrics)
+                        return StepSamples(None, params, filled.first, metrics)
                     batch, scored = filled.batch, RewardResult(filled.batch["token_scores"], {}, filled.scores, filled.components)
-                    made = StepSamples(batch, params, filled.first, filled.metrics)
+                    # carried groups alone filled the step: the reward figures describe them
+                    first = filled.first or RewardResult(scored.token_scores, reward_figures(scored.scores), scored.scores, scored.components)
+                    made = StepSamples(batch, params, first, metrics)
                 else:
                     prompts = train.next_batch()
                     batch, scored = generate(prompts, params, timer)
@@ -574,6 +585,10 @@ def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent:
 
 def score(batch: Batch, reward_fn: RewardManager | ModelReward | JudgedReward, agent: AgentRollout | None) -> RewardResult:
     return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
+
+
+def _groups(batch: Batch) -> int:
+    return int(batch.group_index("uid").max()) + 1
 
 
 def groups_with_signal(scores: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:

@@ -67,6 +67,11 @@ def length_reward(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str) == int(ground_truth))
 
 
+def some_right(values, groups):
+    """A group filter: keep the prompt groups with at least one sample above 0 ``(groups,)``."""
+    return torch.zeros(int(groups.max()) + 1).scatter_reduce(0, groups, values.float(), "amax") > 0
+
+
 class CountingBackend(Backend):
     """Forwards return zeros; counts them (tests check routing through the controller)."""
 
@@ -200,6 +205,7 @@ def trellis_register(registry):
     registry.add("tool", "example_add", AddTool)
     registry.add("tool_parser", "example_call_line", CallLineParser)
     registry.add("agent_loop", "example_one_turn", OneTurnLoop)
+    registry.add("group_filter", "example_some_right", some_right)
     registry.add("tracker", "example_list", ListTracker)
     registry.add("recipe", "example_echo", EchoRecipe(), options=EchoConfig)
     registry.add("dataset", "example_jsonl", json_lines_dataset)
