@@ -4,23 +4,29 @@
 2. A reward stage of 256 code samples (one stdin/stdout case each; a third right, a third wrong, a
    third crashing) scored by the reward manager with ``reward.max_concurrency`` 1 (serial) and 32.
 
-    python bench/sandbox.py [--workers N] [--requests 1000] [--samples 256]
+    python bench/sandbox.py [--workers N] [--requests 1000] [--samples 256]   # --samples 0 skips 2.
 
 Needs trellis-sandbox (and bubblewrap or unshare). For scale: the upstream Sandbox Fusion server,
 default install, on a 2-core machine: p50 398 ms, p99 432 ms.
 
-Measured here (bwrap, 2 workers, root so one uid per slot; a 2-core VM shared with other jobs, load
-average 4-5, before and after run back to back, twice), the same isolation both times:
+Measured here (bwrap, 2 workers, root so one uid per slot; a 2-core VM; --samples 0), the same
+isolation every time. On a quiet machine, before and after back to back, three times:
 
-    before (asyncio.Queue slots, fork of the server per run)  p50 864 / 625 ms, p99 1274 / 1187 ms, 41 / 52 runs/s
-    after  (FIFO slot handoff, vfork + setpriv)               p50 416 / 567 ms, p99  591 /  657 ms, 70 / 56 runs/s
+    before (init reaps bwrap's in-sandbox PID 1)  p50 382 / 387 / 369 ms, p99 421 / 429 / 402 ms, 83 / 83 / 86 runs/s
+    after  (the server reaps it, subreaper)       p50 361 / 348 / 336 ms, p99 398 / 405 / 365 ms, 88 / 91 / 95 runs/s
 
-p99 is now about 1.1-1.4x p50 (was 1.5-2x): at concurrency 32 a request waits for the ~31 ahead of
-it, so p50 is 32 / (runs/s) and only throughput lowers it. Whole-tree CPU per run (a cpuacct cgroup, back
-to back): 20.6 / 22.5 ms before, 19.2 / 20.9 ms after, of which the program's own python3 start ~9 ms, bwrap ~3.7 ms, setpriv + prlimit execs ~2.5 ms
-(each exec pays glibc's cpuid probing, slow in a VM), the server ~4 ms, this client ~0.8 ms; so an idle
-2-core machine should top out near 100 runs/s (p50 ~320 ms; an estimate, not measured), and on a
-shared one the p99 follows the others' load.
+Earlier, on a machine shared with other jobs (load average 4-5):
+
+    asyncio.Queue slots, fork of the server per run  p50 864 / 625 ms, p99 1274 / 1187 ms, 41 / 52 runs/s
+    FIFO slot handoff, vfork + setpriv               p50 416 / 567 ms, p99  591 /  657 ms, 70 / 56 runs/s
+
+At concurrency 32 a request waits for the ~31 ahead of it, so p50 is about 32 / (runs/s) and only
+throughput lowers it. `server CPU ms/run` is the server's CPU and its reaped children's per request:
+16-17 ms on the quiet machine (every process of every run; before the subreaper change the sandbox's
+inner processes went to init, so that figure read ~7 ms and is not comparable). Of it: the program's
+python3 start ~7.5 ms, bwrap ~4, the setpriv + prlimit execs ~1.8 (each exec pays glibc's cpuid
+probing, slow in a VM), the server itself ~2.2 (was 3.4-3.8: the clean-up scan read the state of
+dozens of lingering zombies after every run). On a shared machine the p99 follows the others' load.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -91,6 +98,32 @@ def reward_batch(tok, n: int) -> Batch:
     return Batch({"responses": responses, "response_mask": mask}, {"data_source": ["code"] * n, "ground_truth": truths})
 
 
+def reward_stage(url: str, samples: int, concurrency: int) -> str:
+    """Scores the reward batch serially and at ``concurrency``; prints the table, returns the RESULT fields."""
+    tok = make_tiny_tokenizer(task_texts(200, seed=0))
+    registry = load_plugins().registry
+    batch = reward_batch(tok, samples)
+    times, means = {}, {}
+    for label, limit in (("serial", 1), ("concurrent", concurrency)):
+        manager = RewardManager(RewardConfig(name="sandbox_fusion", kwargs={"url": url}, max_concurrency=limit), registry, tok)
+        t = time.perf_counter()
+        result = manager.score(batch)
+        times[label], means[label] = time.perf_counter() - t, result.metrics["reward/mean"]
+    ratio = times["serial"] / times["concurrent"]
+    print(f"\nreward stage, {samples} samples x 1 case (a third pass), reward.max_concurrency 1 vs {concurrency}")
+    print(f"{'mode':<12} {'seconds':>8} {'reward/mean':>12}")
+    for label in times:
+        print(f"{label:<12} {times[label]:>8.2f} {means[label]:>12.3f}")
+    print(f"concurrent / serial time: {1 / ratio:.2f} (serial is {ratio:.2f}x slower)")
+    return f" reward_serial_s={times['serial']:.2f} reward_concurrent_s={times['concurrent']:.2f} reward_speedup={ratio:.2f}"
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid`` and of its children it has reaped (as root, every process of every run)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
@@ -102,34 +135,20 @@ def main() -> None:
     try:
         client = SandboxClient(url, max_concurrency=args.concurrency)
         asyncio.run(load(client, 20, args.concurrency))  # warm-up
+        cpu0 = tree_cpu_s(proc.pid)
         latencies, lost, wall = asyncio.run(load(client, args.requests, args.concurrency))
+        cpu_ms = (tree_cpu_s(proc.pid) - cpu0) / args.requests * 1e3
         latencies.sort()
         p50, p99 = latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3
         rate = args.requests / wall
         print(f"\n{args.requests} requests of print(i), concurrency {args.concurrency}, {args.workers} workers")
-        print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8}")
-        print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f}")
+        print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server CPU ms/run':>18}")
+        print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>18.1f}")
         client.close()
-
-        tok = make_tiny_tokenizer(task_texts(200, seed=0))
-        registry = load_plugins().registry
-        batch = reward_batch(tok, args.samples)
-        times, means = {}, {}
-        for label, limit in (("serial", 1), ("concurrent", args.concurrency)):
-            manager = RewardManager(RewardConfig(name="sandbox_fusion", kwargs={"url": url}, max_concurrency=limit), registry, tok)
-            t = time.perf_counter()
-            result = manager.score(batch)
-            times[label], means[label] = time.perf_counter() - t, result.metrics["reward/mean"]
-        ratio = times["serial"] / times["concurrent"]
-        print(f"\nreward stage, {args.samples} samples x 1 case (a third pass), reward.max_concurrency 1 vs {args.concurrency}")
-        print(f"{'mode':<12} {'seconds':>8} {'reward/mean':>12}")
-        for label in times:
-            print(f"{label:<12} {times[label]:>8.2f} {means[label]:>12.3f}")
-        print(f"concurrent / serial time: {1 / ratio:.2f} (serial is {ratio:.2f}x slower)")
-        print(
-            f"RESULT requests={args.requests} lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} "
-            f"reward_serial_s={times['serial']:.2f} reward_concurrent_s={times['concurrent']:.2f} reward_speedup={ratio:.2f}"
-        )
+        result = f"RESULT requests={args.requests} lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f}"
+        if args.samples:
+            result += reward_stage(url, args.samples, args.concurrency)
+        print(result)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()

@@ -113,13 +113,14 @@ def foreign_pid_ns_processes() -> set[int]:
     return found
 
 
-def processes_of(uids: list[int]) -> list[int]:
+def processes_of(uids: list[int], zombies: bool = False) -> list[int]:
+    """The live processes of ``uids`` (the zombies with ``zombies=True``)."""
     pids = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 stat = Path(f"/proc/{entry.name}/stat").read_text()
-                if entry.stat().st_uid in uids and stat[stat.rindex(")") + 2] != "Z":
+                if entry.stat().st_uid in uids and (stat[stat.rindex(")") + 2] == "Z") == zombies:
                     pids.append(int(entry.name))
             except (FileNotFoundError, ProcessLookupError):
                 pass

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ logger = logging.getLogger("trellis.sandbox")
 READ_CHUNK = 1 << 16
 DRAIN_GRACE_S = 1.0  # after the run's process ended, how long its pipes may stay open
 CLEAN_GRACE_S = 0.5  # after that, how long the sandbox's last processes may take to exit
+PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Runner:
         self.config = config
         self.as_root = os.geteuid() == 0
         self._counter = 0
+        if self.as_root:
+            _become_subreaper()
         self.leftovers_killed = 0
 
     def uid(self, slot: int) -> int | None:
@@ -187,15 +191,22 @@ class Runner:
         return files
 
     async def _clean(self, slot: int) -> None:
-        """Kills any process still owned by the slot's uid once a short grace is over: the sandbox's own
-        PID 1 may still be exiting when its parent has; anything past that was left behind."""
+        """Reaps the run's orphans and kills any process still owned by the slot's uid once a short grace
+        is over: the sandbox's own PID 1 may still be exiting when its parent has; anything past that was
+        left behind."""
         uid = self.uid(slot)
         if uid is None:
             return
         deadline = time.monotonic() + CLEAN_GRACE_S
-        while (pids := _pids_of(uid)) and time.monotonic() < deadline:
+        while True:
+            live, dead = _processes_of(uid)
+            for pid in dead:
+                with contextlib.suppress(ChildProcessError):  # not an orphan handed to this server
+                    os.waitpid(pid, os.WNOHANG)
+            if not live or time.monotonic() >= deadline:
+                break
             await asyncio.sleep(0.005)
-        for pid in pids:
+        for pid in live:
             try:
                 os.kill(pid, signal.SIGKILL)
                 self.leftovers_killed += 1
@@ -242,22 +253,38 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _pids_of(uid: int) -> list[int]:
-    """Live (not zombie) processes of ``uid``."""
-    pids = []
+def _become_subreaper() -> None:
+    """Makes this server the parent of its runs' orphans. bwrap's PID 1 inside the sandbox outlives the
+    process the server waits on by a moment, so it used to go to the machine's init as a zombie; where
+    init reaps lazily they piled up (dozens per slot uid under load), and every clean-up scan read each
+    one's state. Now ``_clean`` reaps them at once."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
+
+
+def _processes_of(uid: int) -> tuple[list[int], list[int]]:
+    """The live and the zombie processes of ``uid``."""
+    live, dead = [], []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if entry.stat().st_uid == uid and _state(entry.name) != "Z":
-                    pids.append(int(entry.name))
+                if entry.stat().st_uid == uid:
+                    (dead if _state(entry.name) == ord("Z") else live).append(int(entry.name))
             except (FileNotFoundError, ProcessLookupError):
                 pass
-    return pids
+    return live, dead
 
 
-def _state(pid: str) -> str:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2]
+def _state(pid: str) -> int:
+    """The state letter's byte in /proc/PID/stat (read raw: this runs for every process of a slot after every run)."""
+    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    try:
+        stat = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    return stat[stat.rindex(b")") + 2]
 
 
 def _relative(path: str) -> PurePosixPath:
