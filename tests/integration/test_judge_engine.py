@@ -13,7 +13,8 @@ from trellis import judge
 from trellis.config import ConfigError
 from trellis.plugins import load_plugins
 from trellis.recipes import rl
-from trellis.recipes.judge_engine import JudgeServer, start_judge, with_served_judges
+from trellis.recipes.judge_engine import start_judge, with_served_judges
+from trellis.recipes.judge_server import JudgeServer
 from trellis.recipes.train import train
 from trellis.rewards import JudgeEngineConfig, RewardConfig, RewardError
 
