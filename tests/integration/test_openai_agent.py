@@ -50,10 +50,8 @@ def overrides(model, data, run_dir, *more):
     return multi_turn_run(model, data, run_dir, *loop, *more)
 
 
-def test_rl_trains_on_exactly_what_the_endpoint_sampled(tiny_model_path, data, tmp_path, monkeypatch):
-    """Two rl steps; every sample is one agent episode of two calls. Its trained tokens are the
-    two sampled turns, its environment tokens the follow-up between them, its reward what the
-    agent returned, and its rollout log-probs a forward pass of the untrained model (step 1)."""
+def recorded(monkeypatch) -> tuple[list, list]:
+    """The lists every episode the endpoint ends and every batch the rl recipe samples go to."""
     episodes, batches = [], []
     end, sample = PolicyEndpoint.end, rl.sample
 
@@ -67,6 +65,14 @@ def test_rl_trains_on_exactly_what_the_endpoint_sampled(tiny_model_path, data, t
 
     monkeypatch.setattr(PolicyEndpoint, "end", keep_episode)
     monkeypatch.setattr(rl, "sample", keep_batch)
+    return episodes, batches
+
+
+def test_rl_trains_on_exactly_what_the_endpoint_sampled(tiny_model_path, data, tmp_path, monkeypatch):
+    """Two rl steps; every sample is one agent episode of two calls. Its trained tokens are the
+    two sampled turns, its environment tokens the follow-up between them, its reward what the
+    agent returned, and its rollout log-probs a forward pass of the untrained model (step 1)."""
+    episodes, batches = recorded(monkeypatch)
     train(None, overrides(tiny_model_path, data, tmp_path / "run"))
 
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
@@ -115,19 +121,7 @@ def test_rl_trains_on_an_agent_whose_model_calls_a_tool(tool_calling_model, data
     endpoint, and an agent on the ``openai`` client that offers its own ``add`` (declared to the
     run by its schema alone), runs the calls the replies carry in ``tool_calls`` and asks again.
     Two rl steps train on exactly the ids the endpoint sampled, with the engine's log-probs."""
-    episodes, batches = [], []
-    end, sample = PolicyEndpoint.end, rl.sample
-
-    async def keep_episode(self, episode):
-        await end(self, episode)
-        episodes.append(episode)
-
-    def keep_batch(*args, **kwargs):
-        batches.append(sample(*args, **kwargs))
-        return batches[-1]
-
-    monkeypatch.setattr(PolicyEndpoint, "end", keep_episode)
-    monkeypatch.setattr(rl, "sample", keep_batch)
+    episodes, batches = recorded(monkeypatch)
     tools = f'multi_turn.tools=[{{"schema": {json.dumps(ADD)}}}]'
     loop = ("multi_turn.agent_loop=openai_agent", f"multi_turn.agent={AGENTS}:runs_its_own_add", tools)
     more = ("multi_turn.max_response_tokens=256", "sampling.max_new_tokens=48", "sampling.temperature=0.5", "actor.optim.lr=1e-4")

@@ -18,6 +18,7 @@ import trellis.multiturn.endpoint as endpoint_module
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
+from trellis.examples.tool_call import ADD
 from trellis.interfaces.rollout import SamplingParams
 from trellis.multiturn.agent import OpenAIAgentLoop
 from trellis.multiturn.chat import ChatDeltas
@@ -32,14 +33,6 @@ from trellis.plugins import load_plugins
 AGENTS = Path(__file__).parents[1] / "openai_agents.py"
 
 PROMPT = [{"role": "user", "content": "12+34="}]
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two numbers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
-    },
-}
 TEXTS = ['<think>45 or 47?</think>#### 45 wrong, try again 12+34= Let me add.<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>']
 
 

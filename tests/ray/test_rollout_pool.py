@@ -81,20 +81,21 @@ def rl_run(model_path, tmp_path, name, *overrides):
 
 
 def test_rl_with_an_engine_process_of_its_own_equals_the_colocated_run(ray_cluster, tiny_model_path, tmp_path):
-    """Same seed, same samples, same updates: every learning figure equal to float32 exactness
-    (the engine is the same code on the same weights, only in another process); timings differ."""
+    """Same seed, same samples, same updates (the engine is the same code on the same weights, only
+    in another process): the sampled tokens and rewards are identical, and every learning figure
+    equal to float32 rounding (the pool's rank and engine take a core each, the colocated rank
+    both: another thread count sums in another order); timings differ."""
     colocated = rl_run(tiny_model_path, tmp_path, "colocated")
     pooled = rl_run(tiny_model_path, tmp_path, "pooled", "trainer.rollout_pool=1")
     assert len(colocated) == len(pooled) == 3
     assert all(r["actor/grad_norm"] > 0 for r in pooled)  # the policy moves: every sync carries new weights
     assert len({r["actor/entropy"] for r in pooled}) == 3
-    # the pool's rank and engine take a core each (the colocated rank both): the probe's gap, a
-    # difference of two log-probs computed with another thread count, moves in its last bits
     skipped = ("timing/", "dispatch/", "sync/")
     for a, b in zip(colocated, pooled):
         keys = {k for k in a if not k.startswith(skipped)}
         assert keys == {k for k in b if not k.startswith(skipped)}
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+        assert {k: a[k] for k in keys if k.startswith(("reward/", "response/"))} == {k: b[k] for k in keys if k.startswith(("reward/", "response/"))}
+        assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-5, abs=1e-6)
     assert all(r["sync/probe_gap"] < 1e-5 for r in pooled)  # the probe still checks the pool's engine after each sync
 
 
