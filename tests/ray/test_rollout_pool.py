@@ -95,7 +95,7 @@ def test_rl_with_an_engine_process_of_its_own_equals_the_colocated_run(ray_clust
         keys = {k for k in a if not k.startswith(skipped)}
         assert keys == {k for k in b if not k.startswith(skipped)}
         assert {k: a[k] for k in keys if k.startswith(("reward/", "response/"))} == {k: b[k] for k in keys if k.startswith(("reward/", "response/"))}
-        assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-5, abs=1e-6)
+        assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-5, abs=1e-5)  # rollout_corr/*: noise ~1e-6
     assert all(r["sync/probe_gap"] < 1e-5 for r in pooled)  # the probe still checks the pool's engine after each sync
 
 
