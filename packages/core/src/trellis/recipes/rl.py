@@ -350,7 +350,7 @@ class RLRecipe:
             multiple = group_multiple(cfg, registry, samples_per_step) if dynamic.enable else 1
 
             chunk = partial_chunk(cfg.trainer, cfg.multi_turn.enable)
-            stops = stop_ids(cfg.model.path, tokenizer)
+            stops = stop_ids(cfg.model.path, tokenizer) if chunk is not None else set()  # where a chunked sample ends
 
             def generate(prompts: Batch, params: SamplingParams, timer: StageTimer) -> tuple[Batch, RewardResult]:
                 if cfg.reward.stream_prompts:  # each part scored while the next generates
@@ -380,8 +380,8 @@ class RLRecipe:
                         return generate(train.next_batch(), sampling.at_step((step - 1) * dynamic.max_rounds + r + 1, samples_per_step), timer)
 
                     # generating ahead, the groups an earlier step kept beyond its need come first while fresh enough
-                    oldest = step - 1 - bound if bound is not None else None
-                    carried = [p for p in carry if int(p[0]["weight_version"].min()) >= oldest] if bound is not None else []
+                    # (only runs that generate ahead carry any)
+                    carried = [p for p in carry if int(p[0]["weight_version"].min()) >= step - 1 - bound]
                     stale = sum(_groups(b) for b, _ in carry) - sum(_groups(b) for b, _ in carried)
                     filled = fill(round_at, cfg.data.train_batch_prompts, dynamic, step, multiple, group_filters, carried)
                     carry[:] = filled.leftover if bound is not None else []
@@ -407,11 +407,15 @@ class RLRecipe:
                         batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
                 return made
 
-            timer, ahead = run.timer, None
-            if bound is not None:  # a thread generates later steps while this one trains
-                ahead_timer = StageTimer()
-                make = functools.partial(make_step, timer=ahead_timer)
-                ahead = Producer(make, train, start + 1, cfg.trainer.total_steps, bound, ahead_timer)
+            timer = run.timer
+            # a thread generates later steps while this one trains
+            ahead = Producer(make_step, train, start + 1, cfg.trainer.total_steps, bound) if bound is not None else None
+
+            def end_step(step: int, metrics: dict[str, float]) -> None:
+                run.end_step(step, metrics)
+                if ahead is not None:  # the producer may start the steps this one held back
+                    ahead.finished(step)
+
             with ahead or contextlib.nullcontext():
                 for step in run.steps(start):
                     if ahead is None:
@@ -426,9 +430,7 @@ class RLRecipe:
                     params, first, batch = made.params, made.first, made.batch
                     reward_metrics = {**first.metrics, **made.metrics, **handover}
                     if batch is None:  # dynamic sampling kept no group: the step is logged, the policy unchanged
-                        run.end_step(step, {**reward_metrics, **groups_with_signal(first.scores, first_groups(first, params.n))})
-                        if ahead is not None:
-                            ahead.finished(step)
+                        end_step(step, {**reward_metrics, **groups_with_signal(first.scores, first_groups(first, params.n))})
                         continue
                     batch.meta["step"] = step
                     run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
@@ -467,7 +469,7 @@ class RLRecipe:
                         sync_metrics = probe.check(actor, batch, step)
 
                     mask = batch["response_mask"].float()
-                    run.end_step(step, {
+                    end_step(step, {
                         **reward_metrics,
                         **update_metrics,
                         **kl_metrics,
@@ -484,8 +486,6 @@ class RLRecipe:
                         **(staleness_metrics(batch["weight_version"], step) if ahead is not None else {}),
                         **(version_span(batch) if chunk is not None else {}),
                     })
-                    if ahead is not None:
-                        ahead.finished(step)
             if cfg.trainer.save_hf_model:
                 save_hf_folder(cfg.model.path, chain.from_iterable(actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")
         return run.summary

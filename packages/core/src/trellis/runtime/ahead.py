@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trellis.config import ConfigError
+from trellis.runtime.harness import StageTimer
 
 log = logging.getLogger("trellis")
 
@@ -104,12 +105,12 @@ class Producer:
     from weights at most ``max_staleness`` versions old; with 0 every step is generated after the
     previous one ended, exactly as without the thread. ``take(t)`` waits for step ``t``.
 
-    make: builds a step's samples from the loader's next prompts (reading ``timer`` for its stage
-    timings); it must use the rollout only under the rollout's lock, which every
-    ``RolloutGroup`` call takes."""
+    make: ``make(step, timer)`` builds a step's samples from the loader's next prompts, timing its
+    stages on the producer's own ``timer`` (a ``StageTimer``); it must use the rollout only under
+    the rollout's lock, which every ``RolloutGroup`` call takes."""
 
-    def __init__(self, make: Callable[[int], Any], loader: Any, first: int, last: int, max_staleness: int, timer: Any) -> None:
-        self.make, self.loader, self.timer = make, loader, timer
+    def __init__(self, make: Callable[[int, StageTimer], Any], loader: Any, first: int, last: int, max_staleness: int) -> None:
+        self.make, self.loader, self.timer = make, loader, StageTimer()
         self.first, self.last, self.max_staleness = first, last, max_staleness
         self.done_through = first - 1  # the last step the trainer finished
         self.ready: dict[int, Produced] = {}
@@ -134,7 +135,7 @@ class Producer:
                     if self.stopped:
                         return
                 waited = time.perf_counter() - start
-                value = self.make(step)
+                value = self.make(step, self.timer)
                 produced = Produced(step, value, self.loader.state_dict(), self.timer.metrics(), waited)
                 with self.cond:
                     self.ready[step] = produced

@@ -49,8 +49,16 @@ def sync_from(engine: RolloutEngine, worker: Worker) -> None:
         with weights_awake(engine):
             engine.load_adapter(*worker.export_adapter())
         return
-    shapes = worker.weight_shapes()  # the manifest first, before the export starts gathering
-    sync_engine(engine, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=engine.weight_dtype)), shapes)
+    shapes, weights = exported_update(worker, engine.weight_dtype)
+    sync_engine(engine, weights, shapes)
+
+
+def exported_update(worker: Worker, dtype: torch.dtype | None) -> tuple[dict | None, Iterator[tuple[str, torch.Tensor]]]:
+    """``(manifest, weights)`` of a weight sync from ``worker``: its ``weight_shapes()`` (read
+    first, before the export starts gathering) and its full tensors in ``dtype`` as the backend
+    gathers them (every rank takes part: a collective)."""
+    shapes = worker.weight_shapes()
+    return shapes, chain.from_iterable(worker.export_weights(all_ranks=True, dtype=dtype))
 
 
 async def run_rollout_fn(fn: RolloutFn, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:

@@ -30,7 +30,7 @@ from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams
 from trellis.interfaces.transport import WeightTransport, tensor_digest
-from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, run_rollout_fn, sync_from
+from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, exported_update, run_rollout_fn, sync_from
 from trellis.runtime.worker import Worker
 
 log = logging.getLogger("trellis")
@@ -161,9 +161,7 @@ class RankProcess:
         its transport stamped ``version`` and returns the transport's handle and its digest of each
         tensor sent (in send order); the other ranks return None."""
         start = time.perf_counter()
-        worker = self.workers[role]
-        shapes = worker.weight_shapes()  # the manifest first, before the export starts gathering
-        weights = chain.from_iterable(worker.export_weights(all_ranks=True, dtype=dtype))
+        shapes, weights = exported_update(self.workers[role], dtype)
         if self.rank:
             for _ in weights:
                 pass
