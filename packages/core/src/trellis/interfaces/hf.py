@@ -9,10 +9,14 @@ import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, modeling_utils
 
 from trellis.batch import Batch, last_valid_index
 from trellis.interfaces.backend import MODEL_INPUTS
+
+# transformers 5.21 on: models take a (batch, seq_len) boolean `logits_to_keep` (its
+# `slice_logits_to_keep`); before, only an int or 1-D positions (vLLM 0.32 pins < 5.20)
+MASKED_LOGITS = hasattr(modeling_utils, "slice_logits_to_keep")
 
 
 def _float(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -293,6 +297,16 @@ def _label_rows(micro: Batch, outputs: tuple[str, ...]) -> torch.Tensor | bool:
     return micro["loss_mask"][:, 1:].bool()
 
 
+def _logits_where(model: torch.nn.Module, inputs: dict, where: torch.Tensor) -> torch.Tensor:
+    """Logits ``(where.sum(), vocab)`` at the True positions of ``where`` ``(batch, seq_len - 1)``,
+    in row-major order. Without mask support, the LM head runs on every column a row needs."""
+    device = inputs["input_ids"].device
+    if MASKED_LOGITS:
+        return model(**inputs, logits_to_keep=torch.cat([where, where.new_zeros(len(where), 1)], 1).to(device)).logits
+    columns = where.any(0).nonzero()[:, 0]
+    return model(**inputs, logits_to_keep=columns.to(device)).logits[where[:, columns].to(device)]
+
+
 def forward_outputs(
     model: torch.nn.Module,
     micro: Batch,
@@ -319,8 +333,7 @@ def forward_outputs(
     elif "loss_mask" in micro and not set(RESPONSE_OUTPUTS) & set(outputs):
         # supervised rows: only the positions whose next token is in the loss reach the LM head
         where = _label_rows(micro, outputs)
-        inputs["logits_to_keep"] = torch.cat([where, where.new_zeros(len(where), 1)], 1).to(device)
-        logits = model(**inputs).logits  # (positions kept, vocab)
+        logits = _logits_where(model, inputs, where)  # (positions kept, vocab)
         labels = micro["input_ids"][:, 1:][where].to(device)
         return {"label_log_probs": _unpack(token_log_probs(logits, labels, chunk_size), where)}
     return lm_outputs(model(**inputs).logits, micro, outputs, chunk_size)
