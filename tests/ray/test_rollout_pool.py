@@ -4,7 +4,6 @@ transports), and a background thread generates while the main thread trains."""
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import threading
@@ -18,13 +17,9 @@ from trellis.config import ConfigError
 ray = pytest.importorskip("ray")
 
 import test_ray_controller as helpers  # noqa: E402 - the actor factory and GRPO batch of the Ray controller's tests
+from engine_cases import check_engine_process_equals_rank, check_engine_process_one_step_ahead, rl_on_ray  # noqa: E402
 
 SKIPPED = "model.layers.1.mlp.up_proj.weight"
-# a reward with signal on an untrained model: the response's length
-LENGTH_REWARD = """
-def length(data_source, solution_str, ground_truth, extra_info=None):
-    return len(solution_str) / 20
-"""
 
 
 @pytest.fixture(scope="module")
@@ -64,39 +59,10 @@ def prompts_of(tokenizer, texts):
     return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids(mask)})
 
 
-def rl_run(model_path, tmp_path, name, *overrides):
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
-    from trellis.recipes.train import train
-
-    data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
-    reward = tmp_path / "length.py"
-    reward.write_text(LENGTH_REWARD)
-    run = tmp_path / name
-    train(None, ["recipe=rl", f"model.path={model_path}", f"data.train_path={data}", "data.train_batch_prompts=2", "sampling.n=4",
-                 "sampling.max_new_tokens=5", "sampling.seed=11", f"reward.path={reward}", "reward.name=length", "actor.optim.lr=1e-2",
-                 "trainer.total_steps=3", "trainer.trackers=[jsonl]",
-                 "trainer.controller=ray", "trainer.procs_per_node=1", f"trainer.run_dir={run}", *overrides])  # fmt: skip
-    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "reward/mean" in r]
-
-
 def test_rl_with_an_engine_process_of_its_own_equals_the_colocated_run(ray_cluster, tiny_model_path, tmp_path):
-    """Same seed, same samples, same updates (the engine is the same code on the same weights, only
-    in another process): the sampled tokens and rewards are identical, and every learning figure
-    equal to float32 rounding (the pool's rank and engine take a core each, the colocated rank
-    both: another thread count sums in another order); timings differ."""
-    colocated = rl_run(tiny_model_path, tmp_path, "colocated")
-    pooled = rl_run(tiny_model_path, tmp_path, "pooled", "trainer.rollout_pool=1")
-    assert len(colocated) == len(pooled) == 3
-    assert all(r["actor/grad_norm"] > 0 for r in pooled)  # the policy moves: every sync carries new weights
-    assert len({r["actor/entropy"] for r in pooled}) == 3
-    skipped = ("timing/", "dispatch/", "sync/")
-    for a, b in zip(colocated, pooled):
-        keys = {k for k in a if not k.startswith(skipped)}
-        assert keys == {k for k in b if not k.startswith(skipped)}
-        assert {k: a[k] for k in keys if k.startswith(("reward/", "response/"))} == {k: b[k] for k in keys if k.startswith(("reward/", "response/"))}
-        assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-5, abs=1e-5)  # rollout_corr/*: noise ~1e-6
-    assert all(r["sync/probe_gap"] < 1e-5 for r in pooled)  # the probe still checks the pool's engine after each sync
+    """Same seed, same samples, same updates: the engine is the same code on the same weights, only
+    in another process (the check is every engine's: ``engine_cases``)."""
+    check_engine_process_equals_rank(tiny_model_path, tmp_path)
 
 
 # figures that depend on the clock, or exist only where generation runs ahead of training
@@ -106,8 +72,8 @@ AHEAD_ONLY = ("timing/", "dispatch/", "async/", "rollout/staleness")
 def test_staleness_zero_on_ray_equals_the_synchronous_run(ray_cluster, tiny_model_path, tmp_path):
     """trainer.async_mode=fully_async with max_staleness=0: the producer thread generates each step
     after the previous one ended, so every figure equals the synchronous run's (colocated engine)."""
-    off = rl_run(tiny_model_path, tmp_path, "off")
-    ahead = rl_run(tiny_model_path, tmp_path, "ahead", "trainer.async_mode=fully_async", "trainer.max_staleness=0")
+    off = rl_on_ray(tiny_model_path, tmp_path, "off")
+    ahead = rl_on_ray(tiny_model_path, tmp_path, "ahead", "trainer.async_mode=fully_async", "trainer.max_staleness=0")
     assert all(r["actor/grad_norm"] > 0 for r in off)
     assert [{k: v for k, v in r.items() if not k.startswith(AHEAD_ONLY)} for r in ahead] == [
         {k: v for k, v in r.items() if not k.startswith(AHEAD_ONLY)} for r in off
@@ -118,11 +84,7 @@ def test_staleness_zero_on_ray_equals_the_synchronous_run(ray_cluster, tiny_mode
 def test_one_step_ahead_with_an_engine_process_of_its_own(ray_cluster, tiny_model_path, tmp_path):
     """Generation on the pool's engine (weights broadcast over gloo) overlaps the actor's update:
     later steps train on samples one weight version old, and each sync's digests and probe pass."""
-    pooled = ("trainer.rollout_pool=1", "trainer.weight_transport=broadcast")
-    rows = rl_run(tiny_model_path, tmp_path, "one_step", *pooled, "trainer.async_mode=one_step")
-    assert [r["rollout/staleness_max"] for r in rows][0] == 0.0
-    assert all(r["rollout/staleness_max"] <= 1.0 for r in rows) and sum(r["rollout/staleness_mean"] for r in rows) > 0
-    assert all(r["sync/probe_gap"] < 1e-3 for r in rows)
+    check_engine_process_one_step_ahead(tiny_model_path, tmp_path, "trainer.weight_transport=broadcast")
 
 
 @pytest.mark.parametrize("transport", ["object_store", "broadcast"])

@@ -28,7 +28,7 @@ from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
-from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams, sync_engine
 from trellis.interfaces.transport import WeightTransport, tensor_digest
 from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup, exported_update, run_rollout_fn, sync_from
 from trellis.runtime.worker import Worker
@@ -90,7 +90,7 @@ def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, floa
 
 class RankProcess:
     """One process of one rank: holds the workers of every role colocated here and, for the
-    actor's pool, a rollout engine. Runs as a Ray actor; ``agenerate`` makes it an asyncio actor,
+    actor's pool, a rollout engine (a rollout pool's process: an engine and no workers). Runs as a Ray actor; ``agenerate`` makes it an asyncio actor,
     so every call runs on its event-loop thread, the thread the engine is built and stepped on."""
 
     def __init__(self, rank: int, threads: int, local_rank: int) -> None:
@@ -176,6 +176,26 @@ class RankProcess:
         handle = self.transport.send(noted(), shapes, version)
         return (handle, digests), time.perf_counter() - start
 
+    def receive_weights(self, handle: Any, version: int) -> tuple[dict[str, str] | None, float]:
+        """A rollout pool's engine: load the update ``handle`` names (version ``version``) from the
+        transport into the engine; the engine's digests of the tensors it received (None: it cannot tell)."""
+        start = time.perf_counter()
+        manifest, tensors = self.transport.receive(handle, version)
+        names: list[str] = []
+
+        def noted():
+            for name, tensor in tensors:
+                names.append(name)
+                yield name, tensor
+
+        stream = noted()
+        try:
+            sync_engine(self.engine, stream, manifest)
+        finally:
+            for _ in stream:  # a refused update is still read whole: a broadcast waits for every receiver
+                pass
+        return self.engine.weight_checksums(names), time.perf_counter() - start
+
     def close(self) -> None:
         """Close the rollout engine (its subprocesses, memory), then the workers (a backend leaves
         its process group), before Ray ends this process: ``ray.kill`` skips atexit hooks."""
@@ -204,8 +224,8 @@ def forwarded_env() -> dict[str, str]:
 
 class RayPool:
     """``world`` ranks packed by node: one placement group of ``procs_per_node`` bundles per node
-    (``STRICT_PACK``: a node's ranks on one machine, their ranks consecutive), one ``process``
-    (a ``RankProcess``) per bundle, holding ``gpus`` devices when the cluster has GPUs."""
+    (``STRICT_PACK``: a node's ranks on one machine, their ranks consecutive), one
+    ``RankProcess`` per bundle, holding ``gpus`` devices when the cluster has GPUs."""
 
     def __init__(
         self,
@@ -216,7 +236,6 @@ class RayPool:
         use_gpu: bool,
         timeouts: tuple[float, float],
         threads: int,
-        process: type[RankProcess] = RankProcess,
         gpus: int = 1,
     ) -> None:
         from ray.util.placement_group import placement_group
@@ -238,7 +257,7 @@ class RayPool:
                 f"{per_node} x {bundle} each but the cluster has {ray.available_resources()} available of {ray.cluster_resources()}; "
                 f"lower trainer.procs_per_node / trainer.nnodes or add resources"
             ) from None
-        remote = ray.remote(num_cpus=1, num_gpus=gpus)(process)
+        remote = ray.remote(num_cpus=1, num_gpus=gpus)(RankProcess)
         env = {"env_vars": forwarded_env()}
         self.ranks = [
             remote.options(

@@ -5,17 +5,15 @@ and verified after every sync (each engine's digest of every tensor against the 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from typing import Any
 
 from omegaconf import DictConfig
 
 from trellis.config import ConfigError
 from trellis.interfaces.dispatch import Mesh
-from trellis.interfaces.rollout import RolloutEngine, sync_engine
+from trellis.interfaces.rollout import RolloutEngine
 from trellis.interfaces.transport import WeightTransport, digest_dtype
-from trellis.runtime.ray_controller import RankProcess, RayController, RayPool, RayRollout, RayWorkerGroup
+from trellis.runtime.ray_controller import RayController, RayPool, RayRollout, RayWorkerGroup
 from trellis.runtime.sync_probe import SyncCheckFailed
 from trellis.runtime.transport import BroadcastTransport, ObjectStoreTransport
 
@@ -38,31 +36,6 @@ def check_rollout_pool(trainer: DictConfig, tensor_parallel_size: int) -> None:
             "trainer.rollout_pool=N (N engine processes of their own, each spanning its devices), rollout.tensor_parallel_size=1 "
             "(one data-parallel engine per rank), or trainer.controller=local, where the engine spans the machine's devices itself"
         )
-
-
-class EngineProcess(RankProcess):
-    """One engine process of a pool: a ``RankProcess`` with an engine and no workers, that takes
-    weights from a transport and reports what it then holds."""
-
-    def receive_weights(self, handle: Any, version: int) -> tuple[dict[str, str] | None, float]:
-        """Load the update ``handle`` names (version ``version``) into the engine; the engine's
-        digests of the tensors it received (None: it cannot tell)."""
-        start = time.perf_counter()
-        manifest, tensors = self.transport.receive(handle, version)
-        names: list[str] = []
-
-        def noted():
-            for name, tensor in tensors:
-                names.append(name)
-                yield name, tensor
-
-        stream = noted()
-        try:
-            sync_engine(self.engine, stream, manifest)
-        finally:
-            for _ in stream:  # a refused update is still read whole: a broadcast waits for every receiver
-                pass
-        return self.engine.weight_checksums(names), time.perf_counter() - start
 
 
 class PoolRollout(RayRollout):
@@ -121,7 +94,7 @@ def spawn_pool(ctrl: RayController, make_engine: Callable[[], RolloutEngine], ac
     building its engine from ``make_engine``, and the weight transport joined by the actor's rank
     0 (which hosts its rendezvous) and every engine process."""
     n = ctrl.rollout_pool
-    pool = RayPool(ctrl.ray, "rollout", n, 1, ctrl.use_gpu, (ctrl.timeout_s, ctrl.call_timeout_s), ctrl.threads, EngineProcess, devices)
+    pool = RayPool(ctrl.ray, "rollout", n, 1, ctrl.use_gpu, (ctrl.timeout_s, ctrl.call_timeout_s), ctrl.threads, devices)
     ctrl.pools["rollout"] = pool  # closed and removed at shutdown with the others
     built = pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout pool", "rollout")
     if ctrl.transport == "broadcast":
