@@ -2,7 +2,8 @@
 model: the HF rollout's layout, log-probs equal to the FSDP actor's, weight sync (tied and untied;
 a list, or a stream with its manifest as the controllers send it), refused syncs and manifests,
 async generation, sleep on CPU, close; and multi-turn conversations through the agent loop; and
-the rl recipe under Ray with the engine in the actor's rank and in a rollout pool of its own.
+the rl recipe under Ray with the engine in the actor's rank and in a rollout pool of its own; and
+the engine as a judge model the rl recipe serves (``reward.judge``) over real HTTP.
 
 An engine's test module subclasses :class:`RolloutCases` / :class:`MultiTurnCases` and names the
 engine (``ENGINE``); the engine is found through the plugin registry, so this module imports no
@@ -534,3 +535,56 @@ def check_engine_process_one_step_ahead(model_path: str, tmp_path, *keys: str) -
     assert rows[0]["rollout/staleness_max"] == 0.0
     assert all(r["rollout/staleness_max"] <= 1.0 for r in rows) and sum(r["rollout/staleness_mean"] for r in rows) > 0
     assert all(r["sync/probe_gap"] < 1e-3 for r in rows)
+
+
+def judge_post(url: str, body: dict, token: str | None) -> tuple[int, dict]:
+    """POST ``body`` to a judge server's chat completions with ``token`` as bearer; (status, JSON reply)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def judge_closed(url: str) -> bool:
+    """Whether nothing answers at ``url`` any more."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url + "/v1/models", timeout=5)
+    except urllib.error.HTTPError:
+        return False  # it answered
+    except (urllib.error.URLError, OSError):
+        return True
+    return False
+
+
+def check_judge_engine(engine: str, model_path: str, **options) -> None:
+    """``reward.judge`` on ``engine`` (built with ``options``, the keys it takes under ``rollout``):
+    the server answers chat completions with the run's token only, greedy replies repeat, the
+    counts add up, and nothing answers after close."""
+    from trellis.plugins import load_plugins
+    from trellis.recipes.judge_engine import start_judge
+    from trellis.rewards import JudgeEngineConfig
+
+    spec = JudgeEngineConfig(engine=engine, model=model_path, options=options, max_new_tokens=5)
+    server = start_judge(spec, load_plugins().registry, seed=0)
+    try:
+        ask = {"messages": [{"role": "user", "content": "2+3="}], "max_tokens": 3, "temperature": 0}
+        status, reply = judge_post(server.url, ask, server.token)
+        assert status == 200 and reply["model"] == model_path
+        assert 0 < reply["usage"]["completion_tokens"] <= 3 and isinstance(reply["choices"][0]["message"]["content"], str)
+        assert judge_post(server.url, ask, server.token)[1]["choices"][0]["message"] == reply["choices"][0]["message"]
+        assert judge_post(server.url, ask, None)[0] == 401
+        counts = server.counts()
+        assert counts["requests"] == 2 and counts["refused"] == 1 and counts["completion_tokens"] == 2 * reply["usage"]["completion_tokens"]
+    finally:
+        server.close()
+    assert judge_closed(server.url)

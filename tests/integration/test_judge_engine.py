@@ -3,11 +3,9 @@ called over real HTTP on loopback; its refusals before any model is built."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
+from engine_cases import judge_closed as closed
+from engine_cases import judge_post as post
 
 from trellis import judge
 from trellis.config import ConfigError
@@ -32,26 +30,6 @@ def served(monkeypatch):
 
     monkeypatch.setattr(rl, "start_judge", start)
     return started
-
-
-def post(url: str, body: dict, token: str | None) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def closed(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url + "/v1/models", timeout=5)
-    except urllib.error.HTTPError:
-        return False  # it answered
-    except (urllib.error.URLError, OSError):
-        return True
-    return False
 
 
 def test_the_server_answers_chat_completions_with_the_run_token_only(tiny_model_path):
