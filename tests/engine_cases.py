@@ -478,32 +478,42 @@ def length(data_source, solution_str, ground_truth, extra_info=None):
 PLACEMENT_FIGURES = ("timing/", "dispatch/", "sync/")
 
 
-def rl_on_ray(model_path: str, tmp_path, name: str, *overrides: str) -> list[dict]:
-    """3 GRPO steps of the rl recipe under Ray (one rank, the HF rollout unless ``overrides`` name
-    another), rewarded by the response's length with sampling seed 11; the step rows of
-    ``metrics.jsonl``. Needs a running Ray cluster."""
-    import json
-
+def length_rewarded_rl(model_path: str, tmp_path, name: str) -> list[str]:
+    """The rl recipe's overrides for 3 GRPO steps rewarded by the response's length (sampling seed
+    11, one process, the HF rollout unless more overrides name another), writing ``tmp_path/name``."""
     from trellis.examples.tasks import make_arithmetic_split, write_rows
-    from trellis.recipes.train import train
 
     data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
     reward = tmp_path / "length.py"
     reward.write_text(LENGTH_REWARD)
-    run = tmp_path / name
-    train(None, ["recipe=rl", f"model.path={model_path}", f"data.train_path={data}", "data.train_batch_prompts=2", "sampling.n=4",
-                 "sampling.max_new_tokens=5", "sampling.seed=11", f"reward.path={reward}", "reward.name=length", "actor.optim.lr=1e-2",
-                 "trainer.total_steps=3", "trainer.trackers=[jsonl]",
-                 "trainer.controller=ray", "trainer.procs_per_node=1", f"trainer.run_dir={run}", *overrides])  # fmt: skip
-    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    return ["recipe=rl", f"model.path={model_path}", f"data.train_path={data}", "data.train_batch_prompts=2", "sampling.n=4",
+            "sampling.max_new_tokens=5", "sampling.seed=11", f"reward.path={reward}", "reward.name=length", "actor.optim.lr=1e-2",
+            "trainer.total_steps=3", "trainer.trackers=[jsonl]", f"trainer.run_dir={tmp_path / name}"]  # fmt: skip
+
+
+def step_rows(run_dir) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` that a training step wrote."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(r) for r in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "reward/mean" in r]
 
 
+def rl_on_ray(model_path: str, tmp_path, name: str, *overrides: str) -> list[dict]:
+    """:func:`length_rewarded_rl` under Ray (one rank), in this process; its step rows. Needs a
+    running Ray cluster."""
+    from trellis.recipes.train import train
+
+    train(None, [*length_rewarded_rl(model_path, tmp_path, name), "trainer.controller=ray", "trainer.procs_per_node=1", *overrides])
+    return step_rows(tmp_path / name)
+
+
 def assert_same_run(a: list[dict], b: list[dict]) -> None:
-    """Two runs of :func:`rl_on_ray` sampled the same tokens (every ``reward/`` and ``response/``
-    figure equal) and learned alike: every other figure equal to float32 rounding (an engine in
-    another process takes another core, and another thread count sums in another order; the
-    rollout-correction figures are noise of ~1e-6); clock, dispatch and sync figures aside."""
+    """Two runs of :func:`length_rewarded_rl` sampled the same tokens (every ``reward/`` and
+    ``response/`` figure equal) and learned alike: every other figure equal to float32 rounding
+    (another process or backend sums in another order; the rollout-correction figures are noise
+    of ~1e-6); clock, dispatch and sync figures aside."""
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     assert all(r["actor/grad_norm"] > 0 for r in b)  # the policy moves: every sync carries new weights
     assert len({r["actor/entropy"] for r in b}) == 3
@@ -588,3 +598,27 @@ def check_judge_engine(engine: str, model_path: str, **options) -> None:
     finally:
         server.close()
     assert judge_closed(server.url)
+
+
+class OnRayCases:
+    """The rl recipe under a private local Ray cluster (loopback) with the engine ``ENGINE_KEYS``
+    name, in the actor's rank process and in a rollout pool of its own. Needs Ray."""
+
+    ENGINE_KEYS: ClassVar[tuple[str, ...]] = ()  # e.g. ("rollout.name=vllm", "rollout.max_model_len=128")
+
+    @pytest.fixture(scope="class")
+    def ray_cluster(self):
+        """3 logical CPUs (an actor rank, an engine process, a spare); started after the session's
+        conftest set the engine's environment, which Ray's workers inherit."""
+        import tempfile
+
+        ray = pytest.importorskip("ray")
+        ray.init(num_cpus=3, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="trellis-ray-test-"), log_to_driver=False)
+        yield
+        ray.shutdown()
+
+    def test_an_engine_process_of_its_own_equals_the_engine_in_the_rank(self, ray_cluster, tiny_model_path, tmp_path):
+        check_engine_process_equals_rank(tiny_model_path, tmp_path, *self.ENGINE_KEYS)
+
+    def test_an_engine_process_of_its_own_one_step_ahead(self, ray_cluster, tiny_model_path, tmp_path):
+        check_engine_process_one_step_ahead(tiny_model_path, tmp_path, *self.ENGINE_KEYS)
