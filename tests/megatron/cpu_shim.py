@@ -7,13 +7,15 @@ that forks ``torch.cuda`` generator states around dropout. ``install()`` makes e
 request land on the CPU: a ``TorchFunctionMode`` rewrites CUDA devices to ``cpu`` in every torch
 call made through the Python API, ``torch.cuda.current_device`` answers 0 (rewritten to cpu by
 the mode), and the RNG tracker's ``fork`` becomes a no-op context (dropout is 0 in these tests,
-so no random draw depends on it). Nothing here runs on a machine with a GPU: ``install`` is a
+so no random draw depends on it), and SGLang's ``flash_mla`` (CUDA-only, it fails Megatron's
+import on a CPU) is hidden. Nothing here runs on a machine with a GPU: ``install`` is a
 no-op where CUDA is available, so the package meets the real CUDA paths there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -59,4 +61,8 @@ def install(mrandom=None) -> None:
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: None
     CudaToCpu().__enter__()  # for the life of the process
+    # SGLang's flash_mla wheel loads its CUDA library when imported and raises OSError without
+    # one; Megatron's attention module guards that import against ImportError only. No MLA kernel
+    # runs on a CPU: make the import an ImportError (a None entry halts it).
+    sys.modules.setdefault("flash_mla", None)
     _installed = True
