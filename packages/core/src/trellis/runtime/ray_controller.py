@@ -90,8 +90,9 @@ def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, floa
 
 class RankProcess:
     """One process of one rank: holds the workers of every role colocated here and, for the
-    actor's pool, a rollout engine (a rollout pool's process: an engine and no workers). Runs as a Ray actor; ``agenerate`` makes it an asyncio actor,
-    so every call runs on its event-loop thread, the thread the engine is built and stepped on."""
+    actor's pool, a rollout engine (a rollout pool's process: an engine and no workers). Runs as a
+    Ray actor; ``agenerate`` makes it an asyncio actor, so every call runs on its event-loop
+    thread, the thread the engine is built and stepped on."""
 
     def __init__(self, rank: int, threads: int, local_rank: int) -> None:
         import torch
