@@ -1,14 +1,17 @@
 """Tests every in-process rollout engine (vLLM, SGLang) must pass, against the real engine on a tiny
-model: the HF rollout's layout, log-probs equal to the FSDP actor's, weight sync (tied and untied;
-a list, or a stream with its manifest as the controllers send it), refused syncs and manifests,
-async generation, sleep on CPU, close; and multi-turn conversations through the agent loop; and
-the rl recipe under Ray with the engine in the actor's rank and in a rollout pool of its own; and
-the engine as a judge model the rl recipe serves (``reward.judge``) over real HTTP; and the engine
-fed by the Megatron backend.
+model:
+- the HF rollout's layout, log-probs equal to the FSDP actor's, weight sync (tied and untied; a
+  list, or a stream with its manifest as the controllers send it), refused syncs and manifests,
+  async generation, sleep on CPU, close (:class:`RolloutCases`);
+- multi-turn conversations through the agent loop (:class:`MultiTurnCases`);
+- the rl recipe under Ray with the engine in the actor's rank and in a rollout pool of its own
+  (:class:`OnRayCases`; the HF engine's pool tests use the same checks);
+- the engine as a judge model the rl recipe serves over real HTTP (:func:`check_judge_engine`);
+- the engine fed by the Megatron backend (:func:`check_megatron_equals_fsdp`).
 
-An engine's test module subclasses :class:`RolloutCases` / :class:`MultiTurnCases` and names the
-engine (``ENGINE``); the engine is found through the plugin registry, so this module imports no
-engine and each nox session runs it with the one engine it installed. One engine per model per
+An engine's test module subclasses the classes and names the engine (``ENGINE``, ``ENGINE_KEYS``);
+the engine is found through the plugin registry, so this module imports no engine and each nox
+session runs it with the one engine it installed. One engine per model per
 class (start-up: seconds for vLLM, 30-50 s for SGLang on CPU).
 """
 
