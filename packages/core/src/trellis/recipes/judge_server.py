@@ -21,6 +21,7 @@ from trellis.multiturn.openai_api import Refused, assistant_message, chat_reply,
 log = logging.getLogger("trellis")
 COUNTS = ("requests", "refused", "prompt_tokens", "completion_tokens")  # the server's figures, logged as judge/<name>
 
+
 class JudgeServer:
     """``/v1/chat/completions`` and ``/v1/models`` on 127.0.0.1 (a free port) in front of the engine
     ``make_engine`` builds, for requests that carry this server's bearer ``token``.
@@ -160,5 +161,3 @@ def _sampling(body: dict, max_new_tokens: int) -> SamplingParams:
     if not 0 <= temperature <= 2 or not 0 < top_p <= 1:
         raise Refused(f"temperature={temperature!r}, top_p={top_p!r}; give a temperature from 0 to 2 and a top_p above 0, at most 1")
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p), greedy=temperature == 0)
-
-
