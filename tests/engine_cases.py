@@ -582,8 +582,9 @@ def judge_closed(url: str) -> bool:
 
 def check_judge_engine(engine: str, model_path: str, **options) -> None:
     """``reward.judge`` on ``engine`` (built with ``options``, the keys it takes under ``rollout``):
-    the server answers chat completions with the run's token only, greedy replies repeat, the
-    counts add up, and nothing answers after close."""
+    the server answers chat completions with the run's token only, greedy replies repeat, another
+    model, tools and an out-of-range temperature are refused by name, the counts add up, and
+    nothing answers after close (twice is harmless)."""
     from trellis.plugins import load_plugins
     from trellis.recipes.judge_engine import start_judge
     from trellis.rewards import JudgeEngineConfig
@@ -595,11 +596,19 @@ def check_judge_engine(engine: str, model_path: str, **options) -> None:
         status, reply = judge_post(server.url, ask, server.token)
         assert status == 200 and reply["model"] == model_path
         assert 0 < reply["usage"]["completion_tokens"] <= 3 and isinstance(reply["choices"][0]["message"]["content"], str)
+        # greedy: the same prompt gets the same reply
         assert judge_post(server.url, ask, server.token)[1]["choices"][0]["message"] == reply["choices"][0]["message"]
-        assert judge_post(server.url, ask, None)[0] == 401
+        assert judge_post(server.url, ask, None)[0] == 401 and judge_post(server.url, ask, "wrong")[0] == 401
+        status, refused = judge_post(server.url, {**ask, "model": "gpt-4o"}, server.token)
+        assert status == 404 and f"this server serves {model_path!r}" in refused["error"]["message"]
+        status, refused = judge_post(server.url, {**ask, "tools": [{"type": "function", "function": {"name": "f"}}]}, server.token)
+        assert status == 400 and "serves no tools" in refused["error"]["message"]
+        status, refused = judge_post(server.url, {**ask, "temperature": 3}, server.token)
+        assert status == 400 and "temperature=3" in refused["error"]["message"]
         counts = server.counts()
-        assert counts["requests"] == 2 and counts["refused"] == 1 and counts["completion_tokens"] == 2 * reply["usage"]["completion_tokens"]
+        assert counts["requests"] == 2 and counts["refused"] == 5 and counts["completion_tokens"] == 2 * reply["usage"]["completion_tokens"]
     finally:
+        server.close()
         server.close()
     assert judge_closed(server.url)
 

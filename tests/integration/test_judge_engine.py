@@ -4,17 +4,16 @@ called over real HTTP on loopback; its refusals before any model is built."""
 from __future__ import annotations
 
 import pytest
+from engine_cases import check_judge_engine
 from engine_cases import judge_closed as closed
-from engine_cases import judge_post as post
 
 from trellis import judge
 from trellis.config import ConfigError
-from trellis.plugins import load_plugins
 from trellis.recipes import rl
 from trellis.recipes.judge_engine import start_judge, with_served_judges
 from trellis.recipes.judge_server import JudgeServer
 from trellis.recipes.train import train
-from trellis.rewards import JudgeEngineConfig, RewardConfig, RewardError
+from trellis.rewards import RewardConfig, RewardError
 
 TEMPLATE = "Grade this answer to the reference {reference}: {response}"
 
@@ -33,28 +32,7 @@ def served(monkeypatch):
 
 
 def test_the_server_answers_chat_completions_with_the_run_token_only(tiny_model_path):
-    registry = load_plugins().registry
-    server = start_judge(JudgeEngineConfig(engine="hf", model=tiny_model_path, max_new_tokens=5), registry, seed=0)
-    try:
-        ask = {"messages": [{"role": "user", "content": "2+3="}], "max_tokens": 3, "temperature": 0}
-        status, reply = post(server.url, ask, server.token)
-        assert status == 200 and reply["model"] == tiny_model_path
-        assert reply["usage"]["completion_tokens"] <= 3 and isinstance(reply["choices"][0]["message"]["content"], str)
-        # greedy: the same prompt gets the same reply
-        assert post(server.url, ask, server.token)[1]["choices"][0]["message"] == reply["choices"][0]["message"]
-        assert post(server.url, ask, None)[0] == 401 and post(server.url, ask, "wrong")[0] == 401
-        status, refused = post(server.url, {**ask, "model": "gpt-4o"}, server.token)
-        assert status == 404 and f"this server serves {tiny_model_path!r}" in refused["error"]["message"]
-        status, refused = post(server.url, {**ask, "tools": [{"type": "function", "function": {"name": "f"}}]}, server.token)
-        assert status == 400 and "serves no tools" in refused["error"]["message"]
-        status, refused = post(server.url, {**ask, "temperature": 3}, server.token)
-        assert status == 400 and "temperature=3" in refused["error"]["message"]
-        counts = server.counts()
-        assert counts["requests"] == 2 and counts["refused"] == 5 and counts["completion_tokens"] == 2 * reply["usage"]["completion_tokens"]
-    finally:
-        server.close()
-        server.close()  # twice is harmless
-    assert closed(server.url)
+    check_judge_engine("hf", tiny_model_path)
 
 
 def test_a_failed_engine_build_is_raised_by_start():
