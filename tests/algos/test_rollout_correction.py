@@ -80,6 +80,7 @@ def test_sequence_k3_rejection_drops_the_whole_sequence():
 def test_mismatch_metrics_by_hand():
     _, _, metrics = correct(log_metrics=True)
     assert metrics["rollout_corr/kl"] == pytest.approx(-(LN3 - LN2) / 2)  # mean(rollout - trainer)
+    assert metrics["rollout_corr/abs_diff"] == pytest.approx((LN3 + LN2) / 2)  # mean |trainer - rollout|
     assert metrics["rollout_corr/k3_kl"] == pytest.approx(((3 - 1 - LN3) + (0.5 - 1 + LN2)) / 2)
     assert metrics["rollout_corr/chi2_token"] == pytest.approx((9 + 0.25) / 2 - 1)
     assert metrics["rollout_corr/chi2_seq"] == pytest.approx(1.5**2 - 1)

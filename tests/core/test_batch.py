@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollouts import rollout_round
 
 from trellis.batch import Batch, last_valid_index, position_ids
 
@@ -139,3 +140,51 @@ def test_positions_count_attended_tokens_and_the_last_valid_index_is_minus_one_f
     assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]
     assert last_valid_index(mask).tolist() == [4, 3, -1, 3]
     assert last_valid_index(torch.zeros(2, 0)).tolist() == [-1, -1]
+
+
+
+@pytest.mark.parametrize(
+    "rounds",
+    [
+        # a round of prompt width 2 then one of width 3 (the DAPO reproduction), responses of other widths
+        [([[11, 12], [13]], [[21, 22, 23], [24]]), ([[31, 32, 33]], [[41, 42]])],
+        # the same total width (2 + 3 and 3 + 2): the merge must still split prompt from response
+        [([[11, 12]], [[21, 22, 23]]), ([[31, 32, 33]], [[41, 42]])],
+        # three rounds, the widest prompt last
+        [([[11]], [[21]]), ([[12, 13]], [[22, 23, 24, 25]]), ([[14, 15, 16, 17]], [[26]])],
+    ],
+)
+def test_rollout_batches_merge_prompt_left_response_right(rounds):
+    from trellis.runtime.invariants import check_alignment
+
+    parts = [rollout_round(p, r, 10 * i) for i, (p, r) in enumerate(rounds)]
+    out = Batch.cat(parts, pad=True)
+    prompts = [p for ps, _ in rounds for p in ps]
+    responses = [r for _, rs in rounds for r in rs]
+    width = out["responses"].shape[1]
+    assert width == max(map(len, responses)) and out["prompts"].shape[1] == max(map(len, prompts))
+    assert out["input_ids"].shape[1] == out["prompts"].shape[1] + width
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        row_ids, row_mask = out["input_ids"][i], out["attention_mask"][i].bool()
+        assert row_ids[row_mask].tolist() == p + r  # the sample's tokens, in order
+        assert out["input_ids"][i, -width:][: len(r)].tolist() == r  # the response is the last response_len columns
+        assert out["response_mask"][i].tolist() == [1] * len(r) + [0] * (width - len(r))
+        assert out["prompts"][i][out["attention_mask"][i, : out["prompts"].shape[1]].bool()].tolist() == p
+        assert out["rollout_log_probs"][i].tolist() == [-0.5] * len(r) + [0.0] * (width - len(r))
+    assert torch.equal(out["position_ids"], position_ids(out["attention_mask"]))
+    assert out["uid"].tolist() == [u for part in parts for u in part["uid"].tolist()]
+    check_alignment(out, step=1)
+
+
+def test_a_rollout_field_of_unknown_width_is_refused_by_name():
+    a, b = rollout_round([[1, 2]], [[3]]), rollout_round([[1]], [[3, 4]])
+    a["hidden"], b["hidden"] = torch.zeros(1, 7), torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="field 'hidden' is 7 wide"):
+        Batch.cat([a, b], pad=True)
+
+
+def test_padding_widens_dimension_one_of_wider_fields():
+    a = Batch({"top": torch.ones(1, 2, 3)})  # (batch, positions, k)
+    b = Batch({"top": torch.ones(1, 4, 3)})
+    out = Batch.cat([a, b], pad=True)
+    assert out["top"].shape == (2, 4, 3) and out["top"][0].sum() == 6

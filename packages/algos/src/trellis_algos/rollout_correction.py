@@ -211,7 +211,8 @@ def rejection_mask(
 
 
 def mismatch_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the trainer is from the engine: ``kl`` (KL(rollout || trainer), k1), ``k3_kl``,
+    """How far the trainer is from the engine: ``kl`` (KL(rollout || trainer), k1), ``abs_diff``
+    (mean |trainer - rollout| log-prob per token: what core's agreement check bounds), ``k3_kl``,
     ``chi2_token`` ``E[w^2] - 1``, ``chi2_seq`` ``E_seq[(prod w)^2] - 1`` (log clamped to ±20) and
     ``log_ppl_diff`` (mean over sequences of the rollout's mean log-prob minus the trainer's)."""
     x = log_prob - rollout_log_prob
@@ -220,6 +221,7 @@ def mismatch_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mas
     ppl_diff = masked_mean(rollout_log_prob, mask, dim=-1) - masked_mean(log_prob, mask, dim=-1)
     return {
         "kl": float(masked_mean(-x, mask)),
+        "abs_diff": float(masked_mean(x.abs(), mask)),
         "k3_kl": float(masked_mean(torch.exp(x) - x - 1.0, mask)),
         "chi2_token": float(masked_mean(torch.exp(2.0 * torch.clamp(x, -SAFETY_BOUND, SAFETY_BOUND)), mask) - 1.0),
         "chi2_seq": float(masked_mean(torch.exp(2.0 * seq_sum), seq_valid) - 1.0),

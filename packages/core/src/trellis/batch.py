@@ -146,9 +146,11 @@ class Batch:
     def cat(batches: Iterable[Batch], pad: bool = False) -> Batch:
         """Samples of all ``batches`` one after another; fields must match. Meta of the first.
 
-        ``pad``: tensors of a field may differ in their last dimension (e.g. responses generated on
-        different ranks); each is right-padded with zeros to the widest. Only right-padded,
-        masked fields may differ, so the zeros are never read as tokens.
+        ``pad``: tensors of a field may differ in their width (dimension 1: e.g. responses generated
+        on different ranks, rounds of prompts of other lengths); the zeros padded in are masked, so
+        never read as tokens. Batches in the rollout layout (``input_ids`` and ``responses``) are
+        padded by :func:`rollout_padded`, side by side (the prompt left, the response right),
+        so the last ``response_len`` columns stay the response; other fields are right-padded.
         """
         batches = list(batches)
         if not batches:
@@ -158,7 +160,7 @@ class Batch:
             if set(b.keys()) != keys:
                 raise ValueError(f"cannot concatenate batches with different fields: {sorted(keys)} vs {sorted(b.keys())}")
         if pad:
-            batches = _right_padded(batches)
+            batches = rollout_padded(batches) if all(_is_rollout(b) for b in batches) else _right_padded(batches)
         tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else TensorDict(
             {}, batch_size=[sum(len(b) for b in batches)]
         )
@@ -230,14 +232,65 @@ class Batch:
 
 
 def _right_padded(batches: list[Batch]) -> list[Batch]:
-    widths = {k: max(b.tensors[k].shape[-1] for b in batches) for k in batches[0].tensors.keys() if batches[0].tensors[k].dim() > 1}
+    """Each field of ``batches`` of two or more dimensions right-padded with zeros to its widest."""
+    widths = {k: max(b.tensors[k].shape[1] for b in batches) for k in batches[0].tensors.keys() if batches[0].tensors[k].dim() > 1}
+    return [
+        Batch({k: _pad(t, 0, widths[k] - t.shape[1]) if k in widths else t for k, t in b.tensors.items()}, b.non_tensors, b.meta)
+        for b in batches
+    ]
+
+
+# rollout-layout fields that hold the prompt alone, left-padded ``(batch, prompt_len)``
+PROMPT_SIDE = ("prompts",)
+
+
+def _is_rollout(batch: Batch) -> bool:
+    return "input_ids" in batch.tensors.keys() and "responses" in batch.tensors.keys()
+
+
+def rollout_padded(batches: list[Batch]) -> list[Batch]:
+    """``batches`` in the rollout layout (each sample's prompt left-padded to its batch's longest,
+    then its response right-padded: ``(batch, prompt_len + response_len)`` fields such as
+    ``input_ids``, ``(batch, response_len)`` fields such as ``responses``), padded to one width:
+    the prompt side of each field on the left to the longest prompt, the response side on the
+    right to the longest response, ``position_ids`` recomputed from the attention mask. Every
+    batch keeps the rule the trainer reads samples by: the response is the last
+    ``response_len`` columns of ``input_ids``. A field of another width is refused by name."""
+    prompt = max(_prompt_len(b) for b in batches)
+    response = max(b.tensors["responses"].shape[1] for b in batches)
     out = []
     for b in batches:
-        tensors = {
-            k: torch.nn.functional.pad(t, (0, widths[k] - t.shape[-1])) if k in widths else t for k, t in b.tensors.items()
-        }
+        p, r = _prompt_len(b), b.tensors["responses"].shape[1]
+        tensors = {}
+        for k, t in b.tensors.items():
+            if t.dim() < 2:
+                tensors[k] = t
+            elif k in PROMPT_SIDE:
+                tensors[k] = _pad(t, prompt - t.shape[1], 0)
+            elif t.shape[1] == p + r:
+                tensors[k] = torch.cat([_pad(t[:, :p], prompt - p, 0), _pad(t[:, p:], 0, response - r)], dim=1)
+            elif t.shape[1] == r:
+                tensors[k] = _pad(t, 0, response - r)
+            else:
+                raise ValueError(
+                    f"cannot merge rollout batches: field {k!r} is {t.shape[1]} wide, neither prompt + response ({p} + {r}) nor "
+                    f"the response ({r}); a prompt-side field must be named in trellis.batch.PROMPT_SIDE"
+                )
+        if "position_ids" in tensors and tensors["position_ids"].shape == tensors.get("attention_mask", torch.empty(0)).shape:
+            tensors["position_ids"] = position_ids(tensors["attention_mask"])
         out.append(Batch(tensors, b.non_tensors, b.meta))
     return out
+
+
+def _prompt_len(batch: Batch) -> int:
+    return batch.tensors["input_ids"].shape[1] - batch.tensors["responses"].shape[1]
+
+
+def _pad(t: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    """``t`` ``(batch, width, ...)`` with ``left`` and ``right`` zero columns added on dimension 1."""
+    if not left and not right:
+        return t
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (left, right))
 
 
 def _object_array(values: Sequence[Any] | np.ndarray) -> np.ndarray:

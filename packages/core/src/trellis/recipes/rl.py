@@ -48,6 +48,7 @@ from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overl
 from trellis.runtime.ahead import MODES, Producer, TrainedPosition, partial_chunk, staleness_bound, staleness_metrics
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext, StageTimer, backend_mesh
+from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
 from trellis.runtime.partial import generate_in_chunks, version_span
 from trellis.runtime.plan import Plan
 from trellis.runtime.rollout_pool import check_rollout_pool
@@ -331,7 +332,10 @@ class RLRecipe:
                          "with weights of its own", cfg.trainer.async_mode, bound)  # fmt: skip
             rollout = run.spawn_rollout(actor, tokenizer, max_len=longest_sequence(cfg), own_weights=bound is not None)
             sampling = SamplingParams(**cfg.sampling)
-            probe = SyncProbe(instantiate_options(cfg.sync_check, SyncCheckConfig), rollout, sampling)
+            sync_options = instantiate_options(cfg.sync_check, SyncCheckConfig)
+            precision = trainer_dtype(resolve_component(registry, "backend", cfg.backend)[1])
+            probe = SyncProbe(sync_options, rollout, sampling, precision)
+            agreement = agreement_check(sync_options, rollout, sampling, precision)
             samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
             on_policy = on_policy_update(cfg, registry, estimator, samples_per_step)
             validate = functools.partial(self.validate, rollout, val, reward_fn, cfg, agent) if val is not None else None
@@ -433,6 +437,7 @@ class RLRecipe:
                         end_step(step, {**reward_metrics, **groups_with_signal(first.scores, first_groups(first, params.n))})
                         continue
                     batch.meta["step"] = step
+                    check_alignment(batch, step)
                     run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
                     old = None  # on-policy: the actor's update computes them in its first forward
                     if not on_policy:
@@ -466,7 +471,8 @@ class RLRecipe:
                     with timer("weight_sync"):
                         rollout.sync_weights(version=step)
                     with timer("sync_check"):
-                        sync_metrics = probe.check(actor, batch, step)
+                        gap = update_metrics.get("actor/rollout_corr/abs_diff")
+                        sync_metrics = {**agreement.check(batch, step, batch.get("old_log_probs"), gap), **probe.check(actor, batch, step)}
 
                     mask = batch["response_mask"].float()
                     end_step(step, {

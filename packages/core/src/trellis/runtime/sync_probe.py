@@ -11,15 +11,10 @@ from trellis.batch import Batch, position_ids
 from trellis.config import ranged
 from trellis.interfaces.rollout import SamplingParams
 from trellis.runtime.controller import RolloutGroup, WorkerGroup
-
-# mean |engine - trainer| log-prob per token that a correct sync stays under, by the engines' weight
-# dtype: float32 kernels differ in summation order only (1e-6-ish); 16-bit rounding of activations
-# moves log-probs by about 1e-2 (None: the dtype is the model config's, unknown here)
-DEFAULT_MAX_GAP = {torch.float32: 1e-3, torch.float64: 1e-3}
-SIXTEEN_BIT_MAX_GAP = 0.1
+from trellis.runtime.invariants import InvariantFailed, describe, gap_bound
 
 
-class SyncCheckFailed(RuntimeError):
+class SyncCheckFailed(InvariantFailed):
     """An engine's weights differ from the trainer's after a weight sync."""
 
 
@@ -28,21 +23,27 @@ class SyncCheckConfig:
     """After every weight sync each engine samples ``tokens`` greedy tokens of a fixed prompt (the
     first training prompt) and the trainer scores them: ``sync/probe_gap`` is the largest per-engine
     mean |engine - trainer| log-prob. Above ``max_gap`` the run stops, naming the engine.
-    max_gap: None picks it from the engines' weight dtype (1e-3 in float32, 0.1 in 16-bit)."""
+    Every step, the same gap over the batch's response tokens (``sync/batch_gap``, the samples the
+    current weights generated; ``trellis.runtime.invariants``) must stay under ``max_batch_gap``.
+    Both bounds, when None, come from the lower precision of the trainer's compute dtype and the
+    engines' weight dtype: 1e-3 when both are float32 (1e-4 for the batch when the engine generates
+    from the actor's own module), 0.1 when either is 16-bit or unknown."""
 
     enable: bool = True
     max_gap: float | None = ranged(None, gt=0)
+    max_batch_gap: float | None = ranged(None, gt=0)
     tokens: int = ranged(4, ge=1)
 
 
 class SyncProbe:
     """Holds the probe prompt and checks one sync at a time (:meth:`check`)."""
 
-    def __init__(self, options: SyncCheckConfig, rollout: RolloutGroup, params: SamplingParams) -> None:
+    def __init__(self, options: SyncCheckConfig, rollout: RolloutGroup, params: SamplingParams, trainer_dtype: torch.dtype | None) -> None:
         self.options = options
         self.rollout = rollout
         self.params = SamplingParams(n=1, greedy=True, max_new_tokens=options.tokens, stop_token_ids=list(params.stop_token_ids))
-        self.max_gap = options.max_gap or DEFAULT_MAX_GAP.get(rollout.weight_dtype, SIXTEEN_BIT_MAX_GAP)
+        self.max_gap = options.max_gap or gap_bound(trainer_dtype, rollout.weight_dtype)
+        self.sides = describe(trainer_dtype, rollout.weight_dtype, False)
         self.prompt: Batch | None = None
 
     @property
@@ -71,7 +72,7 @@ class SyncProbe:
             raise SyncCheckFailed(
                 f"step {step}: after the weight sync, rollout engine {worst} of {engines} ({self.rollout.engine_name}) gives the "
                 f"probe's tokens log-probs {float(gaps[worst]):.3g} apart from the trainer's on average (sync_check.max_gap="
-                f"{self.max_gap:g}): the engine is not sampling from the weights being trained. Check the engine's weight "
+                f"{self.max_gap:g}; {self.sides}): the engine is not sampling from the weights being trained. Check the engine's weight "
                 "loading (the names and dtype it receives); if the gap is only numerical (e.g. another dtype), raise "
                 "sync_check.max_gap"
             )
