@@ -75,6 +75,17 @@ def test_one_step_ahead_trains_the_same_prompts_on_samples_one_version_old(run_r
     assert trained_prompts(tmp_path / "ahead") == trained_prompts(tmp_path / "off")
 
 
+def test_a_bfloat16_trainer_one_step_ahead_of_a_float32_engine_trains(run_rl, tmp_path, with_signal):
+    """The sync checks bound the gap by the lower precision of both sides: bfloat16 rounding passes.
+    Step 1's samples come from the weights the trainer holds (the batch gap is checked); later
+    steps' are a version old (not rounding: reported only where fresh samples exist)."""
+    _, rows = run_rl("trainer.total_steps=3", "backend.dtype=bfloat16", "trainer.async_mode=one_step", *with_signal)
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(0 < r["sync/probe_gap"] < 0.1 for r in steps)
+    assert 0 < steps[0]["sync/batch_gap"] < 0.1
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -4,6 +4,7 @@ update; ``trellis config init dapo`` is DAPO's settings and passes the dry run."
 
 from __future__ import annotations
 
+from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.recipes.rl import RLRecipe
 from trellis.runtime.worker import RoleWorker
 
@@ -47,6 +48,37 @@ def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_
         assert row["response/masked_truncated"] == int((update["response_mask"].sum(-1) == 0).sum())
     # about half the prompts have an even answer: their groups are dropped, so some steps need a second round
     assert sum(r["dynamic_sampling/dropped_groups"] for r in steps) > 0
+
+
+def test_rounds_of_other_prompt_widths_train_on_the_sampled_tokens(run_rl, tmp_path, monkeypatch):
+    """The merged rounds keep every response where the trainer reads it: with the HF engine sharing
+    the actor's module, the trainer's log-probs equal the engine's to float noise at steps of
+    several rounds whose prompts differ in width (a right-padded merge put them 0.24 nats apart)."""
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_REWARD)
+    merged = []
+    advantages = RLRecipe.compute_advantages
+
+    def seen(batch, *args):
+        merged.append(batch)
+        return advantages(batch, *args)
+
+    monkeypatch.setattr(RLRecipe, "compute_advantages", staticmethod(seen))
+    rows = make_arithmetic_split(64, 0, max_value=50)
+    for i, row in enumerate(rows):  # the question asked 1 to 3 times: prompts of other widths in every round
+        row["prompt"][0]["content"] *= 1 + i % 3
+    data = write_rows(rows, tmp_path / "widths.parquet")
+    _, rows = run_rl(
+        f"reward.path={reward}", "reward.name=half", "algorithm.dynamic_sampling.enable=true", "trainer.total_steps=3",
+        f"data.train_path={data}", "actor.policy_loss.log_metrics=true",
+    )  # fmt: skip
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    several = [(r, b) for r, b in zip(steps, merged) if r["dynamic_sampling/rounds"] > 1]
+    assert several, "no step took more than one round"
+    for row, batch in several:
+        prompt_lengths = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1)
+        assert prompt_lengths.unique().numel() == 3
+        assert abs(row["actor/rollout_corr/kl"]) < 1e-6 and row["sync/batch_gap"] < 1e-5, row
 
 
 def test_generating_ahead_carries_kept_groups_over_and_filters_plug_in(run_rl, tmp_path):
