@@ -3,8 +3,9 @@ run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh``: GRPO, bf16 master weights t
 ``fsdp_config.model_dtype``, verl's ``Gsm8kInteraction`` named by its interaction config file),
 converted by ``trellis config from-verl`` with only the model, sizes and rollout engine overridden,
 trains its steps and resumes. verl 0.9.1's wheel ships no ``verl.interactions``, so the converted
-entry's class is swapped for trellis-interactions' ``gsm8k`` (the same GSM8K rule and feedback). Its trainer computes in bfloat16 and its engine holds float32
-weights: the sync checks' bounds come from both sides (a float32-only bound stopped it at step 1)."""
+entry's class is swapped for trellis-interactions' ``gsm8k`` (the same GSM8K rule and feedback).
+Its trainer computes in bfloat16 and its engine holds float32 weights: the sync checks' bounds come
+from both sides (a float32-only bound stopped it at step 1)."""
 
 from __future__ import annotations
 

@@ -270,7 +270,9 @@ class Run:
         mesh = Mesh.for_options(options, self.controller.world_size())
         make = functools.partial(make_engine, spec)
         if self.cfg.trainer.rollout_pool:
-            return self.controller.spawn_rollout(make, actor, mesh, own_weights, engine_devices=getattr(options, "tensor_parallel_size", 1))
+            from trellis.runtime.rollout_pool import spawn_pool
+
+            return spawn_pool(self.controller, make, actor, getattr(options, "tensor_parallel_size", 1))
         return self.controller.spawn_rollout(make, actor, mesh, own_weights)
 
     def start(

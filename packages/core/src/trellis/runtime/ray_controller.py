@@ -464,15 +464,9 @@ class RayController(Controller):
         actor: WorkerGroup,
         mesh: Mesh | None = None,
         own_weights: bool = False,
-        engine_devices: int = 1,
     ) -> RolloutGroup:
-        """Colocated (an engine per rank, laid out as ``mesh``), or with ``rollout_pool`` set a pool
-        of engine processes of their own, each holding ``engine_devices`` GPUs (when there are).
-        Either way an engine holds its own copy of the weights."""
-        if self.rollout_pool:
-            from trellis.runtime.rollout_pool import spawn_pool
-
-            return spawn_pool(self, make_engine, actor, engine_devices)
+        """An engine per rank of the actor, laid out as ``mesh``, holding its own copy of the
+        weights (a pool of engine processes of their own: :func:`trellis.runtime.rollout_pool.spawn_pool`)."""
         pool = self._pool("actor")
         built = pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
         rollout = RayRollout(pool, actor.role, mesh or Mesh.data_parallel(self.world))
