@@ -1,6 +1,7 @@
 """What the always-on run invariants cost: the fixed-probe check after every weight sync
-(``sync_check``) against the rl step it follows, and the multi-turn sampled-ids check per
-conversation. The demo's RL settings on a random model of the demo's size, the HF engine holding
+(``sync_check``) against the rl step it follows, the checks every batch passes (alignment and the
+trainer-vs-engine log-prob agreement, ``trellis.runtime.invariants``) and the multi-turn
+sampled-ids check per conversation. The demo's RL settings on a random model of the demo's size, the HF engine holding
 weights of its own (``rollout.share_actor_weights=false``: the probe runs; an engine sharing the
 actor's module has nothing to check).
 
@@ -47,12 +48,38 @@ def main() -> None:
     gap = max(r["sync/probe_gap"] for r in rows)
 
     per_conversation = multiturn_check_seconds()
+    batch_checks = batch_checks_seconds()
     print(f"\nthe demo's rl step (16 prompts x 8 samples, 12 new tokens), {len(rows)} steps after warm-up, medians")
     print(f"{'step':>10} {'sync check':>12} {'share':>8} {'largest probe gap':>19}")
     print(f"{step:>9.3f}s {check * 1000:>10.1f}ms {check / step:>8.2%} {gap:>19.2e}")
+    print(f"batch checks (alignment + agreement) on the step's 128 samples: {batch_checks * 1e3:.2f} ms, {batch_checks / step:.2%} of the step")
     print(f"multi-turn sampled-ids check: {per_conversation * 1e6:.1f} us per conversation of 4 turns, 512 tokens")
     print(f"RESULT sync_check_share={check / step:.4f} sync_check_ms={check * 1000:.1f} step_s={step:.3f} probe_gap_max={gap:.2e} "
+          f"batch_checks_ms={batch_checks * 1e3:.3f} batch_checks_share={batch_checks / step:.5f} "
           f"multiturn_check_us={per_conversation * 1e6:.1f}")  # fmt: skip
+
+
+def batch_checks_seconds(repeats: int = 200) -> float:
+    """Seconds the per-batch checks take on a batch of the demo's size: 128 samples of prompts of
+    8-16 tokens and 12 response tokens (alignment, then the agreement of fresh samples' log-probs)."""
+    import torch
+
+    from trellis.batch import Batch
+    from trellis.data import left_pad
+    from trellis.interfaces.rollout import SamplingParams, samples_batch
+    from trellis.runtime.invariants import AgreementCheck, check_alignment
+
+    ids, mask, pos = left_pad([list(range(8 + i % 9)) for i in range(16)], 0)
+    params = SamplingParams(n=8, max_new_tokens=12)
+    batch = samples_batch(Batch({"input_ids": ids, "attention_mask": mask, "position_ids": pos}), params, [[5] * 12] * 128, [[-0.5] * 12] * 128, 0)
+    batch["weight_version"] = torch.zeros(128, dtype=torch.long)
+    old = batch["rollout_log_probs"] + 1e-6
+    check = AgreementCheck(1e-3, "", True)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        check_alignment(batch, 1)
+        check.check(batch, 1, old)
+    return (time.perf_counter() - start) / repeats
 
 
 def multiturn_check_seconds(repeats: int = 200) -> float:

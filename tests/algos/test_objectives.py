@@ -102,6 +102,22 @@ def test_preference_objective_forwards_chosen_then_rejected_and_takes_its_share(
     assert float(loss) == pytest.approx(float(expected), abs=1e-6) and metrics["loss"] == pytest.approx(float(expected), abs=1e-6)
 
 
+def test_preference_pairs_whose_sides_differ_in_prompt_width_keep_each_response_last(registry):
+    """SPIN's pairs: each side in the rollout layout, padded to its own widths (the data's answer
+    beside a generated one); chosen then rejected rows must keep every response in the last columns."""
+    from rollouts import rollout_round
+
+    from trellis.runtime.invariants import check_alignment
+
+    objective = make(registry, "preference", PreferenceTrainConfig, loss={"name": "sigmoid", "beta": 0.5})
+    chosen = rollout_round([[1, 2, 3], [4]], [[11, 12], [13]])
+    rejected = rollout_round([[1], [4, 5]], [[21, 22, 23, 24], [25, 26]])
+    rows = objective.rows(pair_batch(chosen, rejected, torch.zeros(2), torch.zeros(2)))
+    check_alignment(rows, step=1)
+    kept = [r[m.bool()].tolist() for r, m in zip(rows["input_ids"], rows["attention_mask"])]
+    assert kept == [[1, 2, 3, 11, 12], [4, 13], [1, 21, 22, 23, 24], [4, 5, 25, 26]]
+
+
 def test_bradley_terry_objective_by_hand_on_three_pairs(registry):
     from trellis.recipes.rm import RMTrainConfig
 

@@ -240,8 +240,10 @@ def _right_padded(batches: list[Batch]) -> list[Batch]:
     ]
 
 
-# rollout-layout fields that hold the prompt alone, left-padded ``(batch, prompt_len)``
+# rollout-layout fields that hold the prompt alone, left-padded ``(batch, prompt_len)``; and the model
+# inputs over prompt + response, named for a batch without prompt tokens (the two widths are one)
 PROMPT_SIDE = ("prompts",)
+SEQUENCE_SIDE = ("input_ids", "attention_mask", "position_ids")
 
 
 def _is_rollout(batch: Batch) -> bool:
@@ -267,7 +269,7 @@ def rollout_padded(batches: list[Batch]) -> list[Batch]:
                 tensors[k] = t
             elif k in PROMPT_SIDE:
                 tensors[k] = _pad(t, prompt - t.shape[1], 0)
-            elif t.shape[1] == p + r:
+            elif t.shape[1] == p + r and (p or k in SEQUENCE_SIDE):
                 tensors[k] = torch.cat([_pad(t[:, :p], prompt - p, 0), _pad(t[:, p:], 0, response - r)], dim=1)
             elif t.shape[1] == r:
                 tensors[k] = _pad(t, 0, response - r)
