@@ -15,6 +15,7 @@ import spine_plugins  # noqa: E402  (test-only plugins beside this file)
 
 from trellis.plugins import load_plugins  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
+from trellis.runtime.invariants import InvariantFailed  # noqa: E402
 from trellis.runtime.sync_probe import SyncCheckFailed  # noqa: E402
 
 
@@ -66,9 +67,17 @@ def test_an_engine_with_weights_of_its_own_matches_the_trainer_after_every_sync(
 
 
 def test_a_sync_that_silently_keeps_the_old_weights_stops_the_run_naming_the_engine(plugins, tiny_model_path, data_files, tmp_path):
-    named = r"step 1: after the weight sync, rollout engine 0 of 1 \(SkipSyncEngine\) .*\(sync_check.max_gap=0.001\)"
+    named = r"step 1: after the weight sync, rollout engine 0 of 1 \(SkipSyncEngine\) .*\(sync_check.max_gap=0.001; trainer float32, engine float32\)"
     with pytest.raises(SyncCheckFailed, match=named):
         train(None, _rl(tiny_model_path, data_files, tmp_path / "run", "rollout.name=skip_sync"), plugins=plugins)
+
+
+def test_a_lost_sync_also_stops_the_run_at_the_next_batch(plugins, tiny_model_path, data_files, tmp_path):
+    """With the probe's bound out of reach, the batch's own log-prob agreement check finds the same
+    engine at step 2: its samples claim the weights of step 1, the trainer scores them otherwise."""
+    named = r"step 2: log-prob agreement check: .* above the 0.001 that rounding explains \(trainer float32, engine float32\)"
+    with pytest.raises(InvariantFailed, match=named):
+        train(None, _rl(tiny_model_path, data_files, tmp_path / "run", "rollout.name=skip_sync", "sync_check.max_gap=100"), plugins=plugins)
 
 
 def test_an_engine_sharing_the_actors_module_has_nothing_to_check(plugins, tiny_model_path, data_files, tmp_path):
