@@ -11,8 +11,8 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.rollout import SamplingParams
-from trellis.recipes.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 from trellis.recipes.rl import truncated, without_truncated
+from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 from trellis.rewards import RewardResult, add_overlong_penalty, overlong_penalty
 
 

@@ -4,8 +4,8 @@ update; ``trellis config init dapo`` is DAPO's settings and passes the dry run."
 
 from __future__ import annotations
 
+import trellis.recipes.rl.learner as learner
 from trellis.examples.tasks import make_arithmetic_split, write_rows
-from trellis.recipes.rl import RLRecipe
 from trellis.runtime.worker import RoleWorker
 
 HALF_REWARD = '''
@@ -20,7 +20,7 @@ def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_
     reward = tmp_path / "half.py"
     reward.write_text(HALF_REWARD)
     steps_seen, updates = [], []  # the recipe's batch (uids, rewards) and what the actor's update got
-    train, advantages = RoleWorker.train, RLRecipe.compute_advantages
+    train, advantages = RoleWorker.train, learner.compute_advantages
 
     def recording(self, verb, batch):
         if verb == "update" and self.spec.role == "actor":
@@ -32,7 +32,7 @@ def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_
         return advantages(batch, *args)
 
     monkeypatch.setattr(RoleWorker, "train", recording)
-    monkeypatch.setattr(RLRecipe, "compute_advantages", staticmethod(seen))
+    monkeypatch.setattr(learner, "compute_advantages", seen)
     _, rows = run_rl(
         f"reward.path={reward}", "reward.name=half", "algorithm.dynamic_sampling.enable=true", "actor.mask_truncated=true",
     )  # fmt: skip
@@ -57,13 +57,13 @@ def test_rounds_of_other_prompt_widths_train_on_the_sampled_tokens(run_rl, tmp_p
     reward = tmp_path / "half.py"
     reward.write_text(HALF_REWARD)
     merged = []
-    advantages = RLRecipe.compute_advantages
+    advantages = learner.compute_advantages
 
     def seen(batch, *args):
         merged.append(batch)
         return advantages(batch, *args)
 
-    monkeypatch.setattr(RLRecipe, "compute_advantages", staticmethod(seen))
+    monkeypatch.setattr(learner, "compute_advantages", seen)
     rows = make_arithmetic_split(64, 0, max_value=50)
     for i, row in enumerate(rows):  # the question asked 1 to 3 times: prompts of other widths in every round
         row["prompt"][0]["content"] *= 1 + i % 3

@@ -10,24 +10,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import trellis.recipes.rl.learner as learner
 from trellis.config import ConfigError
 from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.examples.tiny import make_tiny_model
-from trellis.recipes.rl import RLRecipe
 
 DISTILL = ("algorithm.advantage.name=reverse_kl_teacher",)
 
 
 def test_a_teacher_identical_to_the_student_gives_zero_advantage(run_rl, tiny_model_path, monkeypatch):
     seen = []
-    advantages = RLRecipe.compute_advantages
+    advantages = learner.compute_advantages
 
     def recording(batch, *args):
         metrics = advantages(batch, *args)
         seen.append(batch)
         return metrics
 
-    monkeypatch.setattr(RLRecipe, "compute_advantages", staticmethod(recording))
+    monkeypatch.setattr(learner, "compute_advantages", recording)
     _, rows = run_rl(*DISTILL, f"teacher.path={tiny_model_path}", "trainer.total_steps=1")
     step = next(r for r in rows if "actor/pg_loss" in r)
     assert step["teacher/reverse_kl"] == 0.0 and step["actor/pg_loss"] == 0.0
@@ -98,8 +98,8 @@ def test_multi_turn_environment_tokens_get_no_advantage(run_rl, tiny_untied_mode
     (response mask 0) inside the response get 0, every model token its own log-ratio."""
     train_file = write_rows(make_arithmetic_split(16, 0, max_value=30, interaction="gsm8k"), tmp_path / "train.parquet")
     seen = []
-    advantages = RLRecipe.compute_advantages
-    monkeypatch.setattr(RLRecipe, "compute_advantages", staticmethod(lambda batch, *a: (seen.append(batch), advantages(batch, *a))[1]))
+    advantages = learner.compute_advantages
+    monkeypatch.setattr(learner, "compute_advantages", lambda batch, *a: (seen.append(batch), advantages(batch, *a))[1])
     run_rl(
         *DISTILL,
         f"teacher.path={tiny_untied_model_path}",

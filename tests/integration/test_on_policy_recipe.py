@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from trellis.recipes import rl
+from trellis.recipes.rl import learner
+from trellis.recipes.rl.checks import on_policy_update
 
 # a reward that differs between samples of a prompt, so advantages and gradients are not 0
 VARIED_REWARD = """
@@ -26,7 +28,7 @@ def test_on_policy_run_equals_the_run_with_an_old_log_prob_pass(run_rl, tmp_path
     reward.write_text(VARIED_REWARD)
     args = ["trainer.threads=1", "validation.before_train=false", f"reward.path={reward}", "reward.name=varied", *overrides]
     _, fast = run_rl(*args, run_dir=tmp_path / "fast")
-    monkeypatch.setattr(rl, "on_policy_update", lambda *a: False)
+    monkeypatch.setattr(learner, "on_policy_update", lambda *a: False)
     _, slow = run_rl(*args, run_dir=tmp_path / "slow")
     steps = [r for r in fast if "reward/mean" in r]
     assert len(steps) == 2 and all("timing/old_log_prob_s" not in r for r in steps)
@@ -35,6 +37,8 @@ def test_on_policy_run_equals_the_run_with_an_old_log_prob_pass(run_rl, tmp_path
     for got, expected in zip(numbers(fast), numbers(slow)):
         # the entropy is summed per micro-batch in float64 by the update, over the batch in float32 by the pass
         assert got.pop("actor/entropy", 0.0) == pytest.approx(expected.pop("actor/entropy", 0.0), rel=1e-6)
+        # the agreement check reads the update's per-micro-batch mean here, the pass's batch mean there
+        assert got.pop("sync/batch_gap", 0.0) == pytest.approx(expected.pop("sync/batch_gap", 0.0), abs=1e-7)
         assert got == expected
 
 
@@ -59,4 +63,4 @@ def test_the_shortcut_is_taken_only_when_exact(overrides, expected):
     registry = load_plugins().registry
     cfg = validate(OmegaConf.merge(OmegaConf.structured(rl.RLConfig), OmegaConf.from_dotlist(overrides)), rl.RLConfig, registry)
     estimator = registry.get("advantage", cfg.algorithm.advantage.name).obj
-    assert rl.on_policy_update(cfg, registry, estimator, samples=16) is expected
+    assert on_policy_update(cfg, registry, estimator, samples=16) is expected

@@ -17,7 +17,7 @@ from multiturn_runs import multi_turn_run
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import trellis.recipes.rl as rl
+import trellis.recipes.rl.samples as rl
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tasks import make_arithmetic_split, write_rows

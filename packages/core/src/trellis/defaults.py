@@ -7,8 +7,8 @@ from trellis.judge import judge_score
 from trellis.multiturn.agent import OpenAIAgentLoop
 from trellis.multiturn.loop import ToolAgentLoop
 from trellis.multiturn.tool_calls import HermesParser
-from trellis.recipes.dynamic_sampling import group_has_signal
 from trellis.recipes.rl import RLRecipe
+from trellis.recipes.rl.dynamic_sampling import group_has_signal
 from trellis.recipes.rm import RMRecipe
 from trellis.recipes.sft import SFTRecipe
 from trellis.rewards import auto_score, gsm8k_score, math_score

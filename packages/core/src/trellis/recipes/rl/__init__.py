@@ -1,0 +1,99 @@
+"""The ``rl`` recipe: PPO-family training of a policy with a rollout engine, from config alone.
+Its parts: ``config`` (the sections), ``checks`` (before anything is built), ``samples`` (where a
+step's samples come from), ``learner`` (what a step does with them); the loop is :meth:`RLRecipe.run`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from itertools import chain
+from typing import Any
+
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from trellis.config import ConfigError
+from trellis.export import save_hf_folder
+from trellis.interfaces.rollout import SamplingParams
+from trellis.recipes.rl.ahead import staleness_bound
+from trellis.recipes.rl.checks import check, check_data, load_data, longest_sequence
+from trellis.recipes.rl.config import AlgorithmConfig, RLConfig, RLTrainerConfig, ValidationConfig
+from trellis.recipes.rl.learner import Learner, compute_advantages, groups_with_signal, truncated, without_truncated
+from trellis.recipes.rl.samples import SampleSource, Scorer, make_reward, sample, score
+from trellis.runtime.controller import RolloutGroup
+from trellis.runtime.harness import Run, RunContext
+
+__all__ = [
+    "AlgorithmConfig", "RLConfig", "RLRecipe", "RLTrainerConfig", "ValidationConfig",
+    "compute_advantages", "groups_with_signal", "truncated", "without_truncated",
+]  # fmt: skip
+
+log = logging.getLogger("trellis")
+
+
+class RLRecipe:
+    """PPO-family training of a policy with a rollout engine, from config alone."""
+
+    Config = RLConfig
+    check = staticmethod(check)
+    check_data = staticmethod(check_data)
+    resume_safe_keys = ("validation", "data.val_path", "data.val_max_prompts", "trainer.log_samples")
+
+    def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+        with Run(cfg, ctx) as run:
+            if run.finished:
+                return run.finished_summary()
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            agent, train, val = load_data(cfg, ctx.registry, tokenizer)
+            bound = staleness_bound(cfg.trainer)  # None: generation inline (async_mode=off)
+            learner = Learner(cfg, run, tokenizer, async_run=bound is not None)
+            reward_fn = make_reward(cfg, run, ctx.registry, tokenizer)
+            if bound is not None:
+                log.info("trainer.async_mode=%s: generation runs ahead of training (samples at most %d version(s) old) on an engine "
+                         "with weights of its own", cfg.trainer.async_mode, bound)  # fmt: skip
+            rollout = run.spawn_rollout(learner.actor, tokenizer, max_len=longest_sequence(cfg), own_weights=bound is not None)
+            learner.watch(rollout)
+            samples = SampleSource(cfg, run, rollout, train, agent, reward_fn, tokenizer, learner.estimator, bound)
+            start = run.start(
+                roles=learner.roles,
+                state={"data": samples.position, "kl": learner.kl_in_reward},
+                rollout=rollout,
+                validate=functools.partial(self.validate, rollout, val, reward_fn, cfg, agent) if val is not None else None,
+                validate_before=cfg.validation.before_train,
+                overlap=bound is not None,
+            )
+            with samples.from_step(start + 1):
+                for step in run.steps(start):
+                    made, handover = samples.take(step)
+                    run.end_step(step, learner.step(step, made, handover))
+                    samples.finished(step)
+            if cfg.trainer.save_hf_model:
+                save_hf_folder(cfg.model.path, chain.from_iterable(learner.actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")
+        return run.summary
+
+    def evaluate(self, cfg: DictConfig, ctx: RunContext) -> dict[str, float]:
+        """Validation alone, once (``trellis eval``): the actor from ``model.path`` and its rollout,
+        no optimizer, critic or reference, nothing written."""
+        if not cfg.data.val_path:
+            raise ConfigError("config key 'data.val_path' is not set; trellis eval scores the held-out prompts it names: set data.val_path=<file>")
+        with Run(cfg, ctx) as run:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            agent, _, val = load_data(cfg, ctx.registry, tokenizer)
+            rollout = run.spawn_rollout(run.spawn("actor", cfg.model.path, cfg.actor), tokenizer, max_len=longest_sequence(cfg))
+            reward_fn = make_reward(cfg, run, ctx.registry, tokenizer)
+            return self.validate(rollout, val, reward_fn, cfg, agent)
+
+    @staticmethod
+    def validate(rollout: RolloutGroup, val, reward_fn: Scorer, cfg: DictConfig, agent=None) -> dict[str, float]:
+        """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
+        multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
+        prompts = val.as_batch()
+        base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.sampling.seed)
+        greedy = score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent), reward_fn, agent)
+        sampled_params = SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
+        sampled = score(sample(rollout, prompts, sampled_params, agent), reward_fn, agent)
+        out = {"greedy_reward_mean": float(greedy.scores.mean()), "reward_mean": float(sampled.scores.mean())}
+        if "reward/first_turn_mean" in greedy.metrics:
+            out["greedy_first_turn_reward_mean"] = greedy.metrics["reward/first_turn_mean"]
+            out["first_turn_reward_mean"] = sampled.metrics["reward/first_turn_mean"]
+        return out

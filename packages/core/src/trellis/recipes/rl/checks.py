@@ -1,0 +1,218 @@
+"""What the ``rl`` recipe checks before any model is built, and the data it reads: errors a user
+can fix, each naming the key and the fix."""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from trellis.config import ConfigError, resolve_component
+from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
+from trellis.memory import check_activation_memory
+from trellis.multiturn.checks import check_multi_turn
+from trellis.multiturn.environment import agent_spec
+from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
+from trellis.recipes.judge_engine import check_judge_engine
+from trellis.recipes.options import check_inputs
+from trellis.recipes.reward_model import check_reward_model
+from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
+from trellis.recipes.teacher import TEACHER_NEED, check_teacher
+from trellis.registry import RegistryError
+from trellis.rewards import check_reward, unknown_sources
+from trellis.runtime.harness import backend_mesh
+from trellis.runtime.plan import Plan
+from trellis.runtime.rollout_pool import check_rollout_pool
+
+log = logging.getLogger("trellis")
+
+
+def needs(estimator) -> tuple[str, ...]:
+    """What a registered advantage estimator declares in its ``needs`` attribute
+    (``trellis.interfaces.signatures.AdvantageEstimator``)."""
+    return tuple(getattr(estimator, "needs", ()))
+
+
+def check(cfg: DictConfig, registry) -> None:
+    """Errors a user can fix, found before any model is built (and, on CUDA, a warning when the
+    actor's micro-batches cannot fit the device: ``trellis.memory``)."""
+    check_judge_engine(cfg, registry)  # before the reward's checks, which call the judges' servers
+    check_reward(cfg.reward, registry, cfg.recipe)
+    check_inputs(cfg)
+    staleness_bound(cfg.trainer)
+    partial_chunk(cfg.trainer, cfg.multi_turn.enable)
+    check_rollout_placement(cfg, registry)
+    samples = check_batch_sizes(cfg, registry)
+    if cfg.algorithm.use_kl_in_reward:
+        _lookup(registry, "objective", "kl_in_reward", "algorithm.use_kl_in_reward")
+    check_auto_reward(cfg)
+    check_multi_turn(cfg, registry)
+    check_streaming(cfg)
+    declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
+    check_length_shaping(cfg)
+    check_teacher(cfg, declared)
+    check_reward_model(cfg)
+    if cfg.algorithm.dynamic_sampling.enable:
+        check_dynamic_sampling(cfg, declared)
+    if "on_policy_only" in declared:
+        check_on_policy(cfg, samples)
+    seq_len = longest_sequence(cfg)
+    check_activation_memory(cfg, registry, "actor", seq_len, seq_len - cfg.data.max_prompt_length)
+    if "groups" in declared and cfg.sampling.n < 2:
+        log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
+
+
+def check_batch_sizes(cfg: DictConfig, registry) -> int:
+    """A step's samples (returned) and the actor's and critic's mini-batches share evenly over the
+    data-parallel ranks, and the mini-batches cut the step into whole parts."""
+    samples = cfg.data.train_batch_prompts * cfg.sampling.n
+    world = backend_mesh(cfg, registry).dp
+    if samples % world:
+        raise ConfigError(
+            f"a step has data.train_batch_prompts x sampling.n = {samples} samples, which {world} data-parallel ranks "
+            f"(trainer.nnodes x trainer.procs_per_node, over the backend's tensor/pipeline groups) cannot share evenly; "
+            f"make it a multiple of {world}"
+        )
+    for role in ("actor", "critic"):
+        mini = cfg[role].mini_batch_samples
+        if mini and mini % world:
+            raise ConfigError(f"config key '{role}.mini_batch_samples' is {mini}; it must be a multiple of the {world} data-parallel ranks")
+        if mini and samples % mini:
+            raise ConfigError(
+                f"config key '{role}.mini_batch_samples' is {mini}, but a step has data.train_batch_prompts x sampling.n = "
+                f"{cfg.data.train_batch_prompts} x {cfg.sampling.n} = {samples} samples; choose a divisor of {samples}"
+            )
+    return samples
+
+
+def check_auto_reward(cfg: DictConfig) -> None:
+    """``reward.name=auto`` has a rule for every data source of the training and held-out rows."""
+    if cfg.reward.name != "auto" or cfg.reward.path:
+        return
+    for key, rows in zip(("train_path", "val_path"), load_prompt_rows(cfg.data)):
+        unknown = unknown_sources(row.get("data_source") for row in rows)
+        if unknown:
+            raise ConfigError(
+                f"config key 'reward.name' is auto, which has no reward for data_source {', '.join(map(repr, unknown))} "
+                f"(in data.{key} {cfg.data[key]!r}); name a reward, or give reward.path and reward.name of your own function"
+            )
+
+
+def check_dynamic_sampling(cfg: DictConfig, declared: tuple[str, ...]) -> None:
+    """Dynamic sampling compares the samples of a prompt and regenerates prompts round by round."""
+    if cfg.sampling.n < 2:
+        raise ConfigError(
+            f"config key 'algorithm.dynamic_sampling.enable' is true with sampling.n={cfg.sampling.n}: a group of one sample "
+            "never varies, so every group would be dropped; set sampling.n to 2 or more"
+        )
+    if "greedy_baseline" in declared:
+        raise ConfigError(
+            f"config key 'algorithm.dynamic_sampling.enable' is true with advantage {cfg.algorithm.advantage.name!r}, whose greedy "
+            "baseline is generated for one batch of prompts; set algorithm.dynamic_sampling.enable=false or choose another advantage"
+        )
+
+
+def check_streaming(cfg: DictConfig) -> None:
+    """``reward.stream_prompts`` scores parts of a single-turn generation with reward functions."""
+    size = cfg.reward.stream_prompts
+    if not size:
+        return
+    for key, on, why in (
+        ("multi_turn.enable", cfg.multi_turn.enable, "conversations are scored as a batch when they end"),
+        ("reward.model.path", cfg.reward.model.path, "the reward model scores the whole batch in one pass"),
+        ("trainer.partial_rollout", cfg.trainer.partial_rollout, "a generation cut in chunks is scored once whole"),
+    ):
+        if on:
+            raise ConfigError(f"config key 'reward.stream_prompts' is {size} with {key} set: {why}; set reward.stream_prompts=0")
+
+
+def check_length_shaping(cfg: DictConfig) -> None:
+    """``reward.overlong`` needs a buffer within the response budget, and, like ``actor.mask_truncated``,
+    reads a response's length against ``sampling.max_new_tokens``: single-turn runs only."""
+    buffer = cfg.reward.overlong.buffer_len
+    if buffer > cfg.sampling.max_new_tokens:
+        raise ConfigError(
+            f"config key 'reward.overlong.buffer_len' is {buffer}, longer than sampling.max_new_tokens={cfg.sampling.max_new_tokens}; "
+            "choose a buffer within the response budget (DAPO used a quarter of it)"
+        )
+    for key, on in (("reward.overlong.buffer_len", buffer > 0), ("actor.mask_truncated", cfg.actor.mask_truncated)):
+        if on and cfg.multi_turn.enable:
+            raise ConfigError(
+                f"config key '{key}' is set with multi_turn.enable=true: a conversation's length is not one response's "
+                f"against sampling.max_new_tokens; unset {key} for multi-turn runs"
+            )
+
+
+def check_rollout_placement(cfg: DictConfig, registry) -> None:
+    """Where the engines go: ``trainer.rollout_pool`` needs Ray, and a colocated engine under Ray
+    cannot span several devices (see :func:`~trellis.runtime.rollout_pool.check_rollout_pool`)."""
+    _, options = resolve_component(registry, "rollout", cfg.rollout)
+    check_rollout_pool(cfg.trainer, getattr(options, "tensor_parallel_size", 1))
+
+
+def on_policy_update(cfg: DictConfig, registry, estimator, samples: int) -> bool:
+    """Whether the actor's update can take the old log-probs from its own first forward instead of
+    a separate pass (exact): the policy objective declares it can (``first_forward``), one
+    optimizer step per batch, and nothing before the update reads them (the in-reward KL, an
+    estimator that needs them or a teacher's, which are compared with them)."""
+    objective = registry.get("objective", "policy").obj(cfg.actor, registry)
+    return (
+        getattr(objective, "first_forward", None) == "old_log_probs"
+        and Plan.of(cfg.actor).one_update(samples)  # the same rule the actor's worker checks the batch against
+        and not cfg.algorithm.use_kl_in_reward
+        and not {"old_log_probs", "sum_sq_probs", TEACHER_NEED} & set(needs(estimator))
+    )
+
+
+def check_on_policy(cfg: DictConfig, samples: int) -> None:
+    """OPO is exact on-policy: each step's fresh samples get one optimizer step. Settings that
+    would update on them again are refused, by name."""
+    off = []
+    if cfg.actor.ppo_epochs > 1:
+        off.append(f"actor.ppo_epochs={cfg.actor.ppo_epochs} (use 1)")
+    if cfg.actor.mini_batch_samples not in (0, samples):
+        off.append(f"actor.mini_batch_samples={cfg.actor.mini_batch_samples} (use 0: the step's {samples} samples at once)")
+    if off:
+        raise ConfigError(
+            f"advantage 'opo' is exact on-policy (one update per batch of fresh samples), but {' and '.join(off)} "
+            "would update on samples after the policy moved; see trellis config init opo"
+        )
+
+
+def _lookup(registry, kind: str, name: str, key: str):
+    try:
+        return registry.get(kind, name)
+    except RegistryError as exc:
+        raise ConfigError(f"config key {key!r}: {exc}") from None
+
+
+def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None, PromptLoader, PromptDataset | None]:
+    """The rollout function of conversations (multi-turn runs: the agent loops the rows pick), the
+    training prompt loader and the held-out prompts."""
+    if not cfg.multi_turn.enable:
+        return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed))
+    spec = agent_spec(cfg.multi_turn, registry, tokenizer)
+    train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs)
+    names = {
+        f"data.{key} {cfg.data[key]!r}": [(item["index"], item[AGENT_COLUMN]) for item in dataset.items]
+        for key, dataset in (("train_path", train.dataset), ("val_path", val))
+        if dataset is not None
+    }
+    return agent_rollout(spec, registry, names), train, val
+
+
+def check_data(cfg: DictConfig, registry) -> str:
+    """The prompts read and tokenized as training would (columns, chat template, lengths)."""
+    _, train, val = load_data(cfg, registry, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path))
+    longest = max(len(item["input_ids"]) for item in train.dataset.items)
+    held_out = f", {len(val)} held-out" if val is not None else ""
+    return f"{len(train.dataset)} training prompts (longest {longest} tokens of data.max_prompt_length={cfg.data.max_prompt_length}){held_out}"
+
+
+def longest_sequence(cfg: DictConfig) -> int:
+    """The longest prompt + response a run asks its rollout for: the engines' context length."""
+    response = cfg.sampling.max_new_tokens
+    if cfg.multi_turn.enable:  # every turn, model and environment, within the response budget
+        response = cfg.multi_turn.max_response_tokens or response * cfg.multi_turn.max_assistant_turns
+    return cfg.data.max_prompt_length + response

@@ -1,0 +1,200 @@
+"""The ``rl`` recipe's learner: its roles, and one step on a batch of samples, top to bottom: checks,
+old log-probs, reference, teacher, values, advantages, updates, weight sync, sync checks, metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from trellis.batch import Batch, last_valid_index
+from trellis.config import instantiate_options, resolve_component
+from trellis.interfaces.rollout import SamplingParams
+from trellis.interfaces.signatures import AdvantageInputs
+from trellis.recipes.options import without_adapter
+from trellis.recipes.rl.ahead import staleness_metrics
+from trellis.recipes.rl.checks import needs, on_policy_update
+from trellis.recipes.rl.dynamic_sampling import group_has_signal
+from trellis.recipes.rl.partial import version_span
+from trellis.recipes.rl.samples import COMPONENT, StepSamples
+from trellis.recipes.teacher import TEACHER_NEED, reverse_kl
+from trellis.rewards import RewardResult
+from trellis.runtime.controller import RolloutGroup
+from trellis.runtime.harness import Run
+from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
+from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
+
+# an estimator's need -> the AdvantageInputs field it fills and the batch field that holds it
+ADVANTAGE_FIELDS = {
+    "values": ("values", "values"),
+    "greedy_baseline": ("baseline_rewards", "baseline_rewards"),
+    "old_log_probs": ("old_log_probs", "old_log_probs"),
+    "sum_sq_probs": ("sum_sq_probs", "sum_sq_probs"),
+    TEACHER_NEED: ("teacher_log_probs", "teacher_log_probs"),
+}
+
+
+class Learner:
+    """The actor (and the reference, critic and teacher the config asks for) and what one step
+    does with a batch of samples (:meth:`step`). ``watch(rollout)`` arms the sync checks."""
+
+    def __init__(self, cfg: DictConfig, run: Run, tokenizer, async_run: bool) -> None:
+        registry = run.registry
+        self.cfg, self.run, self.tokenizer = cfg, run, tokenizer
+        self.estimator, self.estimator_options = resolve_component(registry, "advantage", cfg.algorithm.advantage)
+        self.needs = needs(self.estimator)
+        use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
+        self.actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
+        # the reference: the actor with its adapter off (no second model), else a frozen copy with the actor's micro-batching
+        self.adapter_ref = use_ref and cfg.actor.adapter.rank > 0
+        self.ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref and not self.adapter_ref else None
+        critic = cfg.critic.model_path or cfg.model.path
+        self.critic = run.spawn("critic", critic, cfg.critic, head="value", objectives={"update": "value"}) if "values" in self.needs else None
+        self.teacher = run.spawn("teacher", cfg.teacher.path, without_adapter(cfg.actor)) if TEACHER_NEED in self.needs else None
+        # equal rewards within every group zero the advantages of group-relative estimators only
+        # (a critic's values or a teacher's log-probs give advantages whatever the rewards)
+        run.signals.watch_reward = "groups" in self.needs
+        self.on_policy = on_policy_update(cfg, registry, self.estimator, cfg.data.train_batch_prompts * cfg.sampling.n)
+        self.async_run = async_run
+
+    @property
+    def roles(self) -> dict[str, Any]:
+        """The roles a checkpoint saves."""
+        return {"actor": self.actor, "critic": self.critic}
+
+    def watch(self, rollout: RolloutGroup) -> None:
+        """The checks of ``rollout``'s weights after every sync and of every batch's log-probs."""
+        options = instantiate_options(self.cfg.sync_check, SyncCheckConfig)
+        precision = trainer_dtype(resolve_component(self.run.registry, "backend", self.cfg.backend)[1])
+        sampling = SamplingParams(**self.cfg.sampling)
+        self.rollout = rollout
+        self.probe = SyncProbe(options, rollout, sampling, precision)
+        self.agreement = agreement_check(options, rollout, sampling, precision)
+
+    def step(self, step: int, made: StepSamples, handover: dict[str, float]) -> dict[str, float]:
+        """Train on step ``step``'s samples; the step's metrics (``handover``: how they were made)."""
+        cfg, run, timer, tokenizer = self.cfg, self.run, self.run.timer, self.tokenizer
+        params, first, batch = made.params, made.first, made.batch
+        reward_metrics = {**first.metrics, **made.metrics, **handover}
+        if batch is None:  # dynamic sampling kept no group: the step is logged, the policy unchanged
+            return {**reward_metrics, **groups_with_signal(first.scores, first_groups(first, params.n))}
+        batch.meta["step"] = step
+        check_alignment(batch, step)
+        run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
+        old = None  # on-policy: the actor's update computes them in its first forward
+        if not self.on_policy:
+            with timer("old_log_prob"):
+                old = self.actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in self.needs)
+                batch["old_log_probs"] = old["log_probs"]
+                if "sum_sq_probs" in old:
+                    batch["sum_sq_probs"] = old["sum_sq_probs"]
+        if self.ref is not None or self.adapter_ref:
+            with timer("ref"):
+                if self.adapter_ref:
+                    batch["ref_log_probs"] = self.actor.forward(batch, ("base_log_probs",))["base_log_probs"]
+                else:
+                    batch["ref_log_probs"] = self.ref.log_prob(batch)["log_probs"]
+        teacher_metrics = {}
+        if self.teacher is not None:
+            with timer("teacher"):
+                batch["teacher_log_probs"] = self.teacher.log_prob(batch)["log_probs"]
+                teacher_metrics = reverse_kl(batch["old_log_probs"], batch["teacher_log_probs"], batch["response_mask"])
+        if self.critic is not None:
+            with timer("values"):
+                batch["values"] = self.critic.values(batch)["values"]
+        with timer("adv"):
+            kl_metrics = compute_advantages(batch, self.estimator, self.estimator_options, self.kl_in_reward)
+        update_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer("update_critic"):
+                update_metrics.update(self.critic.update(batch))
+        with timer("update_actor"):
+            update_metrics.update(self.actor.update(without_truncated(batch, params, tokenizer) if cfg.actor.mask_truncated else batch))
+        with timer("weight_sync"):
+            self.rollout.sync_weights(version=step)
+        with timer("sync_check"):
+            gap = update_metrics.get("actor/rollout_corr/abs_diff")
+            sync_metrics = {**self.agreement.check(batch, step, batch.get("old_log_probs"), gap), **self.probe.check(self.actor, batch, step)}
+        mask = batch["response_mask"].float()
+        return {
+            **reward_metrics,
+            **update_metrics,
+            **kl_metrics,
+            **teacher_metrics,
+            **sync_metrics,
+            **_kl_summary(update_metrics, kl_metrics),
+            **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
+            **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),
+            **({"response/masked_truncated": float(truncated(batch, params, tokenizer).sum())} if cfg.actor.mask_truncated else {}),
+            "response/length_mean": float(mask.sum(-1).mean()),
+            "response/clip_frac": float((mask.sum(-1) >= params.max_new_tokens).float().mean()),
+            "critic/advantage_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+            **throughput(batch, reward_metrics.get("timing/gen_s", timer.times.get("timing/gen_s")), timer.times),
+            **(staleness_metrics(batch["weight_version"], step) if self.async_run else {}),
+            **(version_span(batch) if "token_versions" in batch else {}),
+        }
+
+
+def compute_advantages(batch: Batch, estimator, options, kl_in_reward) -> dict[str, float]:
+    """Token rewards (minus the in-reward KL penalty when ``kl_in_reward`` is given), then the
+    estimator's advantages and returns into ``batch``; samples are grouped by prompt ``uid``.
+    The estimator gets the inputs it declares in ``needs`` and no others."""
+    token_rewards, metrics = kl_in_reward(batch) if kl_in_reward is not None else (batch["token_scores"], {})
+    declared = needs(estimator)
+    fields = {field: batch.get(key) for need, (field, key) in ADVANTAGE_FIELDS.items() if need in declared}
+    if "reward_components" in declared:
+        fields["reward_components"] = {k.removeprefix(COMPONENT): batch[k] for k in batch.keys() if k.startswith(COMPONENT)} or None
+    data = AdvantageInputs(token_rewards, batch["response_mask"], batch.group_index("uid"), **fields)
+    advantages, returns = estimator(data, options)
+    batch["advantages"] = advantages
+    batch["returns"] = returns
+    return metrics
+
+
+def groups_with_signal(scores: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    """``reward/groups_with_signal``: the share of prompt groups whose samples differ in reward
+    (``scores``, ``groups`` ``(batch,)``); 0 means no group-relative signal at all."""
+    return {"reward/groups_with_signal": float(group_has_signal(scores, groups).float().mean())}
+
+
+def first_groups(scored: RewardResult, n: int) -> torch.Tensor:
+    """``(batch,)`` the prompt group of each sample of a generation round (prompt i's ``n``
+    samples at rows i*n .. i*n+n-1)."""
+    return torch.arange(len(scored.scores)) // n
+
+
+def truncated(batch: Batch, params: SamplingParams, tokenizer) -> torch.Tensor:
+    """``(batch,)`` bool: samples cut by the length limit (``max_new_tokens`` response tokens, the
+    last neither the eos token nor a stop token)."""
+    mask = batch["response_mask"]
+    last = batch["responses"].gather(1, last_valid_index(mask).clamp(min=0)[:, None])[:, 0]
+    stops = torch.tensor([tokenizer.eos_token_id, *params.stop_token_ids])
+    return (mask.sum(-1) >= params.max_new_tokens) & ~torch.isin(last, stops)
+
+
+def without_truncated(batch: Batch, params: SamplingParams, tokenizer) -> Batch:
+    """``actor.mask_truncated``: a copy of ``batch`` whose truncated samples have a zero
+    ``response_mask``, so they leave the actor's loss."""
+    out = batch[torch.arange(len(batch))]
+    out["response_mask"] = batch["response_mask"] * ~truncated(batch, params, tokenizer)[:, None]
+    return out
+
+
+def throughput(batch: Batch, gen_s: float | None, times: dict[str, float]) -> dict[str, float]:
+    """``timing/gen_tokens_per_s`` (response tokens per second of this step's generation) and
+    ``timing/update_tokens_per_s`` (prompt + response tokens per second of the actor's update):
+    clock figures, kept with the timings."""
+    out = {}
+    if gen_s:
+        out["timing/gen_tokens_per_s"] = float(batch["response_mask"].sum()) / gen_s
+    if times.get("timing/update_actor_s"):
+        out["timing/update_tokens_per_s"] = float(batch["attention_mask"].sum()) / times["timing/update_actor_s"]
+    return out
+
+
+def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:
+    """``actor/kl``: the KL to the reference in use (as a loss term, else in the reward), if any."""
+    kl = update_metrics.get("actor/kl_loss", kl_metrics.get("actor/reward_kl"))
+    return {} if kl is None else {"actor/kl": kl}

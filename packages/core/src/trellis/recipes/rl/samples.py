@@ -1,0 +1,214 @@
+"""Where the ``rl`` recipe's samples come from: one :class:`SampleSource` makes each step's batch
+(generate through the rollout, score, shape, refill dropped groups), inline or ahead of training
+(the producer), and holds the prompt loader's position checkpoints keep."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from trellis.batch import Batch
+from trellis.config import instantiate_options
+from trellis.data import PromptLoader
+from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
+from trellis.multiturn.rollout import AgentRollout
+from trellis.multiturn.scoring import score_multiturn
+from trellis.recipes.judge_engine import JudgedReward, start_judge, with_served_judges
+from trellis.recipes.options import without_adapter
+from trellis.recipes.reward_model import ROLE as REWARD_MODEL
+from trellis.recipes.reward_model import ModelReward, reward_inputs
+from trellis.recipes.rl.ahead import Producer, TrainedPosition, partial_chunk
+from trellis.recipes.rl.checks import needs
+from trellis.recipes.rl.dynamic_sampling import fill
+from trellis.recipes.rl.partial import generate_in_chunks
+from trellis.recipes.rl.streaming import generate_scored
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, reward_figures
+from trellis.runtime.controller import RolloutGroup
+from trellis.runtime.harness import Run, StageTimer, backend_mesh
+
+# batch fields holding the reward's per-sample components, for estimators that need them (gdpo)
+COMPONENT = "reward_component_"
+
+Scorer = RewardManager | ModelReward | JudgedReward
+
+
+@dataclass
+class StepSamples:
+    """A step's samples: ``batch`` with ``token_scores`` (None when dynamic sampling kept no
+    group), the sampling ``params`` of the step, the first generation round's reward result
+    (``first``: the unfiltered draw the reward metrics describe) and dynamic sampling's metrics."""
+
+    batch: Batch | None
+    params: SamplingParams
+    first: RewardResult
+    metrics: dict[str, float]
+
+
+class SampleSource:
+    """Each step's samples, from the loader's next prompts: generated (single-turn, through the
+    rows' agent loops, or in chunks a weight sync may go between), scored while generating or
+    after, shaped (the overlong penalty), refilled when group filters drop groups (kept groups a
+    step ahead did not need carried to the next), plus what the estimator declares it needs
+    (reward components, a greedy baseline). With ``bound`` (``trainer.async_mode``) a producer
+    thread makes them up to ``bound`` steps ahead; :attr:`position` is what checkpoints keep."""
+
+    def __init__(self, cfg: DictConfig, run: Run, rollout: RolloutGroup, loader: PromptLoader, agent: AgentRollout | None,
+                 reward_fn: Scorer, tokenizer, estimator, bound: int | None) -> None:  # fmt: skip
+        self.cfg, self.run, self.rollout, self.loader, self.agent = cfg, run, rollout, loader, agent
+        self.reward_fn, self.tokenizer, self.needs, self.bound = reward_fn, tokenizer, needs(estimator), bound
+        self.sampling = SamplingParams(**cfg.sampling)
+        self.samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
+        self.dynamic = cfg.algorithm.dynamic_sampling
+        self.multiple = group_multiple(cfg, run.registry, self.samples_per_step) if self.dynamic.enable else 1
+        self.filters = [run.registry.get("group_filter", name).obj for name in self.dynamic.filters]
+        self.carry: list[tuple[Batch, RewardResult]] = []  # kept groups a step ahead of training did not need
+        self.chunk = partial_chunk(cfg.trainer, cfg.multi_turn.enable)
+        self.stops = stop_ids(cfg.model.path, tokenizer) if self.chunk is not None else set()  # where a chunked sample ends
+        # generating ahead, checkpoints keep the loader's position after the last trained step
+        self.position = TrainedPosition(loader) if bound is not None else loader
+        self.ahead: Producer | None = None
+
+    @contextlib.contextmanager
+    def from_step(self, first: int):
+        """Steps ``first`` .. ``trainer.total_steps`` are taken inside; ahead of training, the
+        producer thread runs meanwhile (and stops on leaving)."""
+        if self.bound is None:
+            yield self
+            return
+        with Producer(self.make, self.loader, first, self.cfg.trainer.total_steps, self.bound) as self.ahead:
+            yield self
+
+    def take(self, step: int) -> tuple[StepSamples, dict[str, float]]:
+        """Step ``step``'s samples and the figures of their hand-over (ahead of training: the
+        producer's stage timings and waits)."""
+        if self.ahead is None:
+            with self.run.generating(self.rollout):
+                return self.make(step, self.run.timer), {}
+        produced, handover = self.ahead.take(step)
+        self.position.trained = produced.loader_state
+        return produced.value, {**handover, **produced.timings, "timing/wait_trainer_s": produced.waited_s}
+
+    def finished(self, step: int) -> None:
+        """The trainer finished ``step``: the producer may start the steps it held back."""
+        if self.ahead is not None:
+            self.ahead.finished(step)
+
+    def make(self, step: int, timer: StageTimer) -> StepSamples:
+        """Step ``step``'s prompts, samples and rewards (the loader's next prompts)."""
+        params = self.sampling.at_step(step, self.samples_per_step)
+        made = self._refilled(step, timer) if self.dynamic.enable else self._drawn(params, timer)
+        batch = made.batch
+        if batch is None:
+            return StepSamples(None, params, made.first, made.metrics)
+        if "reward_components" in self.needs:
+            for key, values in (made.scored.components or {}).items():
+                batch[COMPONENT + key] = values
+        if "greedy_baseline" in self.needs:  # one draw of prompts: dynamic sampling is refused with it
+            with timer("gen_greedy"):
+                greedy = self.rollout.generate(made.prompts, SamplingParams(**{**params.__dict__, "n": 1, "greedy": True}))
+                by_uid = dict(zip(greedy["uid"], self.reward_fn.score(greedy).scores.tolist()))
+                batch["baseline_rewards"] = torch.tensor([by_uid[u] for u in batch["uid"]])
+        return StepSamples(batch, params, made.first, made.metrics)
+
+    def _drawn(self, params: SamplingParams, timer: StageTimer) -> _Made:
+        prompts = self.loader.next_batch()
+        batch, scored = self._generate(prompts, params, timer)
+        batch["token_scores"] = scored.token_scores
+        return _Made(batch, scored, scored, {}, prompts)
+
+    def _refilled(self, step: int, timer: StageTimer) -> _Made:
+        """Rounds of fresh prompts until the filters keep a step's groups (carried ones first)."""
+        dynamic, bound = self.dynamic, self.bound
+
+        # a round's seeds move on past every earlier round's, this step's and the steps' before it
+        def round_at(r: int) -> tuple[Batch, RewardResult]:
+            params = self.sampling.at_step((step - 1) * dynamic.max_rounds + r + 1, self.samples_per_step)
+            return self._generate(self.loader.next_batch(), params, timer)
+
+        # generating ahead, the groups an earlier step kept beyond its need come first while fresh enough
+        # (only runs that generate ahead carry any)
+        carried = [p for p in self.carry if int(p[0]["weight_version"].min()) >= step - 1 - (bound or 0)]
+        stale = sum(_groups(b) for b, _ in self.carry) - sum(_groups(b) for b, _ in carried)
+        filled = fill(round_at, self.cfg.data.train_batch_prompts, dynamic, step, self.multiple, self.filters, carried)
+        self.carry[:] = filled.leftover if bound is not None else []
+        metrics = {**filled.metrics, **({"dynamic_sampling/stale_groups_dropped": float(stale)} if bound is not None else {})}
+        if filled.batch is None:  # nothing to train on
+            return _Made(None, filled.first, None, metrics)
+        scored = RewardResult(filled.batch["token_scores"], {}, filled.scores, filled.components)
+        # carried groups alone filled the step: the reward figures describe them
+        first = filled.first or RewardResult(scored.token_scores, reward_figures(scored.scores), scored.scores, scored.components)
+        return _Made(filled.batch, first, scored, metrics)
+
+    def _generate(self, prompts: Batch, params: SamplingParams, timer: StageTimer) -> tuple[Batch, RewardResult]:
+        cfg = self.cfg
+        if cfg.reward.stream_prompts:  # each part scored while the next generates
+            batch, scored = generate_scored(self.rollout, prompts, params, self.reward_fn, cfg.reward.stream_prompts, timer)
+        else:
+            with timer("gen"):
+                if self.chunk is None:
+                    batch = sample(self.rollout, prompts, params, self.agent)
+                else:  # a weight sync may go in between two chunks
+                    every = self.stops | set(params.stop_token_ids)
+                    batch = generate_in_chunks(self.rollout, prompts, params, self.chunk, every, pad_id(self.tokenizer), self.rollout.let_syncs_in)
+            with timer("reward"):
+                scored = score(batch, self.reward_fn, self.agent)
+        overlong = cfg.reward.overlong
+        if overlong.buffer_len:
+            scored = add_overlong_penalty(scored, batch["response_mask"], cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
+        return batch, scored
+
+
+@dataclass
+class _Made:
+    """A step's batch before what the estimator needs is added: the batch, the first round's reward
+    result, the reward result of the samples kept, the refill metrics and the prompts (of one
+    draw; None after refilling)."""
+
+    batch: Batch | None
+    first: RewardResult
+    scored: RewardResult | None
+    metrics: dict[str, float]
+    prompts: Batch | None = None
+
+
+def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> Scorer:
+    """The run's reward: the functions ``reward`` names, or with ``reward.model`` the frozen
+    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``, scoring
+    the policy's token ids or re-tokenized samples when its tokenizer is another; with
+    ``reward.judge.engine`` the judges that name no url go to the judge engine, served for the run."""
+    reward = instantiate_options(cfg.reward, RewardConfig)
+    server = run.closing(start_judge(reward.judge, registry, cfg.seed)) if reward.judge.engine else None
+    if server is not None:
+        reward = with_served_judges(reward, server)
+    if not reward.model.path:
+        scorer = RewardManager(reward, registry, tokenizer)
+    else:
+        role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
+        functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
+        scorer = ModelReward(role, reward.model.weight, reward.model.key, functions, reward_inputs(cfg, tokenizer))
+    return scorer if server is None else JudgedReward(scorer, server)
+
+
+def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: AgentRollout | None) -> Batch:
+    """Single-turn generation, or conversations through the agent loops when ``agent`` is given."""
+    return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
+
+
+def score(batch: Batch, reward_fn: Scorer, agent: AgentRollout | None) -> RewardResult:
+    return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
+
+
+def _groups(batch: Batch) -> int:
+    return int(batch.group_index("uid").max()) + 1
+
+
+def group_multiple(cfg: DictConfig, registry, samples_per_step: int) -> int:
+    """The prompt groups a step's batch must be a multiple of: its samples shared evenly over the
+    data-parallel ranks and cut into whole actor/critic mini-batches."""
+    import math
+
+    unit = math.lcm(backend_mesh(cfg, registry).dp, *(cfg[role].mini_batch_samples or 1 for role in ("actor", "critic")))
+    return unit // math.gcd(unit, cfg.sampling.n)
