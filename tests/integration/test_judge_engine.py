@@ -9,9 +9,9 @@ from engine_cases import judge_closed as closed
 
 from trellis import judge
 from trellis.config import ConfigError
-from trellis.recipes import rl
 from trellis.recipes.judge_engine import start_judge, with_served_judges
 from trellis.recipes.judge_server import JudgeServer
+from trellis.recipes.rl import samples
 from trellis.recipes.train import train
 from trellis.rewards import RewardConfig, RewardError
 
@@ -27,7 +27,7 @@ def served(monkeypatch):
         started.append(start_judge(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(rl, "start_judge", start)
+    monkeypatch.setattr(samples, "start_judge", start)
     return started
 
 

@@ -188,10 +188,10 @@ def test_tests_only_plain_backend_runs_the_recipe_like_fsdp(run_rl, overrides, t
 def test_samples_carry_their_prompt_uid_and_weight_version(run_rl, monkeypatch):
     """Advantages are grouped by the prompt's uid (not by position) and every sample records the
     weight version that generated it: 0 before the first update, then the step that synced."""
-    from trellis.recipes import rl
+    from trellis.recipes.rl import learner
 
     seen = []
-    compute = rl.RLRecipe.compute_advantages
+    compute = learner.compute_advantages
 
     def spy(batch, *args):
         seen.append((list(batch["uid"]), batch["weight_version"].tolist()))
@@ -204,7 +204,7 @@ def test_samples_carry_their_prompt_uid_and_weight_version(run_rl, monkeypatch):
         assert batch["advantages"].abs().sum() > 0
         return metrics
 
-    monkeypatch.setattr(rl.RLRecipe, "compute_advantages", staticmethod(spy))
+    monkeypatch.setattr(learner, "compute_advantages", spy)
     run_rl()
     (uids1, v1), (uids2, v2) = seen
     assert v1 == [0] * len(v1) and v2 == [1] * len(v2)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -405,6 +405,14 @@ class RewardResult(NamedTuple):
     metrics: dict[str, float]
     scores: torch.Tensor
     components: dict[str, torch.Tensor] | None = None
+
+
+class Scorer(Protocol):
+    """What a run's reward is to the recipe, whatever scores it (the reward functions, a reward
+    model, a served judge, a conversation's environment)."""
+
+    def score(self, batch: Batch) -> RewardResult:
+        """The reward of every sample of ``batch`` (rollout layout)."""
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, penalty: float) -> torch.Tensor:

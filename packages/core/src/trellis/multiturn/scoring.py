@@ -7,10 +7,21 @@ import torch
 
 from trellis.batch import Batch, last_valid_index
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.rewards import RewardManager, RewardResult
+from trellis.rewards import RewardResult, Scorer
 
 
-def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: RewardManager) -> RewardResult:
+class ConversationScorer:
+    """A :class:`~trellis.rewards.Scorer` of conversations: :func:`score_multiturn` with the run's
+    ``multi_turn`` settings and its reward."""
+
+    def __init__(self, settings: MultiTurnConfig, reward_fn: Scorer) -> None:
+        self.settings, self.reward_fn = settings, reward_fn
+
+    def score(self, batch: Batch) -> RewardResult:
+        return score_multiturn(batch, self.settings, self.reward_fn)
+
+
+def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: Scorer) -> RewardResult:
     """``settings.score`` ``reward``: ``reward_fn`` decodes and scores the trajectory (model and
     environment text; ``extra_info["num_turns"]``: the sample's model turns, as verl's reward
     functions get it), its per-sample components kept; ``last`` / ``sum``: the environment's scores

@@ -19,7 +19,8 @@ from trellis.recipes.rl.ahead import staleness_bound
 from trellis.recipes.rl.checks import check, check_data, load_data, longest_sequence
 from trellis.recipes.rl.config import AlgorithmConfig, RLConfig, RLTrainerConfig, ValidationConfig
 from trellis.recipes.rl.learner import Learner, compute_advantages, groups_with_signal, truncated, without_truncated
-from trellis.recipes.rl.samples import SampleSource, Scorer, make_reward, sample, score
+from trellis.recipes.rl.samples import SampleSource, make_reward, sample, scorer_of
+from trellis.rewards import Scorer
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, RunContext
 
@@ -87,11 +88,11 @@ class RLRecipe:
     def validate(rollout: RolloutGroup, val, reward_fn: Scorer, cfg: DictConfig, agent=None) -> dict[str, float]:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
         multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
-        prompts = val.as_batch()
+        prompts, scorer = val.as_batch(), scorer_of(reward_fn, agent)
         base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.sampling.seed)
-        greedy = score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent), reward_fn, agent)
+        greedy = scorer.score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent))
         sampled_params = SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
-        sampled = score(sample(rollout, prompts, sampled_params, agent), reward_fn, agent)
+        sampled = scorer.score(sample(rollout, prompts, sampled_params, agent))
         out = {"greedy_reward_mean": float(greedy.scores.mean()), "reward_mean": float(sampled.scores.mean())}
         if "reward/first_turn_mean" in greedy.metrics:
             out["greedy_first_turn_reward_mean"] = greedy.metrics["reward/first_turn_mean"]

@@ -15,7 +15,7 @@ from trellis.config import instantiate_options
 from trellis.data import PromptLoader
 from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
 from trellis.multiturn.rollout import AgentRollout
-from trellis.multiturn.scoring import score_multiturn
+from trellis.multiturn.scoring import ConversationScorer
 from trellis.recipes.judge_engine import JudgedReward, start_judge, with_served_judges
 from trellis.recipes.options import without_adapter
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
@@ -25,15 +25,12 @@ from trellis.recipes.rl.checks import needs
 from trellis.recipes.rl.dynamic_sampling import fill
 from trellis.recipes.rl.partial import generate_in_chunks
 from trellis.recipes.rl.streaming import generate_scored
-from trellis.rewards import RewardConfig, RewardManager, RewardResult, add_overlong_penalty, reward_figures
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, Scorer, add_overlong_penalty, reward_figures
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, StageTimer, backend_mesh
 
 # batch fields holding the reward's per-sample components, for estimators that need them (gdpo)
 COMPONENT = "reward_component_"
-
-Scorer = RewardManager | ModelReward | JudgedReward
-
 
 @dataclass
 class StepSamples:
@@ -59,6 +56,7 @@ class SampleSource:
                  reward_fn: Scorer, tokenizer, estimator, bound: int | None) -> None:  # fmt: skip
         self.cfg, self.run, self.rollout, self.loader, self.agent = cfg, run, rollout, loader, agent
         self.reward_fn, self.tokenizer, self.needs, self.bound = reward_fn, tokenizer, needs(estimator), bound
+        self.scorer = scorer_of(reward_fn, agent)
         self.sampling = SamplingParams(**cfg.sampling)
         self.samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
         self.dynamic = cfg.algorithm.dynamic_sampling
@@ -154,7 +152,7 @@ class SampleSource:
                     every = self.stops | set(params.stop_token_ids)
                     batch = generate_in_chunks(self.rollout, prompts, params, self.chunk, every, pad_id(self.tokenizer), self.rollout.let_syncs_in)
             with timer("reward"):
-                scored = score(batch, self.reward_fn, self.agent)
+                scored = self.scorer.score(batch)
         overlong = cfg.reward.overlong
         if overlong.buffer_len:
             scored = add_overlong_penalty(scored, batch["response_mask"], cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
@@ -197,8 +195,9 @@ def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent:
     return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
 
 
-def score(batch: Batch, reward_fn: Scorer, agent: AgentRollout | None) -> RewardResult:
-    return reward_fn.score(batch) if agent is None else score_multiturn(batch, agent.spec.settings, reward_fn)
+def scorer_of(reward_fn: Scorer, agent: AgentRollout | None) -> Scorer:
+    """The run's reward, or with agent loops the reward of whole conversations."""
+    return reward_fn if agent is None else ConversationScorer(agent.spec.settings, reward_fn)
 
 
 def _groups(batch: Batch) -> int:
