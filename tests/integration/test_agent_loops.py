@@ -63,6 +63,23 @@ def test_rl_trains_on_a_loop_where_the_environment_speaks_first(tiny_model_path,
     assert set(summary) == {"val_before", "val_after"}
 
 
+def test_conversations_of_other_prompt_widths_train_on_their_sampled_tokens(tiny_model_path, tmp_path):
+    """Multi-turn samples whose prompts differ in width (the question asked 1 to 3 times), built by
+    core's tool_agent loop with an interaction: every batch passes the alignment check, and the
+    trainer's log-probs of the model's turns equal the engine's (one module) to float noise."""
+    out = rows(8, "train", [None])
+    for i, row in enumerate(out):
+        row["prompt"][0]["content"] *= 1 + i % 3
+    train_file = write_rows(out, tmp_path / "widths.parquet")
+    interaction = "multi_turn.interactions=[{name: answer, component: contains_answer}]"
+    run_dir = tmp_path / "run"
+    plugins = load_plugins(extra=[("agent_loops", agent_loops)])
+    train(None, multi_turn_run(tiny_model_path, train_file, run_dir, "multi_turn.max_response_tokens=32", interaction), plugins=plugins)
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+    assert len(steps) == 2 and all(r["multiturn/num_turns_mean"] >= 1 for r in steps)
+    assert all(r["sync/batch_gap"] < 1e-5 for r in steps), [r["sync/batch_gap"] for r in steps]
+
+
 def test_unknown_agent_loop_in_the_data_is_found_before_any_model_is_built(tiny_model_path, files, tmp_path):
     plugins = load_plugins(extra=[("agent_loops", agent_loops)])
     args = [*overrides(tiny_model_path, files, tmp_path / "bad"), f"data.train_path={files['unknown']}"]
