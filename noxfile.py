@@ -4,15 +4,16 @@ tests under the oldest Hugging Face stack trellis meets),
 ``lint``, ``tests`` (all of them), ``quick`` (lint and the tests of what changed since main, in
 reused venvs), ``demo`` (the main job) and ``lock`` (rewrites ``locks/``).
 
-Venvs are made and filled by uv (``pip install nox uv``), reading pip's configuration of the
-machine (its local wheels, extra indexes and constraints). Every session installs under a lock,
-``uv pip install -c locks/<name>.txt``: the exact versions a fresh machine resolved when
+Venvs are made and filled by uv (``pip install nox uv``; without uv, by venv and pip), handed pip's
+configuration of the machine (its local wheels, extra indexes and constraints). Every session
+installs under a lock, ``-c locks/<name>.txt``: the exact versions a fresh machine resolved when
 ``nox -s lock`` last ran (with pip), so a new checkout gets the libraries the README's figures were
 measured with. The project's own sessions share ``locks/project.txt``; the vllm, sglang and parity
 sessions pin their engines' own stacks (SGLang another torch, verl an older transformers) and have a
-lock each. uv's cache holds each wheel once and links it into every venv, so a venv of the project's
-stack takes seconds; SGLang's (11 GB) keeps a cache of its own, removed with its venv.
-``$TRELLIS_SESSION_TIMES`` names a file each session appends its install and test seconds to."""
+lock each. uv's cache holds each wheel once and hard-links it into every venv, so a venv of the
+project's stack takes seconds; SGLang's (10 GB, its own torch and CUDA libraries) has a cache of its
+own inside its venv, removed with it. Each session appends its install and test seconds to the file
+``$TRELLIS_SESSION_TIMES`` names (``.ci/run`` prints them)."""
 
 from __future__ import annotations
 
@@ -258,9 +259,9 @@ SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str,
 }
 
 
-# Set by `tests`: every venv together takes about 27 GB (SGLang's alone 11 GB, the others mostly links
-# into uv's cache), and no later run reuses them (`reuse_existing_virtualenvs` is off), so each
-# package session removes its venv when it ends. TRELLIS_KEEP_VENVS=1 keeps them.
+# Set by `tests`: the venvs would take about 27 GB as copies (SGLang's alone 10 GB; the others are mostly
+# hard links into uv's cache), and no later run reuses them (`reuse_existing_virtualenvs` is off), so
+# each package session removes its venv when it ends. TRELLIS_KEEP_VENVS=1 keeps them.
 _DISCARD_VENVS = False
 
 
@@ -271,7 +272,7 @@ def _discard_venv(session: nox.Session) -> None:
         return
     size = subprocess.run(["du", "-sh", location], capture_output=True, text=True).stdout.split("\t")[0]
     shutil.rmtree(location, ignore_errors=True)
-    session.log(f"removed {location} ({size}) to keep disk free for the next session; TRELLIS_KEEP_VENVS=1 keeps it")
+    session.log(f"removed {location} ({size}, counting files uv's cache still holds); TRELLIS_KEEP_VENVS=1 keeps it")
 
 
 class _Timed:
