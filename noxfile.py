@@ -123,8 +123,8 @@ def _pip_config_for_uv() -> tuple[str, ...]:
     same, as uv options, with pip's choice among indexes (the best match over all of them)."""
     try:
         listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        listed = ""
+    except (OSError, subprocess.CalledProcessError):  # no pip beside nox: its environment variables alone
+        listed = "\n".join(f":env:.{k[4:].lower().replace('_', '-')}='{v}'" for k, v in os.environ.items() if k.startswith("PIP_"))
     options = {"find-links": "--find-links", "extra-index-url": "--extra-index-url", "index-url": "--index-url", "constraint": "--constraint"}
     args = ["--index-strategy", "unsafe-best-match"]
     for line in listed.splitlines():  # e.g. global.extra-index-url='file:///a file:///b'; :env: lines first
@@ -385,7 +385,10 @@ def quick(session: nox.Session) -> None:
     (the project's own packages reinstalled). ``nox -s quick -- -x -k name`` passes pytest arguments on."""
     base = os.environ.get("TRELLIS_QUICK_BASE", "main")
     git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.split()  # noqa: E731
-    fork = git("merge-base", "HEAD", base)[0]
+    try:
+        fork = git("merge-base", "HEAD", base)[0]
+    except subprocess.CalledProcessError as error:
+        session.error(f"no common commit with {base!r} ({error.stderr.strip()}): set TRELLIS_QUICK_BASE to a branch or commit")
     changed = sorted({*git("diff", "--name-only", fork), *git("ls-files", "--others", "--exclude-standard")})
     names = _changed_sessions(changed)
     session.log(f"{len(changed)} files changed since {base} ({fork[:10]}): lint{''.join(', ' + n for n in names)}")
