@@ -148,8 +148,8 @@ def _local_names(requirements: tuple[str, ...]) -> list[str]:
 
 def _pip(session: nox.Session, lock: str | None, *requirements: str) -> None:
     """``uv pip install`` of ``requirements`` under ``locks/<lock>.txt`` (none: outside the locks),
-    seeing pip's configuration. The project's own folders are rebuilt every time: uv would otherwise
-    reuse a wheel built from an older source (in its cache, or in a reused venv)."""
+    seeing pip's configuration. The project's own folders are rebuilt and reinstalled every time, in
+    a reused venv too (nox warns that uv may keep an installed local package there)."""
     args = [*(_lock(lock) if lock else []), *requirements]
     if session.venv_backend == "uv":
         args = [*_pip_config_for_uv(), *(f"--reinstall-package={name}" for name in _local_names(requirements)), *args]
