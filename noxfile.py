@@ -272,7 +272,7 @@ def _discard_venv(session: nox.Session) -> None:
         return
     size = subprocess.run(["du", "-sh", location], capture_output=True, text=True).stdout.split("\t")[0]
     shutil.rmtree(location, ignore_errors=True)
-    session.log(f"removed {location} ({size}, counting files uv's cache still holds); TRELLIS_KEEP_VENVS=1 keeps it")
+    session.log(f"removed {location} ({size} by du, hard links to uv's cache included); TRELLIS_KEEP_VENVS=1 keeps it")
 
 
 class _Timed:
