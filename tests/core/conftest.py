@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from cli_runs import run_cli
 
 
 @pytest.fixture
@@ -31,14 +30,14 @@ def broken_vllm_plugin(tmp_path, monkeypatch):
 
 @pytest.fixture
 def train_with(tmp_path, tiny_model_path):
-    """``train_with(override)``: ``trellis train run.yaml <override>`` in a subprocess, on a one-row
-    rl config in ``tmp_path``; returns the finished process."""
+    """``train_with(override)``: ``trellis train run.yaml <override>`` (in this process,
+    ``cli_runs``), on a one-row rl config in ``tmp_path``; returns its exit status and output."""
 
-    def run(override: str) -> subprocess.CompletedProcess:
+    def run(override: str):
         data = tmp_path / "train.jsonl"
         data.write_text('{"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}\n')
         config = tmp_path / "run.yaml"
         config.write_text(f"recipe: rl\nmodel: {{path: {tiny_model_path}}}\ndata: {{train_path: {data}}}\n")
-        return subprocess.run([sys.executable, "-m", "trellis.cli", "train", str(config), override], cwd=tmp_path, capture_output=True, text=True)
+        return run_cli("train", str(config), override, cwd=tmp_path)
 
     return run

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from cli_runs import run_cli as run_in_process
 from omegaconf import OmegaConf
 
 from trellis import cli
@@ -29,8 +30,8 @@ def test_local_controller_builds_and_dispatches():
         group.logprob  # noqa: B018 - the attribute access itself must fail
 
 
-def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], capture_output=True, text=True, cwd=cwd)
+def run_cli(*args: str, cwd=None):
+    return run_in_process(*args, cwd=cwd or ".")
 
 
 def test_plugins_command_lists_plugins():

@@ -3,18 +3,12 @@ passes the dry run once the model and data paths are filled in."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from cli_runs import run_cli as trellis
 from omegaconf import OmegaConf
 
 from trellis.config import compose
 from trellis.plugins import load_plugins
-
-
-def trellis(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], cwd=cwd, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("recipe", ["rl", "sft"])

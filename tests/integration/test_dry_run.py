@@ -3,10 +3,8 @@ run stopped by a check leaves no run folder behind."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from cli_runs import run_cli
 from transformers import AutoTokenizer
 
 from trellis.data import load_rows
@@ -23,8 +21,8 @@ def trellis_cli(tiny_model_path, data_files, tmp_path):
         "sampling: {n: 2, max_new_tokens: 4}\ntrainer: {total_steps: 1, trackers: [jsonl]}\n"
     )
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "trellis.cli", "train", str(config), *args], cwd=tmp_path, capture_output=True, text=True)
+    def run(*args: str):
+        return run_cli("train", str(config), *args, cwd=tmp_path)
 
     return run
 

@@ -4,12 +4,11 @@ rl config that composes with the same settings; the verl keys it could not map a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from cli_runs import run_cli as trellis
 
 from trellis.config import compose
 from trellis.plugins import load_plugins
@@ -164,10 +163,6 @@ def test_unmapped_keys_are_named_with_why():
     assert conversion.config["actor"]["policy_loss"] == {"name": "gspo"}
     assert "trainer" not in conversion.config or "total_steps" not in conversion.config["trainer"]
     assert "actor_rollout_ref.actor.ppo_mini_batch_size=256" in conversion.defaults_used
-
-
-def trellis(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], cwd=cwd, capture_output=True, text=True)
 
 
 def test_cli_prints_the_config_and_reports_on_stderr(train_file, tmp_path):

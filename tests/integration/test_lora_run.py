@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_runs import run_cli
 from safetensors.torch import load_file, save_file
 
 from trellis.export import export_checkpoint
@@ -52,9 +51,9 @@ def test_an_adapter_run_uses_the_adapter_off_as_its_reference_and_exports_a_plai
     assert all(torch.equal(again[k], final[k]) for k in final)
 
 
-def _trellis(*args: str) -> subprocess.CompletedProcess:
+def _trellis(*args: str):
     """The ``trellis`` command as a user types it."""
-    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], capture_output=True, text=True, timeout=300)
+    return run_cli(*args, cwd=".")
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import run_cli as run_in_process
 
 from trellis.cli import main as cli_main
 from trellis.config import ConfigError
@@ -305,8 +306,8 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
         assert not torch.allclose(untrained.backend.model(input_ids=exported["ids"]).logits, logits, atol=1e-3)  # training moved it
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trellis.cli", *args], capture_output=True, text=True)
+def run_cli(*args: str):
+    return run_in_process(*args, cwd=".")
 
 
 def test_export_never_deletes_the_run_nor_a_folder_it_did_not_write(reference, tmp_path):
