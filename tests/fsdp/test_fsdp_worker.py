@@ -60,6 +60,11 @@ def make_worker(registry, path, role, role_options=None, objectives=None, dist=N
     return worker
 
 LR = 1e-2
+# AdamW's first step moves a weight by lr * g / (|g| + eps): with torch's eps (1e-8) a gradient of
+# summation-order noise (~1e-8 here: the micro-batches sum in another order than the whole batch)
+# moves it by up to lr, and on an AVX2 CPU one weight of 4096 landed 4e-5 apart; this eps keeps such
+# noise at 1e-2 * lr while a real gradient (>= 1e-4) still moves its weight by lr
+ADAM_EPS = 1e-6
 PROMPT, RESPONSE, SAMPLES = 5, 6, 8
 
 
@@ -110,7 +115,7 @@ def reference_step(path: str, batch: Batch):
     loss, _ = vanilla(data, aggregation_for("token-mean", batch["response_mask"]), VanillaOptions())
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0).step()
+    torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=ADAM_EPS).step()
     return float(loss.detach()), float(norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -127,7 +132,8 @@ def prepared_batch(path: str) -> Batch:
 def _rank_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
     torch.set_num_threads(1)
     registry = load_plugins().registry
-    worker = make_worker(registry, path, "actor", actor_options(registry), OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
+    options = actor_options(registry, optim={"lr": LR, "grad_clip": 1.0, "eps": ADAM_EPS})
+    worker = make_worker(registry, path, "actor", options, OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
     metrics = worker.train("update", batch.chunk(world)[rank])
     weights = dict(b for bucket in worker.export_weights() for b in bucket)
     if rank == 0:
@@ -238,7 +244,8 @@ def test_sft_steps_lower_the_loss(registry, tiny_model_path, tmp_path):
 def _save_main(rank: int, world: int, port: int, path: str, batch: Batch, out: str) -> None:
     torch.set_num_threads(1)
     registry = load_plugins().registry
-    worker = make_worker(registry, path, "actor", actor_options(registry), OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
+    options = actor_options(registry, optim={"lr": LR, "grad_clip": 1.0, "eps": ADAM_EPS})
+    worker = make_worker(registry, path, "actor", options, OBJECTIVES["actor"], DistInfo(rank, world, master_port=port))
     worker.train("update", batch.chunk(world)[rank])
     worker.log_prob(batch)  # a no_grad forward just before saving (leaves the root unsharded)
     worker.save(f"{out}/ckpt")
