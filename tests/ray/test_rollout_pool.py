@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trellis.config import ConfigError
+from trellis.runtime.rollout_pool import spawn_pool
 
 ray = pytest.importorskip("ray")
 
@@ -99,7 +100,7 @@ def test_a_sync_that_skips_a_tensor_stops_naming_the_step_engine_and_tensor(ray_
     ctrl = pool_controller(transport)
     try:
         actor = ctrl.spawn("actor", helpers.actor_factory(tiny_model_path))
-        rollout = ctrl.spawn_rollout(lambda: make_skipping_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
+        rollout = spawn_pool(ctrl, lambda: make_skipping_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor, 1)
         rollout.sync_weights(version=0)  # nothing trained yet: the kept value is the sent one
         batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
         actor.update(batch)
@@ -127,7 +128,7 @@ def test_generate_in_a_background_thread_while_the_actor_trains(ray_cluster, tin
     ctrl = pool_controller(transport)
     try:
         actor = ctrl.spawn("actor", helpers.actor_factory(tiny_model_path))
-        rollout = ctrl.spawn_rollout(lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor)
+        rollout = spawn_pool(ctrl, lambda: make_engine(RolloutSpec(tiny_model_path, None, tokenizer)), actor, 1)
         before = rollout.generate(prompts, params)
         batch["old_log_probs"] = actor.log_prob(batch)["log_probs"]
         out: dict = {}
