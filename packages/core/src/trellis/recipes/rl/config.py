@@ -49,7 +49,7 @@ class RLTrainerConfig(TrainerConfig):
     async_mode: str = choice("off", MODES)
     max_staleness: int | None = ranged(None, ge=0)
     # fully_async: a weight sync goes in between chunks of this many tokens of a generation running
-    # ahead, which then continues under the new weights (trellis.runtime.partial; default 32)
+    # ahead, which then continues under the new weights (trellis.recipes.rl.partial; default 32)
     partial_rollout: bool = False
     rollout_chunk_tokens: int | None = ranged(None, ge=1)
 
