@@ -44,7 +44,7 @@ class AlgorithmConfig:
 class RLTrainerConfig(TrainerConfig):
     """async_mode: ``off`` (generate, then train), ``one_step`` (generate step k+1 while training
     step k) or ``fully_async`` (up to ``max_staleness`` steps ahead, default 1); see
-    ``trellis.runtime.ahead``. Generation ahead needs an engine with weights of its own."""
+    ``trellis.recipes.rl.ahead``. Generation ahead needs an engine with weights of its own."""
 
     async_mode: str = choice("off", MODES)
     max_staleness: int | None = ranged(None, ge=0)
