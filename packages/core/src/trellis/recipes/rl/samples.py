@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -207,7 +208,5 @@ def _groups(batch: Batch) -> int:
 def group_multiple(cfg: DictConfig, registry, samples_per_step: int) -> int:
     """The prompt groups a step's batch must be a multiple of: its samples shared evenly over the
     data-parallel ranks and cut into whole actor/critic mini-batches."""
-    import math
-
     unit = math.lcm(backend_mesh(cfg, registry).dp, *(cfg[role].mini_batch_samples or 1 for role in ("actor", "critic")))
     return unit // math.gcd(unit, cfg.sampling.n)
