@@ -53,6 +53,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
+    # verl-compat: the docs' checks run `trellis config from-verl`;
     # [agent]: the openai_agent test runs an agent on the real openai client against the policy endpoint (aiohttp)
     "integration": (
         [
@@ -62,6 +63,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/rollout-hf",
             "packages/interactions",
             "packages/sandbox",
+            "packages/verl-compat",
             "tests/plugins/plain",
             "tests/plugins/example",
         ],
@@ -87,6 +89,12 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/backend-megatron", "packages/rollout-sglang"],
         [SGLANG],
         "tests/sglang",
+    ),
+    # the converted multi-turn example trains with trellis-interactions' gsm8k interaction
+    "verl_compat": (
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/verl-compat"],
+        [],
+        "tests/verl_compat",
     ),
     "parity": (["packages/core", "packages/algos"], [VERL], "tests/parity"),
     # the model code's paths (forward outputs, generate) under an older transformers: see _install_old_transformers
@@ -368,6 +376,7 @@ PACKAGE_TESTS = {
     "rollout-sglang": "sglang",
     "interactions": "interactions",
     "sandbox": "sandbox",
+    "verl-compat": "verl_compat",
 }
 
 

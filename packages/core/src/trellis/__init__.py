@@ -26,10 +26,12 @@ _API = {
     "instantiate_options": "trellis.config",
     "resolve_component": "trellis.config",
     "compose": "trellis.config",
+    "validate_recipe_config": "trellis.config",
     # data and rewards
     "Batch": "trellis.batch",
     "position_ids": "trellis.batch",
     "last_valid_index": "trellis.batch",
+    "DataError": "trellis.data",
     "load_rows": "trellis.data",
     "load_prompt_data": "trellis.data",
     "encode_response": "trellis.data",

@@ -1,4 +1,4 @@
-"""The ``trellis`` command: plugins, doctor, config show/init/from-verl, train, eval, make-tiny-model, demo, plot, export."""
+"""The ``trellis`` command: plugins, doctor, config show/init, train, eval, make-tiny-model, demo, plot, export, and the plugins' commands."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 from pluggy import PluginValidationError
 
 from trellis import config as config_mod
+from trellis.commands import Commands
 from trellis.data import DataError
 from trellis.plot import DEFAULT_METRICS
-from trellis.plugins import load_plugins
+from trellis.plugins import Plugins, load_plugins
 from trellis.registry import RegistryError
 from trellis.rewards import RewardError
 
@@ -27,7 +28,7 @@ STARTERS = {
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    plugins = load_plugins()
+    plugins = args.plugins
     for info in plugins.infos:
         status = f"FAILED: {info.error}" if info.error else f"{len(info.registered)} components"
         print(f"{info.name}  ({info.distribution} {info.version})  {status}")
@@ -54,7 +55,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    plugins = load_plugins()
+    plugins = args.plugins
     cfg = config_mod.compose(args.config, args.overrides, plugins.registry)
     print(OmegaConf.to_yaml(cfg).rstrip())
     return 0
@@ -64,34 +65,19 @@ def cmd_config_init(args: argparse.Namespace) -> int:
     if args.recipe in STARTERS:
         print(STARTERS[args.recipe].read_text(encoding="utf-8").rstrip())
         return 0
-    plugins = load_plugins()
-    schema = config_mod.recipe_schema(OmegaConf.create({"recipe": args.recipe}), plugins.registry)
+    options = config_mod.validate_recipe_config(OmegaConf.create({"recipe": args.recipe}), args.plugins.registry)
     print(f"# The {args.recipe} recipe's options with their defaults; ??? marks what you must set.")
-    print(OmegaConf.to_yaml(config_mod.validate(OmegaConf.create({"recipe": args.recipe}), schema, plugins.registry)).rstrip())
-    return 0
-
-
-def cmd_config_from_verl(args: argparse.Namespace) -> int:
-    from trellis.verl_config import check_converted, convert, read_verl, report
-
-    registry = load_plugins().registry
-    conversion = convert(read_verl(args.verl), registry)
-    check_converted(conversion, registry)
-    print("# trellis rl config converted from verl by trellis config from-verl; check it with trellis config show")
-    print(OmegaConf.to_yaml(OmegaConf.create(conversion.config)).rstrip())
-    if report(conversion):
-        print(report(conversion), file=sys.stderr)
+    print(OmegaConf.to_yaml(options).rstrip())
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import shlex
 
-    from trellis.plugins import load_plugins
     from trellis.recipes.train import Interrupted, train
     from trellis.runtime import netns
 
-    plugins = load_plugins()  # once: the namespace decision and the run share it
+    plugins = args.plugins  # once: the namespace decision and the run share it
     if netns.inside():
         netns.loopback_up()
     elif not args.dry_run:  # a single-machine Ray run goes into a loopback-only network namespace
@@ -117,6 +103,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     print(json.dumps(evaluate(args.config, args.overrides)))
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The demo parses its own flags: ``main`` hands it the command line before any parsing."""
+    from trellis.examples.demo import main as demo_main
+
+    return demo_main(args.argv[1:])
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -185,32 +178,31 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trellis", description="RL post-training for language models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plugins", help="list installed plugins, what they registered and load errors")
-    p.set_defaults(func=cmd_plugins)
-    p = sub.add_parser("doctor", help="what a bug report needs: python, torch/CUDA/NCCL, devices, plugins, engine versions, namespaces, disk")
-    p.set_defaults(func=cmd_doctor)
-    p = sub.add_parser("config", help="config tools")
-    csub = p.add_subparsers(dest="config_command", required=True)
-    p = csub.add_parser("show", help="print the composed, validated config with defaults")
+def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
+    """The ``trellis`` command's parser: core's commands and the plugins'."""
+    return all_commands(plugins or load_plugins()).parser
+
+
+def all_commands(plugins: Plugins) -> Commands:
+    """Core's commands, then those the installed plugins add (``trellis_add_commands``)."""
+    commands = Commands(argparse.ArgumentParser(prog="trellis", description="RL post-training for language models"))
+    add = commands.add
+    add("plugins", cmd_plugins, help="list installed plugins, what they registered and load errors")
+    add("doctor", cmd_doctor, help="what a bug report needs: python, torch/CUDA/NCCL, devices, plugins, engine versions, namespaces, disk")
+    add("config", None, help="config tools")
+    p = add("config show", cmd_config_show, help="print the composed, validated config with defaults")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")
-    p.set_defaults(func=cmd_config_show)
     starters = ", ".join(sorted(STARTERS))
-    p = csub.add_parser(
-        "init",
+    p = add(
+        "config init",
+        cmd_config_init,
         help="print a commented starter config: trellis config init rl > my_run.yaml",
         description=f"Print a commented starter config ({starters}), or for any other installed recipe (e.g. spin) its options "
         "with their defaults; ??? marks what you must set.",
     )
     p.add_argument("recipe", help=f"a starter ({starters}) or an installed recipe's name")
-    p.set_defaults(func=cmd_config_init)
-    p = csub.add_parser("from-verl", help="print the trellis rl config for a verl PPO/GRPO config; unconverted keys go to stderr")
-    p.add_argument("verl", nargs="+", help="verl YAML files and/or key=value overrides as given to verl.trainer.main_ppo")
-    p.set_defaults(func=cmd_config_from_verl)
-    p = sub.add_parser("train", help="run the recipe the config names")
+    p = add("train", cmd_train, help="run the recipe the config names")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")
     p.add_argument(
@@ -219,12 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the checks that need no model (config, ranges, plugin names, trackers, files, columns, prompt lengths, "
         "batch divisibility, the checkpoint to resume); writes nothing",
     )
-    p.set_defaults(func=cmd_train)
-    p = sub.add_parser("eval", help="validation alone, once, on model.path (the rl recipe's held-out data.val_path); prints its figures")
+    p = add("eval", cmd_eval, help="validation alone, once, on model.path (the rl recipe's held-out data.val_path); prints its figures")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value")
-    p.set_defaults(func=cmd_eval)
-    p = sub.add_parser("make-tiny-model", help="build (or reuse) a tiny local Qwen2 model + tokenizer trained on your text")
+    p = add("make-tiny-model", cmd_make_tiny_model, help="build (or reuse) a tiny local Qwen2 model + tokenizer trained on your text")
     p.add_argument("out_dir")
     p.add_argument("--text-file", help="tokenizer training text, one text per line (default: the arithmetic task's text)")
     p.add_argument("--hidden-size", type=int, default=64)
@@ -236,10 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-position-embeddings", type=int, default=512)
     p.add_argument("--untied", action="store_true", help="separate output head (default: tied to the embeddings)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_make_tiny_model)
-    sub.add_parser("demo", help="SFT then GRPO on arithmetic with a tiny model; prints a before/after table (see trellis demo -h)")
-    p = sub.add_parser(
+    add("demo", cmd_demo, help="SFT then GRPO on arithmetic with a tiny model; prints a before/after table (see trellis demo -h)")
+    p = add(
         "plot",
+        cmd_plot,
         help="PNG curves of metrics from run folders (several runs overlaid)",
         description="trellis plot RUN_DIR [RUN_DIR ...] [METRIC ...]: arguments that are folders are runs, the others metric "
         f"names (e.g. reward/mean actor/entropy). Without a metric: those of {', '.join(DEFAULT_METRICS)} that some run has.",
@@ -247,8 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs_and_metrics", nargs="+", metavar="RUN_DIR_OR_METRIC")
     p.add_argument("--metric", action="append", dest="metrics", help="another metric to plot (repeatable)")
     p.add_argument("--out", default=None, help="PNG path (default: <first run>/curves.png)")
-    p.set_defaults(func=cmd_plot)
-    p = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (loads without Trellis)")
+    p = add("export", cmd_export, help="write a checkpoint's policy as a Hugging Face folder (loads without Trellis)")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoint-N, or a run folder (its latest complete checkpoint)")
     p.add_argument("out_dir")
     p.add_argument(
@@ -256,34 +245,34 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a run that trained a LoRA adapter: write the adapter alone as a PEFT folder (loads onto the base model with peft)",
     )
-    p.set_defaults(func=cmd_export)
-    return parser
+    plugins.hook.trellis_add_commands(commands=commands)
+    return commands
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"]:  # the demo parses its own flags
-        from trellis.examples.demo import main as demo_main
-
-        return demo_main(argv[1:])
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    # overrides after a flag (`train run.yaml --dry-run k=v`) are left over by argparse
-    bad = [r for r in rest if not hasattr(args, "overrides") or "=" not in r or r.startswith("-")]
-    if bad:  # named alone: the key=value overrides among them are fine
-        tip = "; config overrides are key=value, e.g. actor.optim.lr=1e-5 (trellis config show CONFIG lists the keys)"
-        tip = tip if hasattr(args, "overrides") else ""
-        parser.error(f"unrecognized arguments: {' '.join(bad)}{tip}")
-    if rest:
-        args.overrides += rest
-    args.argv = argv
+    if argv[:1] == ["demo"]:
+        return cmd_demo(argparse.Namespace(argv=argv))
     try:
+        plugins = load_plugins()
+        commands = all_commands(plugins)
+        if missing := commands.missing(argv):
+            raise RegistryError(missing)
+        args, rest = commands.parser.parse_known_args(argv)
+        # overrides after a flag (`train run.yaml --dry-run k=v`) are left over by argparse
+        bad = [r for r in rest if not hasattr(args, "overrides") or "=" not in r or r.startswith("-")]
+        if bad:  # named alone: the key=value overrides among them are fine
+            tip = "; config overrides are key=value, e.g. actor.optim.lr=1e-5 (trellis config show CONFIG lists the keys)"
+            tip = tip if hasattr(args, "overrides") else ""
+            commands.parser.error(f"unrecognized arguments: {' '.join(bad)}{tip}")
+        if rest:
+            args.overrides += rest
+        args.argv, args.plugins = argv, plugins
         return args.func(args)
     except (config_mod.ConfigError, RegistryError, DataError, RewardError, PluginValidationError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

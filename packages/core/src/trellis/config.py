@@ -279,6 +279,12 @@ def recipe_schema(raw: DictConfig, registry: Registry) -> type:
     return entry.options
 
 
+def validate_recipe_config(raw: DictConfig, registry: Registry) -> DictConfig:
+    """``raw`` checked against the options of the recipe its ``recipe`` key names, defaults filled;
+    a required key left unset stays ``???``."""
+    return validate(raw, recipe_schema(raw, registry), registry)
+
+
 def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", default: Any = None) -> DictConfig:
     """Check ``raw`` against dataclass ``schema``; return a typed ``DictConfig`` with defaults filled
     (from ``default``, an instance of ``schema``, when given: a section's default in its parent)."""

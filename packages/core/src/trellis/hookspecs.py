@@ -51,3 +51,13 @@ def trellis_checkpoint_saved(step, path):
 def trellis_train_end(run_dir, metrics):
     """A run that started (``trellis_train_start`` fired) finished, normally or with an error.
     ``metrics`` holds the last step's figures."""
+
+
+@hookspec
+def trellis_add_commands(commands):
+    """Add subcommands to the ``trellis`` command (as pytest's ``pytest_addoption`` adds options):
+    ``parser = commands.add("serve", run, help="...")``, or ``commands.add("config NAME", ...)`` under
+    a command group, returns the new command's ``argparse`` parser for its arguments; ``run(args)``
+    runs it and returns the exit status (``args.plugins``: the loaded plugins; ``args.argv``: the
+    command line). Core's commands are added first; a command that exists
+    already is an error naming the module of each."""

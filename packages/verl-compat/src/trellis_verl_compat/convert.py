@@ -15,8 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trellis.data import DataError, load_rows
-from trellis.registry import Registry, RegistryError
+from trellis import ConfigError, DataError, Registry, RegistryError, load_rows, validate_recipe_config
 
 AR = "actor_rollout_ref."
 SKIP = object()  # a converter's answer when the value needs nothing in trellis (verl's "unset")
@@ -565,12 +564,9 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
 def check_converted(conversion: Conversion, registry: Registry) -> None:
     """The converted config against the ``rl`` schema (types, ranges, names; required keys may
     still be missing): a ``DataError`` names the verl key a bad value came from."""
-    from trellis import config as config_mod
-
-    raw = OmegaConf.create(conversion.config)
     try:
-        config_mod.validate(raw, config_mod.recipe_schema(raw, registry), registry)
-    except config_mod.ConfigError as exc:
+        validate_recipe_config(OmegaConf.create(conversion.config), registry)
+    except ConfigError as exc:
         key = re.search(r"config key '([^']+)'", str(exc))
         verl = conversion.origin.get(key.group(1)) if key else None
         raise DataError(f"the verl config does not convert{f' (from verl key {verl!r})' if verl else ''}: {exc}") from None

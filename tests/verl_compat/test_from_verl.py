@@ -12,7 +12,7 @@ from cli_runs import run_cli as trellis
 
 from trellis.config import compose
 from trellis.plugins import load_plugins
-from trellis.verl_config import RULES, convert, read_verl
+from trellis_verl_compat.convert import RULES, convert, read_verl
 
 GRPO_COMMAND = [
     "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",

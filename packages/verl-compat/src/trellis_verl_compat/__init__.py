@@ -1,0 +1,1 @@
+"""Trellis for verl users: verl launch configs converted to trellis configs."""
