@@ -172,3 +172,41 @@ def test_a_sections_defaults_come_from_its_parent_given_or_not(registry):
     """SFT's ``train.optim.lr`` defaults to 1e-4 (not OptimConfig's 1e-5), also when other optim keys are set."""
     assert dict(validate(OmegaConf.create({"inner": {"clip": 2.0}}), Outer, registry).inner) == {"lr": 0.5, "clip": 2.0}
     assert dict(validate(OmegaConf.create({}), Outer, registry).inner) == {"lr": 0.5, "clip": 1.0}
+
+
+RL = ["recipe=rl", "model.path=/models/tiny", "data.train_path=/data/train.parquet"]
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (
+            ["actor.adapter.alpha=32", "actor.adapter.target_modules=[q_proj]"],
+            "config key 'actor.adapter.alpha' is set (32.0) but actor.adapter.rank is 0, so it would be ignored; "
+            "set actor.adapter.rank above 0 (e.g. 8) to train a LoRA adapter, or drop actor.adapter.alpha",
+        ),
+        (
+            ["algorithm.dynamic_sampling.max_rounds=3"],
+            "config key 'algorithm.dynamic_sampling.max_rounds' is set (3) but algorithm.dynamic_sampling.enable is false, so it "
+            "would be ignored; set algorithm.dynamic_sampling.enable to true to filter groups, or drop algorithm.dynamic_sampling.max_rounds",
+        ),
+        (
+            ["reward.overlong.penalty=0.5"],
+            "config key 'reward.overlong.penalty' is set (0.5) but reward.overlong.buffer_len is 0, so it would be ignored; set "
+            "reward.overlong.buffer_len to the buffer's length in tokens (e.g. 4) to penalize long responses, or drop reward.overlong.penalty",
+        ),
+    ],
+    ids=["adapter-rank-0", "dynamic-sampling-off", "overlong-buffer-0"],
+)
+def test_an_option_of_a_section_switched_off_is_refused(given, message):
+    """A section whose switch is off (``trellis.config.switch``) with another option set away from
+    its default: that option would be ignored (a LoRA rank forgotten trained every weight at the
+    adapter's learning rate), so the config stops, naming the option, its value and the switch.
+    The same options with the switch on, or set to their defaults, compose."""
+    registry = load_plugins().registry
+    with pytest.raises(ConfigError) as error:
+        compose(None, [*RL, *given], registry)
+    assert str(error.value) == message
+    switch_on = {"actor": "actor.adapter.rank=8", "algorithm": "algorithm.dynamic_sampling.enable=true", "reward": "reward.overlong.buffer_len=4"}
+    compose(None, [*RL, *given, switch_on[given[0].split(".")[0]]], registry)
+    compose(None, [*RL, "actor.adapter.alpha=16", "reward.overlong.penalty=1.0", "algorithm.dynamic_sampling.max_rounds=10"], registry)

@@ -66,6 +66,30 @@ def test_ranked_pairs_from_the_models_own_samples(run_spin, tmp_path):
     assert steps[-1]["actor/reward_margin"] > 0
 
 
+def test_the_policy_is_written_as_a_hugging_face_folder_and_samples_are_logged(run_spin, tmp_path):
+    """``trellis config init spin`` lists ``trainer.save_hf_model`` and ``trainer.log_samples``: the
+    run writes the actor's final weights as ``hf_model`` (the same logits as the checkpoint's actor
+    export) and its first samples of each step, with their reward, to ``samples.jsonl``."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trellis.export import export_checkpoint
+
+    run_dir = tmp_path / "written"
+    run_spin("trainer.total_steps=2", "trainer.save_hf_model=true", "trainer.log_samples=3", "trainer.save_every_steps=2", run_dir=run_dir)
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    assert all(isinstance(r["response"], str) and isinstance(r["reward"], float) and r["prompt"] for r in rows)
+    exported = export_checkpoint(run_dir, tmp_path / "exported")
+    ids = torch.tensor([[5, 9, 12, 7]])
+    with torch.no_grad():
+        written = AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")(ids).logits
+        from_checkpoint = AutoModelForCausalLM.from_pretrained(exported)(ids).logits
+    torch.testing.assert_close(written, from_checkpoint)
+
+
 def test_resume_restores_the_refreshed_reference(run_spin, tmp_path):
     """The reference is part of the checkpoint: two steps, stop, two more equal four in a row."""
     _, straight = run_spin("ref_update_every=2", run_dir=tmp_path / "straight")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from trellis import (
     pair_batch,
     ranged,
     rollout_batch,
+    save_hf_folder,
     without_adapter,
 )
 from trellis_algos.preference import make_pairs
@@ -125,7 +127,9 @@ class SPINRecipe:
                     with run.timer("gen"):
                         samples = rollout.generate(prompts, params)
                     with run.timer("pairs"):
-                        chosen, rejected, metrics = self.pairs(cfg, prompts, samples, reward, tokenizer, params, actor.mesh.dp)
+                        scored = reward.score(samples)
+                        chosen, rejected, metrics = self.pairs(cfg, prompts, samples, scored, tokenizer, params, actor.mesh.dp)
+                run.log_samples(step, samples, scored.scores, tokenizer)
                 if len(chosen):
                     with run.timer("ref"):
                         ref_chosen, ref_rejected = summed_log_probs(ref, chosen), summed_log_probs(ref, rejected)
@@ -139,13 +143,15 @@ class SPINRecipe:
                     with run.timer("ref_update"):
                         run.controller.copy_weights(actor, ref)
                 run.end_step(step, metrics)
+            if cfg.trainer.save_hf_model:
+                save_hf_folder(cfg.model.path, chain.from_iterable(actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")
         return run.summary
 
     @staticmethod
-    def pairs(cfg: DictConfig, prompts: Batch, samples: Batch, reward: RewardManager, tokenizer: Any, params: SamplingParams, dp: int):
-        """``(chosen, rejected, metrics)``: two row batches of equal length in the rollout layout,
-        as many as the ``dp`` data-parallel ranks can share evenly, log-probs at temperature 1."""
-        scored = reward.score(samples)
+    def pairs(cfg: DictConfig, prompts: Batch, samples: Batch, scored: Any, tokenizer: Any, params: SamplingParams, dp: int):
+        """``(chosen, rejected, metrics)`` from ``samples`` and their rewards ``scored``: two row
+        batches of equal length in the rollout layout, as many as the ``dp`` data-parallel ranks can
+        share evenly, log-probs at temperature 1."""
         metrics = {**scored.metrics, "spin/sample_reward": float(scored.scores.mean())}
         if cfg.pairs == "reference":
             chosen, rejected = reference_answers(prompts, tokenizer, params).repeat_interleave(params.n), samples

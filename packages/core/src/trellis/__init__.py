@@ -22,6 +22,7 @@ _API = {
     "choice": "trellis.config",
     "component": "trellis.config",
     "ranged": "trellis.config",
+    "switch": "trellis.config",
     "ConfigError": "trellis.config",
     "instantiate_options": "trellis.config",
     "resolve_component": "trellis.config",
@@ -107,6 +108,7 @@ _API = {
     "backend_field": "trellis.recipes.options",
     "check_inputs": "trellis.recipes.options",
     "without_adapter": "trellis.recipes.options",
+    "save_hf_folder": "trellis.export",
 }
 __all__ = ["__version__", *_API]
 

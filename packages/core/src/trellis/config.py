@@ -31,6 +31,7 @@ class ConfigError(ValueError):
 COMPONENT_KIND = "trellis_component_kind"
 RANGE = "trellis_range"
 CHOICES = "trellis_choices"
+SWITCH = "trellis_switch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,15 @@ def ranged(
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def switch(option: dataclasses.Field, off: Any, turn_on: str) -> Any:
+    """Marks ``option`` (a ``ranged``, ``choice`` or plain ``dataclasses.field``) as its section's
+    on/off switch: while it is ``off``, another option of the section set away from its default
+    would be ignored, so the config is refused, saying how to switch it on (``set <key> <turn_on>``):
+    ``rank: int = switch(ranged(0, ge=0), off=0, turn_on="above 0 (e.g. 8) to train a LoRA adapter")``."""
+    option.metadata = types.MappingProxyType({**option.metadata, SWITCH: (off, turn_on)})
+    return option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +344,25 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", 
             check_range(sub_path, node[name], allowed)
         if choices is not None:
             choices.check(sub_path, node[name], registry)
+    _refuse_switched_off(raw, node, schema if default is None else default, path)
     return node
+
+
+def _refuse_switched_off(raw: DictConfig, node: DictConfig, default: Any, path: str) -> None:
+    """A section whose :func:`switch` is off, with another option set away from its ``default`` (the
+    section's schema or default instance): that option would be ignored."""
+    for f in dataclasses.fields(default):
+        name = f.name
+        if SWITCH not in f.metadata or node[name] != f.metadata[SWITCH][0]:
+            continue
+        off, turn_on = f.metadata[SWITCH]
+        defaults = OmegaConf.structured(default)
+        for key in raw:
+            if key != name and not OmegaConf.is_missing(node, key) and node[key] != defaults[key]:
+                raise ConfigError(
+                    f"config key '{path}{key}' is set ({_show(node[key])}) but {path}{name} is {str(off).lower()}, so it would be "
+                    f"ignored; set {path}{name} {turn_on}, or drop {path}{key}"
+                )
 
 
 def _word(f: dataclasses.Field, value: bool) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional, Protocol
 import torch
 
 from trellis.batch import Batch, last_valid_index
-from trellis.config import ConfigError, choice, instantiate_options, ranged
+from trellis.config import ConfigError, choice, instantiate_options, ranged, switch
 from trellis.registry import RegistryError
 
 logger = logging.getLogger("trellis")
@@ -146,7 +146,7 @@ class OverlongConfig:
     the last ``buffer_len`` tokens before ``sampling.max_new_tokens`` lose up to ``penalty``
     (0: off)."""
 
-    buffer_len: int = ranged(0, ge=0)
+    buffer_len: int = switch(ranged(0, ge=0), off=0, turn_on="to the buffer's length in tokens (e.g. 4) to penalize long responses")
     penalty: float = ranged(1.0, ge=0)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from trellis.config import ConfigError, choice, component, ranged
+from trellis.config import ConfigError, choice, component, ranged, switch
 from trellis.interfaces.optim import LR_SCHEDULES
 from trellis.interfaces.signatures import AGG_MODES
 
@@ -182,7 +182,7 @@ class AdapterConfig:
     but the LM head). init: ``default`` (A Kaiming-uniform) or ``gaussian`` (A normal, std
     1/rank); B starts at 0 either way."""
 
-    rank: int = ranged(0, ge=0)
+    rank: int = switch(ranged(0, ge=0), off=0, turn_on="above 0 (e.g. 8) to train a LoRA adapter")
     alpha: float = ranged(16.0, gt=0)
     dropout: float = ranged(0.0, ge=0, lt=1)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])

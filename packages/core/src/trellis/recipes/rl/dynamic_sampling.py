@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from trellis.batch import Batch
-from trellis.config import choice, ranged
+from trellis.config import choice, ranged, switch
 from trellis.rewards import RewardResult
 
 log = logging.getLogger("trellis")
@@ -30,7 +30,7 @@ class DynamicSamplingConfig:
     max_rounds: generation rounds a step may take; when they do not fill the batch, the step
         trains on the groups kept (a warning says how many), or is skipped if none."""
 
-    enable: bool = False
+    enable: bool = switch(field(default=False), off=False, turn_on="to true to filter groups")
     metric: str = choice("reward", ("reward", "acc"))
     max_rounds: int = ranged(10, ge=1)
     filters: list[str] = choice(kind="group_filter", default_factory=lambda: ["zero_variance"])
