@@ -26,6 +26,11 @@ async def raises(client, sample):
     raise RuntimeError("the agent's own bug")
 
 
+async def returns_none(client, sample):
+    """Forgets to return its reward: every sample fails."""
+    await client.chat.completions.create(model="policy", messages=sample.messages)
+
+
 async def sleeps(client, sample):
     import asyncio
 

@@ -246,6 +246,22 @@ def test_a_missing_openai_package_is_named_before_any_model_is_built(tiny_model_
         train(None, overrides(tiny_model_path, data, tmp_path / "bad"), dry_run=True)
 
 
+def test_an_agent_failing_on_most_samples_stops_the_run_naming_max_error_rate(tiny_model_path, data, tmp_path):
+    """An agent that returns no reward fails on every sample: the run stops at its first step with
+    one error naming the share and reward.max_error_rate, instead of finishing 100% failed; with
+    the rate raised to 1 the same run trains on the turns the agent sampled."""
+    from trellis.rewards import RewardError
+
+    agent = f"multi_turn.agent={AGENTS}:returns_none"
+    stop = r"^8 of 8 conversations \(100%\) ended in an error of the agent or the environment, above reward.max_error_rate=0.1; "
+    with pytest.raises(RewardError, match=stop):
+        train(None, [*overrides(tiny_model_path, data, tmp_path / "stops"), agent])
+    assert not (tmp_path / "stops" / "metrics.jsonl").exists() or "actor/pg_loss" not in (tmp_path / "stops" / "metrics.jsonl").read_text()
+    train(None, [*overrides(tiny_model_path, data, tmp_path / "goes_on"), agent, "reward.max_error_rate=1"])
+    steps = [r for r in map(json.loads, (tmp_path / "goes_on" / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+    assert len(steps) == 2 and all(r["multiturn/finish_error"] == 1.0 and r["multiturn/env_errors"] == 8 for r in steps)
+
+
 @pytest.mark.parametrize(
     ("function", "finish", "reward", "turns"),
     [

@@ -7,17 +7,26 @@ import torch
 
 from trellis.batch import Batch, last_valid_index
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.rewards import RewardResult, Scorer
+from trellis.rewards import RewardError, RewardResult, Scorer
 
 
 class ConversationScorer:
     """A :class:`~trellis.rewards.Scorer` of conversations: :func:`score_multiturn` with the run's
-    ``multi_turn`` settings and its reward."""
+    ``multi_turn`` settings and its reward. A batch in which more than ``max_error_rate``
+    (``reward.max_error_rate``) of the conversations ended in an error of the agent or the
+    environment stops the run: their samples score 0 and train on nothing the model did."""
 
-    def __init__(self, settings: MultiTurnConfig, reward_fn: Scorer) -> None:
-        self.settings, self.reward_fn = settings, reward_fn
+    def __init__(self, settings: MultiTurnConfig, reward_fn: Scorer, max_error_rate: float) -> None:
+        self.settings, self.reward_fn, self.max_error_rate = settings, reward_fn, max_error_rate
 
     def score(self, batch: Batch) -> RewardResult:
+        errors, n = int(batch["env_errors"].sum()), len(batch)
+        if n and errors / n > self.max_error_rate:
+            raise RewardError(
+                f"{errors} of {n} conversations ({errors / n:.0%}) ended in an error of the agent or the environment, above "
+                f"reward.max_error_rate={self.max_error_rate:g}; the first one's traceback is logged above; fix the agent or the environment, "
+                "or raise reward.max_error_rate"
+            )
         return score_multiturn(batch, self.settings, self.reward_fn)
 
 

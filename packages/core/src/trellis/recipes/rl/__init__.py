@@ -88,7 +88,7 @@ class RLRecipe:
     def validate(rollout: RolloutGroup, val, reward_fn: Scorer, cfg: DictConfig, agent=None) -> dict[str, float]:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
         multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
-        prompts, scorer = val.as_batch(), scorer_of(reward_fn, agent)
+        prompts, scorer = val.as_batch(), scorer_of(reward_fn, agent, cfg.reward.max_error_rate)
         base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.sampling.seed)
         greedy = scorer.score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent))
         sampled_params = SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})

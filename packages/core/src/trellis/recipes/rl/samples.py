@@ -57,7 +57,7 @@ class SampleSource:
                  reward_fn: Scorer, tokenizer, estimator, bound: int | None) -> None:  # fmt: skip
         self.cfg, self.run, self.rollout, self.loader, self.agent = cfg, run, rollout, loader, agent
         self.reward_fn, self.tokenizer, self.needs, self.bound = reward_fn, tokenizer, needs(estimator), bound
-        self.scorer = scorer_of(reward_fn, agent)
+        self.scorer = scorer_of(reward_fn, agent, cfg.reward.max_error_rate)
         self.sampling = SamplingParams(**cfg.sampling)
         self.samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
         self.dynamic = cfg.algorithm.dynamic_sampling
@@ -196,9 +196,10 @@ def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent:
     return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
 
 
-def scorer_of(reward_fn: Scorer, agent: AgentRollout | None) -> Scorer:
-    """The run's reward, or with agent loops the reward of whole conversations."""
-    return reward_fn if agent is None else ConversationScorer(agent.spec.settings, reward_fn)
+def scorer_of(reward_fn: Scorer, agent: AgentRollout | None, max_error_rate: float) -> Scorer:
+    """The run's reward, or with agent loops the reward of whole conversations (which stops the run
+    when more than ``max_error_rate`` of a batch's conversations ended in an error)."""
+    return reward_fn if agent is None else ConversationScorer(agent.spec.settings, reward_fn, max_error_rate)
 
 
 def _groups(batch: Batch) -> int:
