@@ -5,11 +5,16 @@
                                                    # shard, before the manifest and the rename
     python killable.py saved N key=value ...       # once checkpoint N is complete (for the last
                                                    # step: before the final validation and export)
+    python killable.py prune N key=value ...       # once checkpoint N is complete, while an older one
+                                                   # is deleted (renamed, not yet removed)
+    python killable.py hf_model 0 key=value ...    # while the end's hf_model is written (weights in
+                                                   # its temporary folder, the tokenizer not yet)
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -54,8 +59,29 @@ def kill_at(point: str, step: int) -> None:
             return path
 
         Checkpointer.after_step = after_step_then_die
+    elif point == "prune":
+        rmtree = shutil.rmtree
+
+        def rmtree_unless_pruning(path, *args, **kwargs):
+            path = Path(path)
+            if path.name.endswith(".deleting") and (path.parent / f"checkpoint-{step}").is_dir():
+                die()
+            return rmtree(path, *args, **kwargs)
+
+        shutil.rmtree = rmtree_unless_pruning
+    elif point == "hf_model":
+        from transformers import PreTrainedTokenizerBase
+
+        save_pretrained = PreTrainedTokenizerBase.save_pretrained
+
+        def save_unless_in_hf_model(self, folder, *args, **kwargs):
+            if Path(folder).name.startswith(".hf_model.tmp-"):
+                die()
+            return save_pretrained(self, folder, *args, **kwargs)
+
+        PreTrainedTokenizerBase.save_pretrained = save_unless_in_hf_model
     else:
-        raise SystemExit(f"unknown kill point {point!r}; valid: update, checkpoint, saved")
+        raise SystemExit(f"unknown kill point {point!r}; valid: update, checkpoint, saved, prune, hf_model")
 
 
 if __name__ == "__main__":

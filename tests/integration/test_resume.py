@@ -152,6 +152,26 @@ def test_killed_after_the_last_checkpoint_runs_the_end_tasks_on_relaunch(rl_over
     assert train(None, overrides) == {"finished_at_step": 4}
 
 
+def test_kills_while_pruning_and_writing_the_hf_model_leave_nothing_behind(rl_overrides, reference, tmp_path):
+    """Killed once checkpoint 4 is complete while checkpoint 2 is deleted (keep 1), then killed
+    while the end's hf_model is written: each relaunch finishes the end tasks, and afterwards the run
+    folder holds the last checkpoint, hf_model and the run's files, no half-deleted checkpoint or
+    temporary folder (no later save would ever have removed them)."""
+    run_dir = tmp_path / "run"
+    overrides = [*rl_overrides, f"trainer.run_dir={run_dir}", "trainer.save_hf_model=true", "trainer.keep_checkpoints=1"]
+    killed_run(overrides, "prune", 4, tmp_path)
+    assert (run_dir / ".checkpoint-2.deleting").is_dir() and read_manifest(run_dir / "checkpoint-4") is not None
+    killed_run(overrides, "hf_model", 0, tmp_path)
+    assert not (run_dir / ".checkpoint-2.deleting").exists()
+    assert [p.name for p in run_dir.glob(".hf_model.tmp-*")] and not (run_dir / "hf_model").exists()
+
+    assert "finished_at_step" not in train(None, overrides)
+    hidden = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("."))
+    assert hidden == [] and (run_dir / "hf_model" / "config.json").is_file()
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert_same_metrics(rows(run_dir), reference[1])
+
+
 def overwrite(path: Path, offset: int, data: bytes) -> None:
     """Damage ``path`` in place, keeping its size."""
     with open(path, "r+b") as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import shutil
 from collections.abc import Iterable
@@ -121,12 +122,27 @@ def save_adapter_folder(config: dict, tensors: dict[str, torch.Tensor], tokenize
     return _write_folder(out_dir, write, tokenizer, {"adapter_of": config["base_model_name_or_path"]})
 
 
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process whose id names temporary folder ``tmp`` (``.<out>.tmp-<pid>-<hex>``) runs."""
+    try:
+        os.kill(int(tmp.name.rpartition(".tmp-")[2].split("-")[0]), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _write_folder(out_dir: Path, write, tokenizer: object, marker: dict[str, str]) -> Path:
     """``write(tmp)`` fills a fresh temporary folder beside ``out_dir`` (made here, so removing it
     after a failure deletes nothing but this call's files), the tokenizer and the marker join it,
-    then it replaces ``out_dir`` in one rename, so a crash never leaves half an export."""
+    then it replaces ``out_dir`` in one rename, so a crash never leaves half an export. A temporary
+    folder of a write that was killed (its process gone) is removed first."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{secrets.token_hex(4)}")
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        if not _writer_alive(stale):  # a write that was killed: nothing else would ever remove it
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()  # never one that exists; the umask's permissions, as the export will have
     try:
         write(tmp)

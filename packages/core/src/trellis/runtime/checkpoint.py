@@ -375,6 +375,7 @@ class Checkpointer:
         returns the step the run resumes after (0 for a fresh run)."""
         self.roles = {k: v for k, v in roles.items() if v is not None}
         self.state = {k: v for k, v in state.items() if v is not None}
+        _remove_leftovers(self.run_dir)  # a kill while the last checkpoint was pruned left one that no later save removes
         if self.resume_from is not None:
             restore(self.resume_from, self.roles, self.state)
             total = self.cfg.trainer.total_steps
