@@ -330,6 +330,22 @@ def run_cli(*args: str):
     return run_in_process(*args, cwd=".")
 
 
+def test_a_run_trained_from_a_relative_model_path_exports_from_any_folder(tiny_model_path, rl_overrides, tmp_path, monkeypatch):
+    """``model.path: tiny`` (as the README's config has it) is relative to the folder the run was
+    started in, which the checkpoint records: ``trellis export`` from another folder finds it."""
+    import shutil
+
+    started, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    shutil.copytree(tiny_model_path, started / "tiny")
+    elsewhere.mkdir()
+    monkeypatch.chdir(started)
+    overrides = [o for o in rl_overrides if not o.startswith(("model.path=", "trainer.total_steps=", "trainer.save_every_steps="))]
+    train(None, [*overrides, "model.path=tiny", "trainer.total_steps=1", "trainer.run_dir=run"])
+    monkeypatch.chdir(elsewhere)
+    assert cli_main(["export", str(started / "run"), "hf"]) == 0
+    assert (elsewhere / "hf" / "model.safetensors").is_file() and (elsewhere / "hf" / "tokenizer.json").is_file()
+
+
 def test_export_never_deletes_the_run_nor_a_folder_it_did_not_write(reference, tmp_path):
     run_dir = reference[0]
     before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))

@@ -53,8 +53,11 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     if role is None:
         raise ConfigError(f"checkpoint {path} holds no {' or '.join(EXPORTED)} to export (its roles: {', '.join(roles)})")
     cfg = OmegaConf.load(path / CONFIG_FILE)
+    trained_in = Path(read_manifest(path).get("cwd", "."))
     for key in ("path", "tokenizer_path"):
         source = cfg.model.get(key)
+        if source is not None and not Path(source).exists() and (trained_in / source).exists():
+            cfg.model[key] = source = str(trained_in / source)  # relative to the folder the run was started in
         if source is not None and not Path(source).exists():
             raise ConfigError(
                 f"checkpoint {path} was trained from model.{key}={source!r}, which no longer exists; "

@@ -285,6 +285,7 @@ def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], st
         "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
         "trellis_version": __version__,
         "torch_threads": torch.get_num_threads(),  # a resumed run under trainer.threads=auto keeps it
+        "cwd": os.getcwd(),  # what the config's relative paths (model.path: tiny) are relative to
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
