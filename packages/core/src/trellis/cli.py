@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from importlib.resources import files
 
@@ -88,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = train(args.config, args.overrides, plugins=plugins, dry_run=args.dry_run)
     except Interrupted as stop:
         again = [a for a in args.overrides if not a.startswith("trainer.run_dir=")] + [f"trainer.run_dir={stop.run_dir}"]
-        print(f"trellis: interrupted; resume with: {shlex.join(['trellis', 'train', args.config, *again])}", file=sys.stderr)
+        print(f"trellis: interrupted; resume with: {shlex.join(['trellis', 'train', *filter(None, [args.config]), *again])}", file=sys.stderr)
         return 130
     if args.dry_run:
         start = f"resumes from {result['resume_from']}" if result["resume_from"] else "a fresh run"
@@ -191,7 +192,7 @@ def all_commands(plugins: Plugins) -> Commands:
     add("doctor", cmd_doctor, help="what a bug report needs: python, torch/CUDA/NCCL, devices, plugins, engine versions, namespaces, disk")
     add("config", None, help="config tools")
     p = add("config show", cmd_config_show, help="print the composed, validated config with defaults")
-    p.add_argument("config")
+    p.add_argument("config", help="a YAML file, or the first key=value override (a run given by overrides alone)")
     p.add_argument("overrides", nargs="*", help="key=value")
     starters = ", ".join(sorted(STARTERS))
     p = add(
@@ -203,7 +204,7 @@ def all_commands(plugins: Plugins) -> Commands:
     )
     p.add_argument("recipe", help=f"a starter ({starters}) or an installed recipe's name")
     p = add("train", cmd_train, help="run the recipe the config names")
-    p.add_argument("config")
+    p.add_argument("config", help="a YAML file, or the first key=value override (a run given by overrides alone)")
     p.add_argument("overrides", nargs="*", help="key=value")
     p.add_argument(
         "--dry-run",
@@ -212,7 +213,7 @@ def all_commands(plugins: Plugins) -> Commands:
         "batch divisibility, the checkpoint to resume); writes nothing",
     )
     p = add("eval", cmd_eval, help="validation alone, once, on model.path (the rl recipe's held-out data.val_path); prints its figures")
-    p.add_argument("config")
+    p.add_argument("config", help="a YAML file, or the first key=value override (a run given by overrides alone)")
     p.add_argument("overrides", nargs="*", help="key=value")
     p = add("make-tiny-model", cmd_make_tiny_model, help="build (or reuse) a tiny local Qwen2 model + tokenizer trained on your text")
     p.add_argument("out_dir")
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             commands.parser.error(f"unrecognized arguments: {' '.join(bad)}{tip}")
         if rest:
             args.overrides += rest
+        if "=" in getattr(args, "config", "") and not os.path.exists(args.config):  # `trellis train recipe=rl k=v ...`: no file
+            args.config, args.overrides = None, [args.config, *args.overrides]
         args.argv, args.plugins = argv, plugins
         return args.func(args)
     except (config_mod.ConfigError, RegistryError, DataError, RewardError, PluginValidationError) as exc:
