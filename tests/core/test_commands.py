@@ -95,7 +95,8 @@ def test_a_moved_command_names_its_package(tmp_path):
 def test_a_run_given_by_overrides_alone_needs_no_file(tmp_path):
     """``trellis train recipe=rl model.path=... k=v`` (as docs/lora.md writes it): the first
     ``key=value`` is an override, not a missing YAML file."""
-    done = trellis("config", "show", "recipe=rl", "model.path=/models/tiny", "data.train_path=/data/train.parquet", "actor.adapter.rank=8", cwd=tmp_path)
+    overrides = ["recipe=rl", "model.path=/models/tiny", "data.train_path=/data/train.parquet", "actor.adapter.rank=8"]
+    done = trellis("config", "show", *overrides, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("recipe: rl\n") and "path: /models/tiny" in done.stdout and "rank: 8" in done.stdout
     done = trellis("train", "recipe=rl", "--dry-run", cwd=tmp_path)
