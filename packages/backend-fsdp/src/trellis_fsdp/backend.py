@@ -121,6 +121,7 @@ class FSDPBackend(Backend):
     on a single rank that casts nothing)."""
 
     adapters = True
+    adapter_requires = ("peft", "trellis-backend-fsdp[lora]")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec

@@ -143,11 +143,13 @@ class Backend(ABC):
     outputs: the forward outputs it can return (default :data:`OUTPUTS`).
     model_inputs: the ``Batch`` fields its forwards read (default :data:`MODEL_INPUTS`);
     controllers ship these (and what the objective reads) to the ranks, nothing more.
-    adapters: it trains a LoRA adapter when ``BackendSpec.adapter`` is set (else such a role is refused)."""
+    adapters: it trains a LoRA adapter when ``BackendSpec.adapter`` is set (else such a role is refused).
+    adapter_requires: ``(module, pip requirement)`` that adapters need, imported by the config check."""
 
     outputs: tuple[str, ...] = OUTPUTS
     model_inputs: tuple[str, ...] = MODEL_INPUTS
     adapters: bool = False
+    adapter_requires: tuple[str, str] | None = None
 
     @abstractmethod
     def build(self) -> None:

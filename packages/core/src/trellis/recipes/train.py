@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import importlib
 import logging
 import signal
 import threading
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig
 
 from trellis import config as config_mod
+from trellis.interfaces.backend import Backend
 from trellis.plugins import Plugins, load_plugins
 from trellis.registry import Registry
 from trellis.runtime.checkpoint import checkpoint_step, find_resume, read_manifest
@@ -105,12 +107,38 @@ def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Pa
         make_threads(cfg.trainer)
     if "trackers" in (cfg.get("trainer") or {}):
         Trackers.check(cfg.trainer.trackers, registry)
+    check_adapters(cfg, registry)
     recipe_check = getattr(recipe, "check", None)
     if recipe_check is not None:
         recipe_check(cfg, registry)
     if "resume" not in (cfg.get("trainer") or {}):
         return None
     return find_resume(cfg, run_dir, tuple(getattr(recipe, "resume_safe_keys", ())))
+
+
+def check_adapters(cfg: DictConfig, registry: Registry) -> None:
+    """Each role section with a LoRA adapter (``adapter.rank`` > 0): the backend trains adapters and
+    the library they need imports (a missing peft passed the dry run, then stopped the run with a
+    traceback). A backend registered as a factory rather than a class is checked when it is built."""
+    backend = registry.get("backend", cfg.backend.name).obj if "backend" in cfg else None
+    if not (isinstance(backend, type) and issubclass(backend, Backend)):
+        return
+    for key, section in cfg.items():
+        rank = section.adapter.rank if isinstance(section, DictConfig) and "adapter" in section else 0
+        if not rank:
+            continue
+        if not backend.adapters:
+            raise config_mod.ConfigError(
+                f"config key '{key}.adapter.rank'={rank}: backend {cfg.backend.name!r} trains full weights only; "
+                "set it to 0, or use backend.name=fsdp"
+            )
+        if backend.adapter_requires is not None:
+            module, requirement = backend.adapter_requires
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                needs = f"config key '{key}.adapter.rank'={rank} needs {module}"
+                raise config_mod.ConfigError(f"{needs}: pip install '{requirement}', or set it to 0") from None
 
 
 def keep_recorded_threads(cfg: DictConfig, resume_from: Path) -> None:
