@@ -90,14 +90,3 @@ def test_a_moved_command_names_its_package(tmp_path):
         "trellis: error: `trellis config from-verl` comes with the trellis-verl-compat package, which is not installed: "
         "pip install trellis-verl-compat"
     )
-
-
-def test_a_run_given_by_overrides_alone_needs_no_file(tmp_path):
-    """``trellis train recipe=rl model.path=... k=v`` (as docs/lora.md writes it): the first
-    ``key=value`` is an override, not a missing YAML file."""
-    overrides = ["recipe=rl", "model.path=/models/tiny", "data.train_path=/data/train.parquet", "actor.adapter.rank=8"]
-    done = trellis("config", "show", *overrides, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("recipe: rl\n") and "path: /models/tiny" in done.stdout and "rank: 8" in done.stdout
-    done = trellis("train", "recipe=rl", "--dry-run", cwd=tmp_path)
-    assert done.returncode == 2 and "config key 'data.train_path' is required" in done.stderr

@@ -7,7 +7,7 @@ import pytest
 from cli_runs import run_cli as trellis
 from omegaconf import OmegaConf
 
-from trellis.config import compose
+from trellis.config import ConfigError, compose
 from trellis.plugins import load_plugins
 
 
@@ -89,3 +89,52 @@ def test_distill_preset_needs_a_teacher_with_the_students_tokenizer(tmp_path, ti
     assert trellis("train", str(starter), "--dry-run", *paths, f"teacher.path={tiny_untied_model_path}", cwd=tmp_path).returncode == 0
     missing = trellis("train", str(starter), "--dry-run", *paths, cwd=tmp_path)
     assert missing.returncode != 0 and "teacher.path" in missing.stderr
+
+
+RL = ["recipe=rl", "model.path=/models/tiny", "data.train_path=/data/train.parquet"]
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (
+            ["actor.adapter.alpha=32", "actor.adapter.target_modules=[q_proj]"],
+            "config key 'actor.adapter.alpha' is set (32.0) but actor.adapter.rank is 0, so it would be ignored; "
+            "set actor.adapter.rank above 0 (e.g. 8) to train a LoRA adapter, or drop actor.adapter.alpha",
+        ),
+        (
+            ["algorithm.dynamic_sampling.max_rounds=3"],
+            "config key 'algorithm.dynamic_sampling.max_rounds' is set (3) but algorithm.dynamic_sampling.enable is false, so it "
+            "would be ignored; set algorithm.dynamic_sampling.enable to true to filter groups, or drop algorithm.dynamic_sampling.max_rounds",
+        ),
+        (
+            ["reward.overlong.penalty=0.5"],
+            "config key 'reward.overlong.penalty' is set (0.5) but reward.overlong.buffer_len is 0, so it would be ignored; set "
+            "reward.overlong.buffer_len to the buffer's length in tokens (e.g. 4) to penalize long responses, or drop reward.overlong.penalty",
+        ),
+    ],
+    ids=["adapter-rank-0", "dynamic-sampling-off", "overlong-buffer-0"],
+)
+def test_an_option_of_a_section_switched_off_is_refused(given, message):
+    """A section whose switch is off (``trellis.config.switch``) with another option set away from
+    its default: that option would be ignored (a LoRA rank forgotten trained every weight at the
+    adapter's learning rate), so the config stops, naming the option, its value and the switch.
+    The same options with the switch on, or set to their defaults, compose."""
+    registry = load_plugins().registry
+    with pytest.raises(ConfigError) as error:
+        compose(None, [*RL, *given], registry)
+    assert str(error.value) == message
+    switch_on = {"actor": "actor.adapter.rank=8", "algorithm": "algorithm.dynamic_sampling.enable=true", "reward": "reward.overlong.buffer_len=4"}
+    compose(None, [*RL, *given, switch_on[given[0].split(".")[0]]], registry)
+    compose(None, [*RL, "actor.adapter.alpha=16", "reward.overlong.penalty=1.0", "algorithm.dynamic_sampling.max_rounds=10"], registry)
+
+
+def test_a_run_given_by_overrides_alone_needs_no_file(tmp_path):
+    """``trellis train recipe=rl model.path=... k=v`` (as docs/lora.md writes it): the first
+    ``key=value`` is an override, not a missing YAML file."""
+    overrides = ["recipe=rl", "model.path=/models/tiny", "data.train_path=/data/train.parquet", "actor.adapter.rank=8"]
+    done = trellis("config", "show", *overrides, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("recipe: rl\n") and "path: /models/tiny" in done.stdout and "rank: 8" in done.stdout
+    done = trellis("train", "recipe=rl", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2 and "config key 'data.train_path' is required" in done.stderr

@@ -95,3 +95,34 @@ def test_generating_ahead_carries_kept_groups_over_and_filters_plug_in(run_rl, t
     assert [r["dynamic_sampling/kept_groups"] for r in steps] == [3.0] * 4
     assert sum(r["dynamic_sampling/carried_groups"] for r in steps) > 0  # some step began with groups an earlier one kept
     assert all(r["rollout/staleness_max"] <= 1.0 for r in steps)
+
+
+ZERO_REWARD = '''
+def nothing(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward that cannot score this data: 0 on every sample."""
+    return 0.0
+'''
+
+
+def test_a_reward_that_scores_nothing_under_the_overlong_penalty_is_named(run_rl, tmp_path, caplog):
+    """The DAPO starter's gsm8k reward on data it cannot score gives 0 everywhere; with the
+    overlong penalty on, only the response's length then varies within a group and the model
+    learns length alone. After three all-zero rounds the run says so once, naming the reward and
+    the data; a reward that scores something says nothing."""
+    reward = tmp_path / "zero.py"
+    reward.write_text(ZERO_REWARD)
+    shaping = ["reward.overlong.buffer_len=4", "reward.overlong.penalty=1.0", "trainer.total_steps=3"]
+    with caplog.at_level("WARNING", logger="trellis.recipes.rl.samples"):
+        run_rl(f"reward.path={reward}", "reward.name=nothing", *shaping, run_dir=tmp_path / "zero")
+    said = [r.getMessage() for r in caplog.records if "scored 0 on every sample" in r.getMessage()]
+    assert said == [
+        f"reward '{reward}:nothing' scored 0 on every sample of the first 3 generation rounds (data_source: arithmetic): within each "
+        "group only reward.overlong's length penalty differs, so the model learns response length alone; check that reward.name "
+        "scores your data's answers"
+    ]
+    caplog.clear()
+    half = tmp_path / "half.py"
+    half.write_text(HALF_REWARD)
+    with caplog.at_level("WARNING", logger="trellis.recipes.rl.samples"):
+        run_rl(f"reward.path={half}", "reward.name=half", *shaping, run_dir=tmp_path / "half")
+    assert not [r for r in caplog.records if "scored 0 on every sample" in r.getMessage()]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -121,3 +122,28 @@ def test_sft_trains_an_adapter_and_exports_it_merged(tmp_path, tiny_model_path, 
     merged = load_file(str(export_checkpoint(run_dir, tmp_path / "merged") / "model.safetensors"))
     base = load_file(f"{tiny_model_path}/model.safetensors")
     assert set(merged) == set(base) and not torch.equal(merged["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        ((), r"^config key 'actor.adapter.rank'=8 needs peft: pip install 'trellis-backend-fsdp\[lora\]', or set it to 0$"),
+        (("backend.name=plain",), r"^config key 'actor.adapter.rank'=8: backend 'plain' trains full weights only; set it to 0, or use backend.name="),
+    ],
+    ids=["peft-missing", "backend-without-adapters"],
+)
+def test_an_adapter_the_backend_cannot_train_stops_the_dry_run(tiny_model_path, tmp_path, monkeypatch, more, message):
+    """A LoRA actor with peft not installed, or on a backend that trains no adapter, stops at the
+    config check (``--dry-run`` included) naming what to install or set, before any model is built;
+    without the adapter the same dry run passes."""
+    from trellis.config import ConfigError
+    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis.recipes.train import train
+
+    data = write_rows(make_arithmetic_split(8, 0, max_value=30), tmp_path / "train.parquet")
+    overrides = ["recipe=rl", f"model.path={tiny_model_path}", f"data.train_path={data}", "data.train_batch_prompts=2", *more]
+    if not more:
+        monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
+    with pytest.raises(ConfigError, match=message):
+        train(None, [*overrides, "actor.adapter.rank=8", f"trainer.run_dir={tmp_path / 'run'}"], dry_run=True)
+    assert train(None, [*overrides, f"trainer.run_dir={tmp_path / 'run'}"], dry_run=True)["recipe"] == "rl"

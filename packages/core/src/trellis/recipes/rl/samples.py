@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from trellis.rewards import RewardConfig, RewardManager, RewardResult, Scorer, a
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, StageTimer, backend_mesh
 
+log = logging.getLogger(__name__)
+ZERO_ROUNDS = 3  # all-zero rounds with the overlong penalty on before the warning
 # batch fields holding the reward's per-sample components, for estimators that need them (gdpo)
 COMPONENT = "reward_component_"
 
@@ -68,6 +71,7 @@ class SampleSource:
         self.stops = stop_ids(cfg.model.path, tokenizer) if self.chunk is not None else set()  # where a chunked sample ends
         # generating ahead, checkpoints keep the loader's position after the last trained step
         self.position = TrainedPosition(loader) if bound is not None else loader
+        self.zero_rounds: int | None = 0  # rounds whose samples all scored 0 (None: no longer watched)
         self.ahead: Producer | None = None
 
     @contextlib.contextmanager
@@ -156,8 +160,26 @@ class SampleSource:
                 scored = self.scorer.score(batch)
         overlong = cfg.reward.overlong
         if overlong.buffer_len:
+            self._warn_if_length_alone(scored.scores, batch)
             scored = add_overlong_penalty(scored, batch["response_mask"], cfg.sampling.max_new_tokens, overlong.buffer_len, overlong.penalty)
         return batch, scored
+
+    def _warn_if_length_alone(self, scores: torch.Tensor, batch: Batch) -> None:
+        """The reward scored 0 on every sample of the first :data:`ZERO_ROUNDS` rounds while the
+        overlong penalty is on: the penalty alone varies within groups (a starter's reward on data it
+        cannot score trains response length). Said once; a non-zero score ends the watch."""
+        if self.zero_rounds is None:
+            return
+        self.zero_rounds = None if bool((scores != 0).any()) else self.zero_rounds + 1
+        if self.zero_rounds == ZERO_ROUNDS:
+            reward = self.cfg.reward
+            log.warning(
+                "reward %r scored 0 on every sample of the first %d generation rounds (data_source: %s): within each group only "
+                "reward.overlong's length penalty differs, so the model learns response length alone; check that reward.name "
+                "scores your data's answers",
+                f"{reward.path}:{reward.name}" if reward.path else reward.name, ZERO_ROUNDS, ", ".join(sorted(set(batch["data_source"]))[:3]),
+            )
+            self.zero_rounds = None
 
 
 @dataclass
