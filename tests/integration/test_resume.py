@@ -156,7 +156,8 @@ def test_kills_while_pruning_and_writing_the_hf_model_leave_nothing_behind(rl_ov
     """Killed once checkpoint 4 is complete while checkpoint 2 is deleted (keep 1), then killed
     while the end's hf_model is written: each relaunch finishes the end tasks, and afterwards the run
     folder holds the last checkpoint, hf_model and the run's files, no half-deleted checkpoint or
-    temporary folder (no later save would ever have removed them)."""
+    temporary folder (no later save would ever have removed them); a folder of a name trellis does
+    not write is left alone."""
     run_dir = tmp_path / "run"
     overrides = [*rl_overrides, f"trainer.run_dir={run_dir}", "trainer.save_hf_model=true", "trainer.keep_checkpoints=1"]
     killed_run(overrides, "prune", 4, tmp_path)
@@ -165,9 +166,10 @@ def test_kills_while_pruning_and_writing_the_hf_model_leave_nothing_behind(rl_ov
     assert not (run_dir / ".checkpoint-2.deleting").exists()
     assert [p.name for p in run_dir.glob(".hf_model.tmp-*")] and not (run_dir / "hf_model").exists()
 
+    (run_dir / ".hf_model.tmp-mine").mkdir()  # not a name trellis writes: kept
     assert "finished_at_step" not in train(None, overrides)
     hidden = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("."))
-    assert hidden == [] and (run_dir / "hf_model" / "config.json").is_file()
+    assert hidden == [".hf_model.tmp-mine"] and (run_dir / "hf_model" / "config.json").is_file()
     assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-4"]
     assert_same_metrics(rows(run_dir), reference[1])
 

@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from trellis.recipes.train import evaluate
 
-    print(json.dumps(evaluate(args.config, args.overrides)))
+    print(json.dumps(evaluate(args.config, args.overrides, plugins=args.plugins)))
     return 0
 
 
@@ -172,7 +172,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from trellis.export import export_checkpoint
 
     try:
-        print(export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only))
+        print(export_checkpoint(args.checkpoint, args.out_dir, plugins=args.plugins, adapter_only=args.adapter_only))
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterable
@@ -48,12 +49,13 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
             f"there: give a folder outside the run, e.g. {str(run_dir.with_name(run_dir.name + '-hf'))!r}"
         )
     check_replaceable(Path(out_dir), MARKER_FILE, "trellis export")
-    roles = read_manifest(path)["roles"]
+    manifest = read_manifest(path)
+    roles = manifest["roles"]
     role = next((r for r in EXPORTED if r in roles), None)
     if role is None:
         raise ConfigError(f"checkpoint {path} holds no {' or '.join(EXPORTED)} to export (its roles: {', '.join(roles)})")
     cfg = OmegaConf.load(path / CONFIG_FILE)
-    trained_in = Path(read_manifest(path).get("cwd", "."))
+    trained_in = Path(manifest.get("cwd", "."))
     for key in ("path", "tokenizer_path"):
         source = cfg.model.get(key)
         if source is not None and not Path(source).exists() and (trained_in / source).exists():
@@ -125,15 +127,22 @@ def save_adapter_folder(config: dict, tensors: dict[str, torch.Tensor], tokenize
     return _write_folder(out_dir, write, tokenizer, {"adapter_of": config["base_model_name_or_path"]})
 
 
-def _writer_alive(tmp: Path) -> bool:
-    """Whether the process whose id names temporary folder ``tmp`` (``.<out>.tmp-<pid>-<hex>``) runs."""
-    try:
-        os.kill(int(tmp.name.rpartition(".tmp-")[2].split("-")[0]), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+def _killed_writes(out_dir: Path) -> list[Path]:
+    """The temporary folders beside ``out_dir`` that an earlier write of it made (exactly the name
+    :func:`_write_folder` gives: ``.<out>.tmp-<pid>-<8 hex digits>``) and whose process is gone."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.tmp-(\d+)-[0-9a-f]{{8}}")
+    killed = []
+    for folder in out_dir.parent.iterdir():
+        found = pattern.fullmatch(folder.name)
+        if found is None or not folder.is_dir() or folder.is_symlink():
+            continue
+        try:
+            os.kill(int(found[1]), 0)
+        except ProcessLookupError:
+            killed.append(folder)
+        except PermissionError:  # another user's process: alive
+            pass
+    return killed
 
 
 def _write_folder(out_dir: Path, write, tokenizer: object, marker: dict[str, str]) -> Path:
@@ -142,9 +151,8 @@ def _write_folder(out_dir: Path, write, tokenizer: object, marker: dict[str, str
     then it replaces ``out_dir`` in one rename, so a crash never leaves half an export. A temporary
     folder of a write that was killed (its process gone) is removed first."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-        if not _writer_alive(stale):  # a write that was killed: nothing else would ever remove it
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in _killed_writes(out_dir):  # nothing else would ever remove them
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()  # never one that exists; the umask's permissions, as the export will have
     try:
