@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from trellis import PAIR_FIELDS, SCORED_PAIR_FIELDS, Aggregation, Batch, PolicyLossInputs, PreferenceInputs, aggregation_for, resolve_component
+from trellis_algos.aggregation import agg_loss
+from trellis_algos.distill_losses import top_k_buckets
 from trellis_algos.entropy import entropy_loss
 from trellis_algos.kl import KLControlOptions, apply_kl_penalty, kl_loss, make_kl_controller
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, batch_normaliser, mismatch_metrics, rejection_mask, rollout_correction
@@ -18,8 +20,11 @@ from trellis_algos.value_loss import clipped_value_loss
 
 
 class PolicyObjective:
-    """The actor's PPO-family loss: ``policy_loss - entropy_coeff * entropy + kl_loss_coef * KL``,
-    every term aggregated over the global mini-batch with ``loss_agg_mode``.
+    """The actor's PPO-family loss: ``policy_loss - entropy_coeff * entropy + kl_loss_coef * KL +
+    distill.coef * D(student, teacher)``, every term aggregated over the global mini-batch with
+    ``loss_agg_mode``. The distillation term (``distill.coef`` > 0) compares the student's
+    log-probs at the teacher's top ids (forward output ``top_ids_log_probs``) with the teacher's
+    (``teacher_top_log_probs``); ``distill.use_policy_loss`` false drops the policy loss.
 
     Rollout correction (the policy loss's ``rollout_is`` / ``rollout_rs`` keys, verl's decoupled
     mode): importance weights between ``old_log_probs`` and ``rollout_log_probs`` multiply the
@@ -32,20 +37,22 @@ class PolicyObjective:
     (a broken weight sync, a precision mismatch) show in every run.
     """
 
-    summed = frozenset({"pg_loss", "entropy_loss", "kl_loss"})
+    summed = frozenset({"pg_loss", "entropy_loss", "kl_loss", "distill_loss"})
 
     def __init__(self, options: Any, registry: Any) -> None:
         self.options = options
         self.policy_loss, self.policy_options = resolve_component(registry, "policy_loss", options.policy_loss)
+        distill = options.distill
+        self.distill = resolve_component(registry, "distill_loss", distill.loss) if distill.coef > 0 else None
         opts = self.policy_options
         corrected = isinstance(opts, RolloutCorrectionOptions) and opts.enabled
         self.correction = opts if corrected and not getattr(self.policy_loss, "corrects_rollout", False) else None
         self.is_batch_mean: torch.Tensor | None = None
         self.kl = registry.get("kl", options.kl_loss_type).obj if options.use_kl_loss else None
-        self.outputs = ("log_probs", "entropy") if options.entropy_coeff != 0 else ("log_probs",)
+        self.outputs = ("log_probs",) + ("entropy",) * (options.entropy_coeff != 0) + ("top_ids_log_probs",) * bool(self.distill)
         self.inputs = ("responses", "response_mask", "old_log_probs", "advantages", "rollout_log_probs") + (
             ("ref_log_probs",) if self.kl else ()
-        )
+        ) + (("top_ids", "teacher_top_log_probs") if self.distill else ())
         # without rollout correction, a one-step update may take the old log-probs from its own first
         # forward; the correction's weights and rejections need them before any forward (``counts``)
         self.first_forward = "old_log_probs" if self.correction is None else None
@@ -93,7 +100,10 @@ class PolicyObjective:
             rollout_log_prob=rollout,
             rollout_is_weights=weights,
         )
-        loss, metrics = self.policy_loss(data, agg, self.policy_options)
+        if self.options.distill.use_policy_loss:
+            loss, metrics = self.policy_loss(data, agg, self.policy_options)
+        else:
+            loss, metrics = log_prob.new_zeros(()), {}
         metrics = {**metrics, **corr_metrics}
         if "entropy" in outputs:
             ent = entropy_loss(outputs["entropy"], mask, agg)
@@ -103,7 +113,19 @@ class PolicyObjective:
             kl, kl_metrics = kl_loss(log_prob, micro["ref_log_probs"].to(device), mask, agg, self.kl)
             loss = loss + self.options.kl_loss_coef * kl
             metrics.update(kl_metrics)
+        if self.distill is not None:
+            divergence = self._divergence(micro, outputs["top_ids_log_probs"])
+            term = agg_loss(divergence, mask, agg)
+            loss = loss + self.options.distill.coef * term
+            metrics["distill_loss"] = float(term.detach())
         return loss, metrics
+
+    def _divergence(self, micro: Batch, student: torch.Tensor) -> torch.Tensor:
+        """The registered divergence ``(batch, response_len)`` between the student's log-probs at
+        the teacher's top ids and the teacher's own, ``(batch, response_len, k)`` each."""
+        fn, options = self.distill
+        teacher = micro["teacher_top_log_probs"].to(student.device)
+        return fn(*top_k_buckets(student, teacher, whole_vocabulary=self.options.distill.top_k == 0), options)
 
 
 class ValueObjective:

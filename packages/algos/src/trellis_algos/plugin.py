@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from trellis import hookimpl
-from trellis_algos import advantages, distill, kl, objectives, policy_losses, preference, sft_losses, token_baseline
+from trellis_algos import advantages, distill, distill_losses, kl, objectives, policy_losses, preference, sft_losses, token_baseline
 from trellis_algos.spin import SPINRecipe
 
 
 @hookimpl
 def trellis_register(registry):
-    """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss``, ``preference_loss`` and
-    ``objective``, and the recipe ``spin``."""
+    """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss``, ``preference_loss``,
+    ``distill_loss`` and ``objective``, and the recipe ``spin``."""
     for kind, table in (
         ("advantage", advantages.ESTIMATORS),
         ("advantage", token_baseline.ESTIMATORS),
@@ -18,6 +18,7 @@ def trellis_register(registry):
         ("policy_loss", policy_losses.LOSSES),
         ("sft_loss", sft_losses.LOSSES),
         ("preference_loss", preference.LOSSES),
+        ("distill_loss", distill_losses.LOSSES),
     ):
         for name, (fn, options) in table.items():
             registry.add(kind, name, fn, options=options)

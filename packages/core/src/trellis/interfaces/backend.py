@@ -53,12 +53,17 @@ LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str
 #   values         (batch, response_len)  the value head at the positions predicting each response token
 #   label_log_probs (batch, seq_len - 1)  log p(input_ids[:, 1:]) (supervised losses)
 #   scores         (batch,)               the value head at the last attended token (reward models)
+#   top_log_probs  (batch, response_len, k)  the k largest log-probs of that distribution (k:
+#                                         ``batch.meta["top_k"]``, 0 = the whole vocabulary), descending
+#   top_ids        (batch, response_len, k)  their token ids
+#   top_ids_log_probs (batch, response_len, k)  log-probs of the batch field ``top_ids``'s ids there
+#                                         (a student's at its teacher's top ids: distillation losses)
 #   base_log_probs (batch, response_len)  log_probs with the role's adapter off (the base model: a
 #                                         reference without a second model); only a backend
 #                                         training an adapter declares it
 # A backend declares its own set in ``Backend.outputs`` (e.g. adding auxiliary outputs such as
 # router logits); objectives and forwards asking for one it lacks are refused by name.
-OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", "scores")
+OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", "scores", "top_log_probs", "top_ids", "top_ids_log_probs")
 # Batch fields the built-in backends' forwards read (``Backend.model_inputs``), and what a rollout
 # engine reads of a prompt batch; log_probs/entropy/sum_sq_probs/values also read ``responses``.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")

@@ -48,22 +48,27 @@ def _log_prob_rows(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def _by_rows(rows_fn, logits: torch.Tensor, chunk_size: int | None, *per_row: torch.Tensor) -> torch.Tensor:
-    """``rows_fn(rows (k, vocab), *per_row (k,)) -> (k,)`` over ``chunk_size`` positions at a time
-    (all at once for None); each chunk is checkpointed when a gradient is needed, so at most one
-    chunk's float32 ``(chunk, vocab)`` temporaries exist at once, in the forward and the backward."""
+    """``rows_fn(rows (k, vocab), *per_row (k, ...)) -> (k, ...)`` over ``chunk_size`` positions at a
+    time (all at once for None); each chunk is checkpointed when a gradient is needed, so at most
+    one chunk's float32 ``(chunk, vocab)`` temporaries exist at once, in the forward and the backward.
+    ``per_row`` tensors are shaped ``logits.shape[:-1] + (...)``; so is the result."""
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    lead = logits.shape[:-1]
     rows = logits.reshape(-1, logits.shape[-1])
-    extras = [t.reshape(-1) for t in per_row]
+    extras = [t.reshape(rows.shape[0], *t.shape[len(lead) :]) for t in per_row]
     if chunk_size is None:
-        return rows_fn(rows, *extras).reshape(logits.shape[:-1])
+        out = rows_fn(rows, *extras)
+        return out.reshape(*lead, *out.shape[1:])
     keep_graph = torch.is_grad_enabled() and rows.requires_grad
     parts = []
     for start in range(0, rows.shape[0], chunk_size):
         args = [t[start : start + chunk_size] for t in (rows, *extras)]
         parts.append(checkpoint(rows_fn, *args, use_reentrant=False) if keep_graph else rows_fn(*args))
-    out = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.promote_types(rows.dtype, torch.float32))
-    return out.reshape(logits.shape[:-1])
+    if not parts:
+        return rows.new_zeros(lead, dtype=torch.promote_types(rows.dtype, torch.float32))
+    out = torch.cat(parts)
+    return out.reshape(*lead, *out.shape[1:])
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
@@ -89,9 +94,43 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, chunk_size: int 
     return _by_rows(functools.partial(_log_prob_rows, temperature=temperature), logits, chunk_size, tokens)
 
 
-def _response_rows(logits: torch.Tensor, tokens: torch.Tensor, outputs: tuple[str, ...], temperature: float, chunk_size: int | None):
-    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` of rows of logits ``(..., vocab)`` that
-    predict ``tokens`` ``(...)``."""
+def top_log_probs(logits: torch.Tensor, k: int, chunk_size: int | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probs ``(..., k)`` of every position's next-token distribution
+    (``logits / temperature`` ``(..., vocab)``), descending, and their token ids ``(..., k)``;
+    ``k`` 0 or above the vocabulary: all of it. No gradient; chunked over positions (at most one
+    chunk's ``(chunk, vocab)`` float32 log-softmax exists at once)."""
+    k = logits.shape[-1] if k <= 0 else min(k, logits.shape[-1])
+    lead, rows = logits.shape[:-1], logits.reshape(-1, logits.shape[-1])
+    step = rows.shape[0] if chunk_size is None else chunk_size
+    values, ids = [], []
+    with torch.no_grad():
+        for start in range(0, rows.shape[0], max(step, 1)):
+            top = torch.log_softmax(_float(rows[start : start + step], temperature), dim=-1).topk(k, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+    if not values:
+        return rows.new_zeros(*lead, k, dtype=torch.float32), torch.zeros(*lead, k, dtype=torch.long, device=rows.device)
+    return torch.cat(values).reshape(*lead, k), torch.cat(ids).reshape(*lead, k)
+
+
+def _log_probs_at_rows(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log p(ids)`` ``(k, m)`` of each row's distribution at its ``m`` token ids ``(k, m)``."""
+    scaled = _float(logits, temperature)
+    return scaled.gather(-1, ids) - torch.logsumexp(scaled, dim=-1, keepdim=True)
+
+
+def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """``log p`` ``(..., m)`` of the token ids ``(..., m)`` under each position's ``logits /
+    temperature`` ``(..., vocab)`` (with gradient), chunked as :func:`entropy_from_logits`."""
+    return _by_rows(functools.partial(_log_probs_at_rows, temperature=temperature), logits, chunk_size, ids)
+
+
+def _response_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, outputs: tuple[str, ...], micro: Batch, chunk_size: int | None, top_ids: torch.Tensor | None
+):
+    """The response outputs of rows of logits ``(..., vocab)`` that predict ``tokens`` ``(...)``
+    (``top_ids`` ``(..., k)``: the same rows of the micro-batch's ``top_ids``, when asked for)."""
+    temperature = float(micro.meta.get("temperature", 1.0))
     out: dict[str, torch.Tensor] = {}
     if "log_probs" in outputs:
         out["log_probs"] = token_log_probs(logits, tokens, chunk_size, temperature)
@@ -99,14 +138,19 @@ def _response_rows(logits: torch.Tensor, tokens: torch.Tensor, outputs: tuple[st
         out["entropy"] = entropy_from_logits(logits, chunk_size, temperature)
     if "sum_sq_probs" in outputs:
         out["sum_sq_probs"] = sum_sq_probs_from_logits(logits, chunk_size, temperature)
+    if {"top_log_probs", "top_ids"} & set(outputs):
+        out["top_log_probs"], out["top_ids"] = top_log_probs(logits, int(micro.meta.get("top_k", 0)), chunk_size, temperature)
+    if "top_ids_log_probs" in outputs:
+        out["top_ids_log_probs"] = log_probs_at(logits, top_ids.to(logits.device), chunk_size, temperature)
     return out
 
 
-RESPONSE_OUTPUTS = ("log_probs", "entropy", "sum_sq_probs")
+RESPONSE_OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "top_log_probs", "top_ids", "top_ids_log_probs")
 
 
 def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], chunk_size: int | None = None) -> dict[str, torch.Tensor]:
-    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` ``(batch, response_len)`` at the response positions (logits
+    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` ``(batch, response_len)`` and ``top_log_probs``
+    / ``top_ids`` / ``top_ids_log_probs`` ``(batch, response_len, k)`` at the response positions (logits
     divided by ``micro.meta["temperature"]``) and ``label_log_probs`` ``(batch, seq_len - 1)``,
     from a causal LM's ``logits`` ``(batch, positions, vocab)``: every position, or (without
     ``label_log_probs``) at least the last ``response_len + 1``. ``chunk_size`` bounds the float32
@@ -115,8 +159,8 @@ def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], chu
     if set(RESPONSE_OUTPUTS) & set(outputs):
         responses = micro["responses"].to(logits.device)
         n = responses.shape[1]
-        temperature = float(micro.meta.get("temperature", 1.0))
-        out.update(_response_rows(logits[:, -n - 1 : -1], responses, outputs, temperature, chunk_size))
+        top_ids = micro["top_ids"] if "top_ids_log_probs" in outputs else None
+        out.update(_response_rows(logits[:, -n - 1 : -1], responses, outputs, micro, chunk_size, top_ids))
     if "label_log_probs" in outputs:
         labels = micro["input_ids"][:, 1:].to(logits.device)
         out["label_log_probs"] = token_log_probs(logits[:, :-1], labels, chunk_size)
@@ -241,8 +285,11 @@ def _packed_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.
 
 
 def _unpack(rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """Rows ``(k,)`` back into a zero ``where``-shaped layout at its True entries (differentiable)."""
-    return rows.new_zeros(where.shape).masked_scatter(where.to(rows.device), rows)
+    """Rows ``(k, ...)`` back into a zero ``where.shape + (...)`` layout at the True entries of
+    ``where`` (differentiable)."""
+    trailing = rows.shape[1:]
+    at = where.to(rows.device).reshape(*where.shape, *(1,) * len(trailing)).expand(*where.shape, *trailing)
+    return rows.new_zeros(*where.shape, *trailing).masked_scatter(at, rows)
 
 
 def packed_outputs(
@@ -285,7 +332,8 @@ def _packed_response(
     where = micro["attention_mask"][:, -n:].bool()
     picked = logits[rows[:, -n - 1 : -1][where].to(logits.device)]
     tokens = micro["responses"][where].to(logits.device)
-    out = _response_rows(picked, tokens, outputs, float(micro.meta.get("temperature", 1.0)), chunk_size)
+    top_ids = micro["top_ids"][where] if "top_ids_log_probs" in outputs else None
+    out = _response_rows(picked, tokens, outputs, micro, chunk_size, top_ids)
     return {k: _unpack(v, where) for k, v in out.items() if k in RESPONSE_OUTPUTS}
 
 

@@ -1,5 +1,5 @@
 """Call signatures of the algorithm components (kinds ``advantage``, ``policy_loss``, ``kl``,
-``sft_loss``, ``preference_loss``, ``objective``, ``reward``). Implementations live in plugins
+``sft_loss``, ``preference_loss``, ``distill_loss``, ``objective``, ``reward``). Implementations live in plugins
 (trellis-algos).
 
 Every token-level tensor is ``(batch, response_len)`` and comes with ``response_mask`` of the
@@ -131,6 +131,14 @@ class PolicyLoss(Protocol):
 class KLEstimator(Protocol):
     def __call__(self, log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate ``(batch, response_len)`` from two ``(batch, response_len)`` inputs."""
+
+
+class DistillLoss(Protocol):
+    def __call__(self, student: torch.Tensor, teacher: torch.Tensor, options: Any) -> torch.Tensor:
+        """A divergence ``(batch, response_len)`` between the student's and the teacher's
+        next-token log-probs ``(batch, response_len, m)`` over the same ``m`` buckets (each row a
+        whole distribution: the vocabulary, or the teacher's top-k tokens plus one for the rest);
+        the gradient flows through the student's."""
 
 
 class SFTLoss(Protocol):

@@ -190,6 +190,22 @@ class AdapterConfig:
 
 
 @dataclass
+class DistillConfig:
+    """A distillation term in the actor's loss: ``coef`` x a registered divergence (kind
+    ``distill_loss``: ``reverse_kl``, ``forward_kl``, ``jsd``) between the student's and the
+    teacher's (``teacher.path``) next-token distributions at every response position, aggregated
+    with ``loss_agg_mode``. top_k: the teacher's ``top_k`` most likely tokens per position are
+    shipped and compared, the rest of each distribution lumped in one bucket (0: the whole
+    vocabulary, exact). use_policy_loss false: the actor's loss is this term alone (no policy
+    gradient from the advantages), as verl's ``distillation.use_policy_loss``."""
+
+    coef: float = switch(ranged(0.0, ge=0), off=0.0, turn_on="above 0 (e.g. 1.0) to add the teacher's divergence to the actor's loss")
+    loss: dict = component("distill_loss", "reverse_kl")
+    top_k: int = ranged(0, ge=0)
+    use_policy_loss: bool = True
+
+
+@dataclass
 class ActorConfig(BatchingConfig):
     """The policy's update: a registered policy loss, optional KL loss and entropy bonus."""
 
@@ -203,6 +219,7 @@ class ActorConfig(BatchingConfig):
     entropy_coeff: float = ranged(0.0, ge=0)
     mask_truncated: bool = False  # rl: samples cut by sampling.max_new_tokens leave the actor's loss (DAPO's overlong filtering)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)  # rank > 0: train a LoRA adapter, not the full weights
+    distill: DistillConfig = field(default_factory=DistillConfig)  # coef > 0: a teacher's divergence in the loss (rl)
 
 
 @dataclass

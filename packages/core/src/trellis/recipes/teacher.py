@@ -1,14 +1,16 @@
 """The ``teacher`` role of the ``rl`` recipe: a frozen model from another folder that scores the
-actor's own samples, for advantage estimators that declare the need ``"teacher_log_probs"``."""
+actor's own samples, for advantage estimators that declare the need ``"teacher_log_probs"`` and
+for the actor's distillation loss (``actor.distill``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from trellis.batch import Batch
 from trellis.config import ConfigError
 
 TEACHER_NEED = "teacher_log_probs"
@@ -22,19 +24,28 @@ class TeacherConfig:
     path: str = ""
 
 
+def wants_teacher(cfg: DictConfig, declared: tuple[str, ...]) -> bool:
+    """Whether the run needs a teacher: the advantage estimator reads its log-probs, or the
+    actor's loss has a distillation term (``actor.distill.coef`` > 0)."""
+    return TEACHER_NEED in declared or cfg.actor.distill.coef > 0
+
+
 def check_teacher(cfg: DictConfig, declared: tuple[str, ...]) -> None:
-    """A teacher exactly when the estimator reads one, and with the actor's tokenizer: the teacher
-    scores the actor's token ids, which mean the same text only under one tokenizer."""
+    """A teacher exactly when the estimator or the actor's distillation term reads one, and with
+    the actor's tokenizer: the teacher scores the actor's token ids, which mean the same text only
+    under one tokenizer."""
     name, path = cfg.algorithm.advantage.name, cfg.teacher.path
-    if TEACHER_NEED in declared and not path:
+    reader = f"advantage {name!r} scores" if TEACHER_NEED in declared else "actor.distill.coef > 0 compares"
+    if wants_teacher(cfg, declared) and not path:
         raise ConfigError(
-            f"config key 'teacher.path' is empty, but advantage {name!r} scores the actor's samples with a teacher; "
+            f"config key 'teacher.path' is empty, but {reader} the actor's samples with a teacher; "
             "set teacher.path=<model folder> of a model with the actor's tokenizer"
         )
-    if path and TEACHER_NEED not in declared:
+    if path and not wants_teacher(cfg, declared):
         raise ConfigError(
-            f"config key 'teacher.path' is {path!r}, but advantage {name!r} reads no teacher log-probs; unset teacher.path, "
-            f"or choose an advantage that declares the need {TEACHER_NEED!r}"
+            f"config key 'teacher.path' is {path!r}, but advantage {name!r} reads no teacher log-probs and actor.distill.coef is 0; "
+            f"unset teacher.path, set actor.distill.coef above 0 (a distillation loss), or choose an advantage that declares "
+            f"the need {TEACHER_NEED!r}"
         )
     if path:
         check_actor_tokenizer(
@@ -71,8 +82,23 @@ def tokenizer_difference(student, teacher) -> str:
     return ""
 
 
-def reverse_kl(old_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """``teacher/reverse_kl``: the mean over the actor's sampled tokens of ``log p_actor -
-    log p_teacher`` (each ``(batch, response_len)``), a sample estimate of KL(actor || teacher)."""
-    mask = mask.float()
-    return {"teacher/reverse_kl": float(((old_log_probs - teacher_log_probs) * mask).sum() / mask.sum().clamp(min=1))}
+def score_samples(teacher: Any, batch: Batch, top_k: int | None) -> dict[str, float]:
+    """The teacher's log-probs of the actor's samples into ``batch``: ``teacher_log_probs``
+    ``(batch, response_len)`` and, with ``top_k`` (not None; 0 = the whole vocabulary), its
+    ``top_k`` most likely tokens at every response position: ids ``top_ids`` and log-probs
+    ``teacher_top_log_probs``, ``(batch, response_len, k)`` each. Returns ``teacher/reverse_kl``:
+    the mean over the sampled tokens of ``log p_actor - log p_teacher``, a one-sample estimate of
+    KL(actor || teacher), the actor's log-probs those it sampled with (``old_log_probs``, else the
+    engine's ``rollout_log_probs``)."""
+    if top_k is None:
+        batch["teacher_log_probs"] = teacher.log_prob(batch)["log_probs"]
+    else:
+        batch.meta["top_k"] = top_k
+        out = teacher.forward(batch, ("log_probs", "top_log_probs", "top_ids"))
+        batch["teacher_log_probs"], batch["top_ids"], batch["teacher_top_log_probs"] = out["log_probs"], out["top_ids"], out["top_log_probs"]
+    actor = batch.get("old_log_probs")
+    actor = batch.get("rollout_log_probs") if actor is None else actor
+    if actor is None:
+        return {}
+    mask = batch["response_mask"]
+    return {"teacher/reverse_kl": float(((actor - batch["teacher_log_probs"]) * mask).sum() / mask.sum().clamp(min=1))}

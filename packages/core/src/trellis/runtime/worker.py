@@ -177,7 +177,7 @@ class RoleWorker(Worker):
         width = batch["responses"].shape[1]
         attended = batch["attention_mask"][:, -width:].bool()
         out = {k: torch.cat([_right_pad(p[k], width) for p in parts])[back] for k in outputs}
-        return Batch({k: v.masked_fill(~attended, 0) if v.dim() == 2 else v for k, v in out.items()})
+        return Batch({k: v.masked_fill(~attended.reshape(*attended.shape, *(1,) * (v.dim() - 2)), 0) if v.dim() >= 2 else v for k, v in out.items()})
 
     def log_prob(self, batch: Batch, with_entropy: bool = False, with_sum_sq_probs: bool = False) -> Batch:
         """``log_probs`` (and ``entropy``, ``sum_sq_probs``) ``(batch, response_len)`` of the
@@ -346,10 +346,10 @@ def _loss(
 
 
 def _right_pad(t: torch.Tensor, width: int | None) -> torch.Tensor:
-    """A ``(batch, w)`` output zero-padded on the right to ``(batch, width)``."""
+    """A ``(batch, w, ...)`` output zero-padded on the right of dimension 1 to ``(batch, width, ...)``."""
     if width is None or t.dim() < 2 or t.shape[1] >= width:
         return t
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
 
 
 def build_worker(

@@ -18,7 +18,7 @@ from trellis.recipes.rl.checks import needs, on_policy_update
 from trellis.recipes.rl.dynamic_sampling import group_has_signal
 from trellis.recipes.rl.partial import version_span
 from trellis.recipes.rl.samples import COMPONENT, StepSamples
-from trellis.recipes.teacher import TEACHER_NEED, reverse_kl
+from trellis.recipes.teacher import TEACHER_NEED, score_samples, wants_teacher
 from trellis.rewards import RewardResult
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run
@@ -52,7 +52,8 @@ class Learner:
         self.ref = run.spawn("ref", cfg.model.path, cfg.actor) if use_ref and not self.adapter_ref else None
         critic = cfg.critic.model_path or cfg.model.path
         self.critic = run.spawn("critic", critic, cfg.critic, head="value", objectives={"update": "value"}) if "values" in self.needs else None
-        self.teacher = run.spawn("teacher", cfg.teacher.path, without_adapter(cfg.actor)) if TEACHER_NEED in self.needs else None
+        self.teacher = run.spawn("teacher", cfg.teacher.path, without_adapter(cfg.actor)) if wants_teacher(cfg, self.needs) else None
+        self.teacher_top_k = cfg.actor.distill.top_k if cfg.actor.distill.coef > 0 else None
         # equal rewards within every group zero the advantages of group-relative estimators only
         # (a critic's values or a teacher's log-probs give advantages whatever the rewards)
         run.signals.watch_reward = "groups" in self.needs
@@ -99,8 +100,7 @@ class Learner:
         teacher_metrics = {}
         if self.teacher is not None:
             with timer("teacher"):
-                batch["teacher_log_probs"] = self.teacher.log_prob(batch)["log_probs"]
-                teacher_metrics = reverse_kl(batch["old_log_probs"], batch["teacher_log_probs"], batch["response_mask"])
+                teacher_metrics = score_samples(self.teacher, batch, self.teacher_top_k)
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = self.critic.values(batch)["values"]
