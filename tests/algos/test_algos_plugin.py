@@ -29,6 +29,7 @@ EXPECTED = {
     "kl": {name + plus for name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl") for plus in ("", "+")},
     "sft_loss": {"cross_entropy", "dft"},
     "preference_loss": {"sigmoid", "ipo"},
+    "distill_loss": {"reverse_kl", "forward_kl", "jsd"},
     "objective": {"policy", "value", "sft", "preference", "bradley_terry", "kl_in_reward"},
     "recipe": {"spin"},
 }

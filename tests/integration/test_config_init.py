@@ -85,7 +85,8 @@ def test_distill_preset_needs_a_teacher_with_the_students_tokenizer(tmp_path, ti
     starter = written_preset("distill", "on-policy distillation", tmp_path)
     paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
     cfg = compose(starter, [*paths, f"teacher.path={tiny_untied_model_path}"], load_plugins().registry)
-    assert (cfg.algorithm.advantage.name, cfg.algorithm.advantage.reward_weight) == ("reverse_kl_teacher", 0.0)
+    distill = cfg.actor.distill
+    assert (distill.coef, distill.loss.name, distill.top_k, distill.use_policy_loss) == (1.0, "reverse_kl", 128, False)
     assert trellis("train", str(starter), "--dry-run", *paths, f"teacher.path={tiny_untied_model_path}", cwd=tmp_path).returncode == 0
     missing = trellis("train", str(starter), "--dry-run", *paths, cwd=tmp_path)
     assert missing.returncode != 0 and "teacher.path" in missing.stderr

@@ -42,6 +42,11 @@ def margin_loss(data, options):
     return loss, {"loss": float(loss)}
 
 
+def squared_gap(student, teacher, options):
+    """A distillation divergence: the squared gap between the two log-probs, summed over buckets."""
+    return ((student - teacher.detach()) ** 2).sum(-1)
+
+
 class LikelihoodObjective:
     """Maximise the responses' summed log-prob, averaged over the mini-batch's samples."""
 
@@ -199,6 +204,7 @@ def trellis_register(registry):
     registry.add("kl", "example_diff", diff_kl)
     registry.add("sft_loss", "example_nll", nll_loss)
     registry.add("preference_loss", "example_margin", margin_loss)
+    registry.add("distill_loss", "example_squared_gap", squared_gap)
     registry.add("objective", "example_likelihood", LikelihoodObjective)
     registry.add("reward", "example_length", length_reward)
     registry.add("interaction", "example_echo", EchoInteraction)

@@ -55,8 +55,9 @@ class Learner:
         self.teacher = run.spawn("teacher", cfg.teacher.path, without_adapter(cfg.actor)) if wants_teacher(cfg, self.needs) else None
         self.teacher_top_k = cfg.actor.distill.top_k if cfg.actor.distill.coef > 0 else None
         # equal rewards within every group zero the advantages of group-relative estimators only
-        # (a critic's values or a teacher's log-probs give advantages whatever the rewards)
-        run.signals.watch_reward = "groups" in self.needs
+        # (a critic's values or a teacher's log-probs give advantages whatever the rewards), and
+        # leave a distillation loss without the policy loss training all the same
+        run.signals.watch_reward = "groups" in self.needs and cfg.actor.distill.use_policy_loss
         self.on_policy = on_policy_update(cfg, registry, self.estimator, cfg.data.train_batch_prompts * cfg.sampling.n)
         self.async_run = async_run
 
