@@ -122,7 +122,9 @@ def test_the_actor_loss_adds_coef_times_the_token_mean_divergence(registry, use_
 
 def test_distillation_options_are_refused_while_its_coefficient_is_zero(registry):
     for section in ({"top_k": 16}, {"loss": {"name": "jsd"}}, {"use_policy_loss": False}):
-        with pytest.raises(ConfigError, match=r"distill\.\w+' is set .* but distill\.coef is 0\.0, so it would be ignored; set distill\.coef above 0"):
+        with pytest.raises(
+            ConfigError, match=r"distill\.\w+' is set .* but distill\.coef is 0\.0, so it would be ignored; set distill\.coef above 0"
+        ):
             validate(OmegaConf.create({"distill": section}), ActorConfig, registry)
     with pytest.raises(ConfigError, match=r"beta"):
         validate(OmegaConf.create({"distill": {"coef": 1.0, "loss": {"name": "jsd", "beta": 1.0}}}), ActorConfig, registry)
@@ -133,3 +135,26 @@ def test_top_k_ids_of_one_position_are_its_most_likely_tokens_in_order():
     values, ids = top_log_probs(logits, 3, chunk_size=1)
     assert ids.tolist() == [[1, 3, 2]]
     torch.testing.assert_close(values, torch.log_softmax(logits, -1)[:, [1, 3, 2]])
+
+
+def test_masked_positions_do_not_count(registry):
+    """Environment tokens of a multi-turn sample (response mask 0) and padding leave the term: a
+    teacher that differs only there gives the same loss and gradient."""
+    torch.manual_seed(3)
+    student, teacher = torch.randn(2, 3, 5, requires_grad=True), torch.randn(2, 3, 5)
+    options = validate(OmegaConf.create({"distill": {"coef": 1.0, "use_policy_loss": False}}), ActorConfig, registry)
+    objective = registry.get("objective", "policy").obj(options, registry)
+    losses, grads = [], []
+    for shift in (0.0, 5.0):
+        batch = distill_batch(student, teacher, 0)
+        batch["teacher_top_log_probs"] = torch.where(
+            batch["response_mask"].bool()[..., None], batch["teacher_top_log_probs"], batch["teacher_top_log_probs"] - shift
+        )
+        log_probs = torch.log_softmax(student, -1)
+        outputs = {"log_probs": log_probs[..., 0], "top_ids_log_probs": log_probs.gather(-1, batch["top_ids"])}
+        loss, _ = objective.loss(batch, outputs, objective.counts(batch))
+        (grad,) = torch.autograd.grad(loss, student)
+        losses.append(float(loss.detach()))
+        grads.append(grad)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-7) and losses[0] > 0
+    torch.testing.assert_close(grads[0], grads[1])

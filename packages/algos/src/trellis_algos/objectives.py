@@ -50,9 +50,11 @@ class PolicyObjective:
         self.is_batch_mean: torch.Tensor | None = None
         self.kl = registry.get("kl", options.kl_loss_type).obj if options.use_kl_loss else None
         self.outputs = ("log_probs",) + ("entropy",) * (options.entropy_coeff != 0) + ("top_ids_log_probs",) * bool(self.distill)
-        self.inputs = ("responses", "response_mask", "old_log_probs", "advantages", "rollout_log_probs") + (
-            ("ref_log_probs",) if self.kl else ()
-        ) + (("top_ids", "teacher_top_log_probs") if self.distill else ())
+        self.inputs = (
+            ("responses", "response_mask", "old_log_probs", "advantages", "rollout_log_probs")
+            + (("ref_log_probs",) if self.kl else ())
+            + (("top_ids", "teacher_top_log_probs") if self.distill else ())
+        )
         # without rollout correction, a one-step update may take the old log-probs from its own first
         # forward; the correction's weights and rejections need them before any forward (``counts``)
         self.first_forward = "old_log_probs" if self.correction is None else None
