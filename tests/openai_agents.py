@@ -88,3 +88,8 @@ async def says_where_it_runs(client, sample):
     with open(sample.extra_info["log"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "base_url": str(client.base_url), "reward": reward}) + "\n")
     return reward
+
+
+async def raises_before_asking(client, sample):
+    """Fails before the model writes a token (e.g. a tool it needs is down)."""
+    raise RuntimeError("the agent's database is down")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -260,6 +261,18 @@ def test_an_agent_failing_on_most_samples_stops_the_run_naming_max_error_rate(ti
     train(None, [*overrides(tiny_model_path, data, tmp_path / "goes_on"), agent, "reward.max_error_rate=1"])
     steps = [r for r in map(json.loads, (tmp_path / "goes_on" / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
     assert len(steps) == 2 and all(r["multiturn/finish_error"] == 1.0 and r["multiturn/env_errors"] == 8 for r in steps)
+
+
+def test_an_agent_failing_before_the_model_writes_a_token_skips_the_step_by_name(tiny_model_path, data, tmp_path, caplog):
+    """Every conversation ends before its first model turn (the agent raises first): above
+    reward.max_error_rate the run stops as above; with the rate raised to 1 each step is logged and
+    trains nothing, with one warning saying why (it was a crash inside the loss)."""
+    agent = f"multi_turn.agent={AGENTS}:raises_before_asking"
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        train(None, [*overrides(tiny_model_path, data, tmp_path / "run"), agent, "reward.max_error_rate=1"])
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "step" in r and r["step"] > 0]
+    assert len(steps) == 2 and all(r["actor/skipped_no_model_tokens"] == 1.0 and "actor/pg_loss" not in r for r in steps)
+    assert sum("none of the 8 samples holds a token the model wrote" in r.getMessage() for r in caplog.records) == 2
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ old log-probs, reference, teacher, values, advantages, updates, weight sync, syn
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run
 from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
 from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
+
+log = logging.getLogger("trellis")
 
 # an estimator's need -> the AdvantageInputs field it fills and the batch field that holds it
 ADVANTAGE_FIELDS = {
@@ -82,6 +85,13 @@ class Learner:
         reward_metrics = {**first.metrics, **made.metrics, **handover}
         if batch is None:  # dynamic sampling kept no group: the step is logged, the policy unchanged
             return {**reward_metrics, **groups_with_signal(first.scores, first_groups(first, params.n))}
+        if not batch["response_mask"].any():  # every conversation ended before the model's first token
+            log.warning(
+                "step %d: none of the %d samples holds a token the model wrote (each ended in an error of the agent or the "
+                "environment before its first model turn: multiturn/finish_error); the step trains nothing, the policy is unchanged",
+                step, len(batch),
+            )  # fmt: skip
+            return {**reward_metrics, "actor/skipped_no_model_tokens": 1.0}
         batch.meta["step"] = step
         check_alignment(batch, step)
         run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
