@@ -25,6 +25,21 @@ def tiny_untied_model_path(tmp_path_factory):
     return str(make_tiny_model(path, TEXTS, hidden_size=32, num_layers=2, seed=1, tie_word_embeddings=False))
 
 
+@pytest.fixture(scope="session")
+def tiny_tools_model_path(tmp_path_factory):
+    """The tiny model with a chat template that renders tools (``TOOLS_CHAT_TEMPLATE``) and room
+    for the tool schemas it puts in every prompt (2048 positions)."""
+    from transformers import AutoTokenizer
+
+    from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-tools", TEXTS, hidden_size=32, num_layers=2, max_position_embeddings=2048)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ from scripted import REASONING_TEMPLATE, ScriptedEngine
 
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
-from trellis.examples.tiny import make_tiny_tokenizer
+from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult, Trajectory
 from trellis.interfaces.rollout import Generation, SamplingParams
 from trellis.multiturn.chat import ChatDeltas
@@ -35,7 +35,9 @@ EVENTS: list[tuple[str, str]] = []  # (what, instance) from the recording compon
 @pytest.fixture(scope="module")
 def tokenizer():
     texts = ["12+34= #### 46 wrong, try again right Error: tool failed timed out truncated characters", '<tool_call>{"name": "add"}']
-    return make_tiny_tokenizer(texts * 20)
+    tokenizer = make_tiny_tokenizer(texts * 20)
+    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE  # the tools these tests configure reach the prompts
+    return tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +123,7 @@ def spec(registry, tokenizer, **section):
 
 
 def prompts(tokenizer, rows, template_kwargs=None):
-    return PromptDataset(rows, tokenizer, 64, chat_template_kwargs=template_kwargs).as_batch()
+    return PromptDataset(rows, tokenizer, 1024, chat_template_kwargs=template_kwargs).as_batch()
 
 
 def row(question="12+34=", **extra_info):

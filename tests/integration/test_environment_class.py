@@ -33,14 +33,14 @@ def data(tmp_path_factory):
 
 def overrides(model, train_path, run_dir, *more):
     environment = (f"multi_turn.environment={GUESS_SUM}", "multi_turn.tool_parser=always_guess", "multi_turn.max_assistant_turns=2")
-    return multi_turn_run(model, train_path, run_dir, *environment, "multi_turn.max_response_tokens=200", *more)
+    return multi_turn_run(model, train_path, run_dir, *environment, "multi_turn.max_response_tokens=200", "data.max_prompt_length=1536", *more)
 
 
-def test_rl_trains_with_an_environment_class_and_its_reward(tiny_model_path, data, tmp_path):
+def test_rl_trains_with_an_environment_class_and_its_reward(tiny_tools_model_path, data, tmp_path):
     """Each sample: two model turns, each read as a guess; reward() is 0.25 per guess (0.5), plus
     1 if a guess (the turn's length in characters) was the sum."""
     plugins = load_plugins(extra=[("environments", environments)])
-    train(None, overrides(tiny_model_path, data["train"], tmp_path / "run", "trainer.log_samples=8"), plugins=plugins)
+    train(None, overrides(tiny_tools_model_path, data["train"], tmp_path / "run", "trainer.log_samples=8"), plugins=plugins)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "multiturn/tool_calls" in r]
     assert len(steps) == 2
@@ -69,3 +69,12 @@ def test_rows_without_what_reset_needs_and_a_misspelt_class_stop_the_run_before_
     with pytest.raises(ConfigError, match=r"multi_turn.score' is reward with multi_turn.environment .* whose reward\(\) would be ignored"):
         train(None, [*overrides(tiny_model_path, data["train"], tmp_path / "bad"), "multi_turn.score=reward"], plugins=plugins, dry_run=True)
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_chat_template_that_ignores_tools_is_refused_before_any_model(tiny_model_path, data, tmp_path):
+    """The tiny model's plain template drops ``tools``: the prompts would carry no tool schema and
+    nothing would say so (the endpoint refused such a template; the in-process loop did not)."""
+    plugins = load_plugins(extra=[("environments", environments)])
+    refused = r"config key 'multi_turn.environment' gives the model 2 tools, but the chat template of .* does not render tools"
+    with pytest.raises(ConfigError, match=refused):
+        train(None, overrides(tiny_model_path, data["train"], tmp_path / "plain"), plugins=plugins, dry_run=True)

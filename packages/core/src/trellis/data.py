@@ -126,6 +126,14 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], generation_promp
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
 
 
+def renders_tools(tokenizer: Any, kwargs: dict[str, Any], tools: list[dict[str, Any]]) -> bool:
+    """Whether the tokenizer's chat template puts ``tools`` (OpenAI function schemas) into a prompt:
+    a template that ignores them renders the same text with and without."""
+    probe = [{"role": "user", "content": "?"}]
+    without = {k: v for k, v in kwargs.items() if k != "tools"}
+    return render_chat(tokenizer, probe, True, {**without, "tools": tools}) != render_chat(tokenizer, probe, True, without)
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` as written (special-token strings in it become their ids; none added)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from trellis.data import encode_text, render_chat
+from trellis.data import encode_text, render_chat, renders_tools
 from trellis.interfaces.agents import Trajectory
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.multiturn.chat import ChatDeltas
@@ -289,10 +289,7 @@ class PolicyEndpoint:
 
     def _tools(self, tools: list[dict]) -> list[dict]:
         if self._renders_tools is None:
-            probe = [{"role": "user", "content": "?"}]
-            with_tools = render_chat(self.tokenizer, probe, True, {**self.template_kwargs, "tools": tools})
-            without = {k: v for k, v in self.template_kwargs.items() if k != "tools"}
-            self._renders_tools = with_tools != render_chat(self.tokenizer, probe, True, without)
+            self._renders_tools = renders_tools(self.tokenizer, self.template_kwargs, tools)
         if not self._renders_tools:
             raise Refused(
                 "this tokenizer's chat template does not render tools, so the model would never see them; drop tools from the "

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trellis.config import ConfigError, instantiate_options, validate
+from trellis.data import renders_tools
 from trellis.interfaces.agents import Interaction, Tool
 from trellis.multiturn.config import AgentLoopConfig, InteractionConfig, MultiTurnConfig, ToolConfig
 from trellis.multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
@@ -77,6 +78,13 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
         if name in (tool_name(s, "") for s in schemas):
             raise ConfigError(f"config key 'multi_turn.environment': its method {name!r} has the name of a tool in multi_turn.tools; rename one")
         schemas.append(schema)
+    if schemas and tokenizer is not None and not renders_tools(tokenizer, {}, schemas):
+        key = "multi_turn.environment" if environment else "multi_turn.tools"
+        raise ConfigError(
+            f"config key {key!r} gives the model {len(schemas)} tool{'s' * (len(schemas) != 1)}, but the chat template of "
+            f"{getattr(tokenizer, 'name_or_path', '')!r} does not render tools: the prompts would carry no tool schema and the "
+            "model would never see them; use a model (or model.tokenizer_path) whose chat template renders tools, e.g. Qwen2.5's"
+        )
     parser = registry.get("tool_parser", settings.tool_parser).obj
     return AgentSpec(settings, interactions, tools, parser, tokenizer, {"tools": schemas} if schemas else {}, environment, agent_tools)
 
