@@ -166,4 +166,26 @@ def test_console_without_a_terminal_prints_plain_lines_only(tmp_path):
         assert subprocess.run([sys.executable, "-c", code], stderr=err).returncode == 0
     text = (tmp_path / "err.log").read_text()
     assert "\r" not in text and "\x1b" not in text
-    assert text.splitlines() == [f"step {s}: reward/mean={s / 8:.4g}" for s in range(1, 9)]
+    lines = text.splitlines()
+    assert lines[:8] == [f"step {s}: reward/mean={s / 8:.4g}" for s in range(1, 9)]
+    # the summary: means of steps 1-4 and 5-8 (a short run's two ends do not overlap)
+    assert lines[8:] == [
+        "run summary, steps 1-8:",
+        "  figure                                   start       end    change",
+        "  reward/mean (training, 4-step means)    0.3125    0.8125   +0.5000",
+    ]
+
+
+def test_console_ends_with_training_figures_beside_held_out_ones(registry, tmp_path, capsys):
+    """A training reward that climbs while held-out accuracy stands still shows in one table: the
+    training figure's first and last 10-step means, each held-out figure's first and last value."""
+    console = registry.get("tracker", "console").obj(tmp_path, 40)
+    console.log(0, {"val/greedy_reward_mean": 0.573})
+    for step in range(1, 41):
+        console.log(step, {"reward/mean": 0.85 + 0.1 * (step > 20), "sft/note": 1.0})
+    console.log(40, {"val/greedy_reward_mean": 0.584})
+    console.close()
+    table = capsys.readouterr().err.split("run summary, steps 0-40:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in table] == ["figure", "reward/mean", "val/greedy_reward_mean"]
+    assert table[1].split()[-3:] == ["0.8500", "0.9500", "+0.1000"] and "10-step means" in table[1]
+    assert table[2].split()[-3:] == ["0.5730", "0.5840", "+0.0110"] and "held-out, steps 0 and 40" in table[2]

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from trellis.config import ConfigError
 from trellis.registry import Registry, RegistryError
+from trellis.runtime.run_summary import RunSummary
 
 
 class Tracker:
@@ -42,8 +43,10 @@ KEY_FIGURES = ("reward/mean", "val/reward_mean", "actor/pg_loss", "actor/entropy
 
 class ConsoleTracker(Tracker):
     """A progress bar showing the key figures every step (only when stderr is a terminal: redirected
-    to a file it would mix redraws into the lines), and a line with every metric on stderr for the
-    first step, every ``total_steps / LINES`` steps, validation steps and the last step."""
+    to a file it would mix redraws into the lines), a line with every metric on stderr for the
+    first step, every ``total_steps / LINES`` steps, validation steps and the last step, and at the
+    end the run's summary (:class:`~trellis.runtime.run_summary.RunSummary`): training figures
+    beside held-out ones, start to end."""
 
     LINES = 25
 
@@ -52,6 +55,7 @@ class ConsoleTracker(Tracker):
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=not bar)
         self.total = total_steps
         self.every = max(1, total_steps // self.LINES)
+        self.summary = RunSummary()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = {k.split("/", 1)[-1] if k != "val/reward_mean" else "val": v for k, v in metrics.items() if k in KEY_FIGURES}
@@ -59,9 +63,13 @@ class ConsoleTracker(Tracker):
         self.bar.update(step - self.bar.n)
         if step in (1, self.total) or step % self.every == 0 or any(k.startswith("val/") for k in metrics):
             self.bar.write(f"step {step}: " + " ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())), file=sys.stderr)
+        self.summary.add(step, metrics)
 
     def close(self) -> None:
         self.bar.close()
+        table = self.summary.table()
+        if table:
+            print(table, file=sys.stderr, flush=True)
 
 
 class JsonlTracker(Tracker):
