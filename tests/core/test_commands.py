@@ -90,3 +90,17 @@ def test_a_moved_command_names_its_package(tmp_path):
         "trellis: error: `trellis config from-verl` comes with the trellis-verl-compat package, which is not installed: "
         "pip install trellis-verl-compat"
     )
+
+
+def test_the_cli_keeps_http_client_request_lines_out_of_the_log():
+    """An agent's OpenAI client (httpx) logged one INFO line per model call of every sample; the
+    CLI's own INFO lines stay (a fresh process: pytest configures logging its own way)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\nfrom trellis.cli import main\nmain(['plugins'])\n"
+        "print(logging.getLogger('httpx').isEnabledFor(logging.INFO), logging.getLogger('trellis').isEnabledFor(logging.INFO))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-1] == "False True", done.stderr[-2000:]

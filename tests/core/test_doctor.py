@@ -7,6 +7,7 @@ import importlib.metadata as metadata
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,8 +34,10 @@ def test_doctor_reports_the_machine_without_importing_engines():
     assert lines["cuda available"] == str(torch.cuda.is_available())
     assert f"trellis-core {version('trellis-core')}" in lines["trellis packages"]
     assert lines[f"plugin core (trellis-core {version('trellis-core')})"].startswith("loaded, ")
-    for name in ("vllm", "sglang", "megatron-core", "ray"):
+    for name in ("vllm", "sglang", "megatron-core", "ray", "peft", "openai"):
         assert lines[name] == version(name), name
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    assert lines["trellis commit"].startswith(commit or "not a git checkout")
     assert lines["user namespaces"].split(" ")[0] in ("available", "unavailable", "unknown")
     assert any(key.startswith("free disk, current folder") and " GiB" in value for key, value in lines.items())
     assert lines["imported engines"] == "[]"

@@ -56,3 +56,16 @@ def test_plot_errors_name_the_fix(tmp_path, capsys, args, message):
     a = write_run(tmp_path / "a", [0.1])
     assert main(["plot", *[x.format(a=a) for x in args]]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_default_plot_has_held_out_greedy_accuracy(tmp_path):
+    """A panel more when the runs validated greedily (it was left out of the default curves)."""
+    import matplotlib.image
+
+    plain = write_run(tmp_path / "plain", [0.1, 0.2])
+    greedy = write_run(tmp_path / "greedy", [0.1, 0.2])
+    with open(f"{greedy}/metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "val/greedy_reward_mean": 0.5}) + "\n")
+    assert main(["plot", plain]) == 0 and main(["plot", greedy]) == 0
+    sizes = [matplotlib.image.imread(f"{run}/curves.png").shape[:2] for run in (plain, greedy)]
+    assert sizes[1][0] > sizes[0][0], sizes  # 3 panels fill a row; the 4th starts a second

@@ -134,3 +134,10 @@ def test_the_official_sandbox_fusion_client_works_against_our_server(server):
     assert slow.run_result.status.value == "TimeLimitExceeded"
     mapping = sandbox_fusion.SummaryMapping(RunTimeout="timeout", RunFailed="failed")
     assert sandbox_fusion.summary_run_code_result(slow, mapping) == "timeout"
+
+
+def test_the_tools_numeric_options_declare_and_enforce_ranges(assert_ranges_enforced):
+    """``trellis plugins`` printed a note for each of them: a timeout of 0 or a negative memory limit passed."""
+    from trellis.plugins import load_plugins
+
+    assert assert_ranges_enforced(CodeInterpreterOptions, load_plugins().registry) == 5

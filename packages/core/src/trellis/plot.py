@@ -8,7 +8,7 @@ from pathlib import Path
 
 # Drawn when no metric is named; each only where some run has it.
 DEFAULT_METRICS = (
-    "reward/mean", "val/reward_mean", "actor/entropy", "actor/kl_loss", "actor/reward_kl", "response/length_mean",
+    "reward/mean", "val/reward_mean", "val/greedy_reward_mean", "actor/entropy", "actor/kl_loss", "actor/reward_kl", "response/length_mean",
     "sft/loss", "val/loss", "timing/step_s",
 )  # fmt: skip
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from trellis import Tool, ToolResult
+from trellis import Tool, ToolResult, ranged
 from trellis_sandbox.api import FINISHED, SANDBOX_ERROR, TIME_LIMIT, RunRequest
 from trellis_sandbox.client import get_client
 from trellis_sandbox.testcases import extract_code
@@ -20,11 +20,11 @@ class CodeInterpreterOptions:
 
     url: Optional[str] = None  # noqa: UP045 (omegaconf needs typing.Optional on Python 3.10)
     language: str = "python"
-    run_timeout: float = 10.0
-    compile_timeout: float = 10.0
-    memory_limit_mb: int = 1024
-    max_output_chars: int = 2000
-    max_concurrency: int = 32
+    run_timeout: float = ranged(10.0, gt=0)
+    compile_timeout: float = ranged(10.0, gt=0)
+    memory_limit_mb: int = ranged(1024, gt=0)
+    max_output_chars: int = ranged(2000, ge=0)
+    max_concurrency: int = ranged(32, ge=1)
 
 
 class CodeInterpreterTool(Tool):
