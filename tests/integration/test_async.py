@@ -45,7 +45,8 @@ def trained_prompts(run_dir: Path) -> list[list[str]]:
     steps: dict[int, list[str]] = {}
     for line in (run_dir / "samples.jsonl").read_text().splitlines():
         row = json.loads(line)
-        steps.setdefault(row["step"], []).append(row["prompt"])
+        if row["split"] == "train":
+            steps.setdefault(row["step"], []).append(row["prompt"])
     return [steps[s] for s in sorted(steps)]
 
 

@@ -218,6 +218,7 @@ class Run:
         self._step_start = 0.0
         self.threads = make_threads(cfg.trainer)
         self.summary: dict[str, Any] = {}  # what the recipe returns: val_before / val_after, ...
+        self._validating_step = 0  # the step the validation running now belongs to
         self.signals = SignalWatch()
         self._rollout: RolloutGroup | None = None
         self._validate: Callable[[], dict[str, float]] | None = None
@@ -309,7 +310,7 @@ class Run:
             self._samples.rewind(start)
         self.ctx.hook.trellis_train_start(config=self.cfg, run_dir=self.ctx.run_dir)
         if validate is not None and validate_before and not start and trainer.total_steps:  # else val_after alone
-            self.summary["val_before"] = self._validation()
+            self.summary["val_before"] = self._validation(0)
             self.log(0, _prefixed(self.summary["val_before"]))
         return start
 
@@ -332,7 +333,8 @@ class Run:
         for role in self._groups:
             role.onload()
 
-    def _validation(self) -> dict[str, float]:
+    def _validation(self, step: int) -> dict[str, float]:
+        self._validating_step = step
         with self.generating(self._rollout):
             return self._validate()
 
@@ -345,7 +347,7 @@ class Run:
             self._step_start = time.perf_counter()
             yield step
         if self._validate is not None:
-            self.summary["val_after"] = self._validation()
+            self.summary["val_after"] = self._validation(total)
             self.metrics.update(_prefixed(self.summary["val_after"]))
             self.log(total, _prefixed(self.summary["val_after"]))
 
@@ -361,7 +363,7 @@ class Run:
         logged metrics."""
         if self._validate is not None and self.due(step) and step < self.cfg.trainer.total_steps:
             with self.timer("val"):
-                metrics = {**metrics, **_prefixed(self._validation())}
+                metrics = {**metrics, **_prefixed(self._validation(step))}
         metrics = {**metrics, **self.timer.metrics(), **self._dispatch_metrics()}
         metrics["timing/step_s"] = time.perf_counter() - self._step_start
         metrics["timing/threads"] = float(self.threads.check())
@@ -375,21 +377,23 @@ class Run:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._trackers.log(step, metrics)
 
-    def log_samples(self, step: int, batch: Any, scores: Any, tokenizer: Any) -> None:
-        """The first ``trainer.log_samples`` samples of a generated batch, decoded, with their
-        reward, as rows of ``<run_dir>/samples.jsonl`` (rewound with the metrics on resume). A
-        multi-turn sample adds ``conversation`` (every token after the prompt, the environment's
-        turns included, special tokens kept so the turns show), ``num_turns``, ``turn_scores`` and
-        ``finish_reason``."""
+    def log_samples(self, step: int, batch: Any, scores: Any, tokenizer: Any, split: str = "train") -> None:
+        """``trainer.log_samples`` samples of a generated batch, decoded, with their reward, as rows
+        of ``<run_dir>/samples.jsonl`` (rewound with the metrics on resume), ``split`` ``train`` or
+        ``val``: the first sample of each prompt in the batch's order, then the second of each...
+        (so a step shows several prompts, not one prompt's group). A multi-turn sample adds
+        ``conversation`` (every token after the prompt, the environment's turns included, special
+        tokens kept so the turns show), ``num_turns``, ``turn_scores`` and ``finish_reason``."""
         if self._samples is None:
             return
         width = batch["prompts"].shape[1]
         rows = []
-        for i in range(min(self.cfg.trainer.log_samples, len(batch))):
+        for i in across_prompts(batch)[: self.cfg.trainer.log_samples]:
             prompt = batch["prompts"][i][batch["attention_mask"][i, :width].bool()]
             response = batch["responses"][i][batch["response_mask"][i].bool()]
             rows.append({
                 "step": step,
+                "split": split,
                 "prompt": tokenizer.decode(prompt.tolist()),
                 "response": tokenizer.decode(response.tolist(), skip_special_tokens=True),
                 "reward": float(scores[i]),
@@ -405,6 +409,11 @@ class Run:
                     "finish_reason": batch["finish_reason"][i],
                 })
         self._samples.write(rows)
+
+    def log_validation(self, batch: Any, scores: Any, tokenizer: Any) -> None:
+        """The greedy generations of the validation running now, as :meth:`log_samples` rows with
+        ``split`` ``val`` at its step (0 before training)."""
+        self.log_samples(self._validating_step, batch, scores, tokenizer, split="val")
 
     def _dispatch_metrics(self) -> dict[str, float]:
         if self._controller is None:
@@ -432,6 +441,18 @@ class Run:
                     self._controller.shutdown()
             if self._trackers is not None:
                 self.ctx.hook.trellis_train_end(run_dir=self.ctx.run_dir, metrics=self.metrics)
+
+
+def across_prompts(batch: Any) -> list[int]:
+    """The batch's sample indices, the first sample of each prompt (``uid``) in order, then the
+    second of each, and so on."""
+    uids = list(batch["uid"]) if "uid" in batch else list(range(len(batch)))
+    seen: dict[Any, int] = {}
+    rank = []
+    for uid in uids:
+        rank.append(seen.get(uid, 0))
+        seen[uid] = rank[-1] + 1
+    return sorted(range(len(uids)), key=lambda i: (rank[i], i))
 
 
 def _prefixed(figures: dict[str, float]) -> dict[str, float]:

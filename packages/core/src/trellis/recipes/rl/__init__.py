@@ -59,7 +59,11 @@ class RLRecipe:
                 roles=learner.roles,
                 state={"data": samples.position, "kl": learner.kl_in_reward},
                 rollout=rollout,
-                validate=functools.partial(self.validate, rollout, val, reward_fn, cfg, agent) if val is not None else None,
+                validate=functools.partial(
+                    self.validate, rollout, val, reward_fn, cfg, agent, functools.partial(run.log_validation, tokenizer=tokenizer)
+                )
+                if val is not None
+                else None,
                 validate_before=cfg.validation.before_train,
                 overlap=bound is not None,
             )
@@ -85,12 +89,16 @@ class RLRecipe:
             return self.validate(rollout, val, reward_fn, cfg, agent)
 
     @staticmethod
-    def validate(rollout: RolloutGroup, val, reward_fn: Scorer, cfg: DictConfig, agent=None) -> dict[str, float]:
+    def validate(rollout: RolloutGroup, val, reward_fn: Scorer, cfg: DictConfig, agent=None, log=None) -> dict[str, float]:
         """Greedy and sampled reward on every held-out prompt (generated in one pass each); in
-        multi-turn runs also the greedy reward of the first answer alone (without feedback)."""
+        multi-turn runs also the greedy reward of the first answer alone (without feedback).
+        ``log(batch, scores)`` receives the greedy generations and their rewards."""
         prompts, scorer = val.as_batch(), scorer_of(reward_fn, agent, cfg.reward.max_error_rate)
         base = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.sampling.seed)
-        greedy = scorer.score(sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent))
+        answers = sample(rollout, prompts, SamplingParams(**{**base.__dict__, "greedy": True}), agent)
+        greedy = scorer.score(answers)
+        if log is not None:
+            log(answers, greedy.scores)
         sampled_params = SamplingParams(**{**base.__dict__, "n": cfg.validation.n, "temperature": cfg.validation.temperature})
         sampled = scorer.score(sample(rollout, prompts, sampled_params, agent))
         out = {"greedy_reward_mean": float(greedy.scores.mean()), "reward_mean": float(sampled.scores.mean())}
