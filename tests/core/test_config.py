@@ -172,3 +172,20 @@ def test_a_sections_defaults_come_from_its_parent_given_or_not(registry):
     """SFT's ``train.optim.lr`` defaults to 1e-4 (not OptimConfig's 1e-5), also when other optim keys are set."""
     assert dict(validate(OmegaConf.create({"inner": {"clip": 2.0}}), Outer, registry).inner) == {"lr": 0.5, "clip": 2.0}
     assert dict(validate(OmegaConf.create({}), Outer, registry).inner) == {"lr": 0.5, "clip": 1.0}
+
+
+def test_a_hugging_face_trainer_checkpoint_is_a_model_folder_and_a_trellis_one_is_not(tmp_path):
+    """HF Trainer and TRL save ``checkpoint-N`` model folders (config.json and weights): refused as
+    trellis checkpoints by their name alone, they could not start a run or be evaluated."""
+    from trellis.recipes.options import check_not_a_run
+    from trellis.runtime.checkpoint import MANIFEST
+
+    hf = tmp_path / "trl" / "checkpoint-20"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    check_not_a_run(hf)
+    ours = tmp_path / "run" / "checkpoint-4"
+    ours.mkdir(parents=True)
+    (ours / MANIFEST).write_text("{}")
+    with pytest.raises(ConfigError, match=r"is a trellis checkpoint, not a Hugging Face model folder; export it first"):
+        check_not_a_run(ours)

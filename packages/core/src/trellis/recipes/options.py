@@ -105,10 +105,12 @@ def check_inputs(cfg: DictConfig) -> None:
 
 def check_not_a_run(model: Path) -> None:
     """A trellis run folder or checkpoint given as ``model.path`` is refused with the command that
-    turns it into a model folder (its sharded weights and missing tokenizer would fail to load)."""
+    turns it into a model folder (its sharded weights and missing tokenizer would fail to load). A
+    Hugging Face folder named ``checkpoint-N`` (the Trainer's, TRL's) is a model folder."""
     from trellis.runtime.checkpoint import MANIFEST, PREFIX, checkpoint_step
 
-    checkpoint = checkpoint_step(model) is not None or (model / MANIFEST).is_file()
+    hf_folder = (model / "config.json").is_file()
+    checkpoint = (model / MANIFEST).is_file() or (checkpoint_step(model) is not None and not hf_folder)
     if not checkpoint and not any(model.glob(PREFIX + "*")):
         return
     run = model.parent if checkpoint else model
