@@ -44,8 +44,8 @@ import statistics
 import time
 from pathlib import Path
 
-# What distillation takes from the demo's RL stage; the preset keeps its samples per prompt.
-DEMO_KEYS = ("data.max_prompt_length", "data.train_batch_prompts", "sampling.temperature", "sampling.max_new_tokens",
+# What distillation takes from the demo's RL stage; the preset keeps its prompts and samples per step (64 x 1).
+DEMO_KEYS = ("data.max_prompt_length", "sampling.temperature", "sampling.max_new_tokens",
              "validation.n", "validation.temperature", "actor.optim.lr", "actor.optim.grad_clip", "actor.micro_batch_samples")  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def trl_gkd(args: argparse.Namespace) -> None:
     Path(args.trl_out, "trl.json").write_text(json.dumps({"step_s": step_s, "log": trainer.state.log_history}))
 
 
-# TRL's samples a step: the Trellis arms' 16 prompts x 4 samples
+# TRL's samples a step: the distillation arms' 64 prompts x 1 sample
 TRL_SAMPLES = 64
 
 
