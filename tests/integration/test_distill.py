@@ -153,3 +153,13 @@ def test_multi_turn_environment_tokens_get_no_advantage(run_rl, tiny_untied_mode
     assert batch["advantages"][~mask].abs().sum() == 0
     expected = -(batch["old_log_probs"] - batch["teacher_log_probs"])
     assert torch.allclose(batch["advantages"][mask], expected[mask])
+
+
+@pytest.mark.parametrize("use_policy_loss", [True, False])
+def test_one_sample_a_prompt_is_warned_about_only_when_the_policy_loss_reads_the_advantages(run_rl, tiny_untied_model_path, caplog, use_policy_loss):
+    """The preset's n=1 with grpo's (unused) advantages: no warning that every advantage is 0."""
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        run_rl(f"teacher.path={tiny_untied_model_path}", "actor.distill.coef=1.0", f"actor.distill.use_policy_loss={use_policy_loss}",
+               "sampling.n=1", "trainer.total_steps=1", "validation.before_train=false", "data.val_path=null")  # fmt: skip
+    warned = any("every advantage is 0" in r.getMessage() for r in caplog.records)
+    assert warned is use_policy_loss

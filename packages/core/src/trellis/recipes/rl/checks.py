@@ -59,7 +59,7 @@ def check(cfg: DictConfig, registry) -> None:
         check_on_policy(cfg, samples)
     seq_len = longest_sequence(cfg)
     check_activation_memory(cfg, registry, "actor", seq_len, seq_len - cfg.data.max_prompt_length)
-    if "groups" in declared and cfg.sampling.n < 2:
+    if "groups" in declared and cfg.sampling.n < 2 and cfg.actor.distill.use_policy_loss:  # else the advantages are not used
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
 
 
