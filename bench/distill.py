@@ -7,12 +7,13 @@ once per ``--out`` folder. Student: the same initial tiny model (same tokenizer)
 ``--student-sft-steps`` of the demo's SFT. From the student, per seed, the arms ``--arms`` names:
 
 - distill: the ``trellis config init distill`` preset as shipped (``starter_distill.yaml``: the
-  actor's loss ``actor.distill``, reverse KL over the teacher's top 128 tokens, no policy loss, 4
-  samples a prompt) with ``teacher.path`` = the teacher and the demo's data, lengths, prompts per
-  step and learning rate; ``exact``: the same over the whole vocabulary (``top_k=0``); ``top-16``:
-  over the teacher's top 16 tokens; ``jsd``: the generalised JSD (beta 0.5), whole vocabulary;
-  ``sampled``: the sampled-token advantage ``reverse_kl_teacher`` alone (the preset before the loss
-  existed: each token credited with its own ``log q - log p``);
+  actor's loss ``actor.distill``, the generalised JSD (beta 0.5) over the teacher's top 128 tokens,
+  no policy loss, 64 prompts x 1 sample a step) with ``teacher.path`` = the teacher and the demo's
+  data, lengths and learning rate; ``jsd-exact``: the same over the whole vocabulary
+  (``top_k=0``); ``reverse-kl``, ``reverse-kl-exact``, ``reverse-kl-16``: the reverse KL (TRL
+  GKD's ``beta=1``) over the top 128, the whole vocabulary, the top 16; ``sampled``: the
+  sampled-token advantage ``reverse_kl_teacher`` alone (the preset before the loss existed: each
+  token credited with its own ``log q - log p``);
 - TRL: TRL 1.16's ``GKDTrainer`` with ``lmbda=1`` (on-policy) and ``beta=1`` (reverse KL), the same
   samples a step (64 prompts, one completion each), lengths, temperature and learning rate, in its
   own venv (``--trl-venv``, made on first use as ``bench/compare_trl.py`` makes it); a checkpoint
@@ -30,7 +31,7 @@ Training seconds are summed from ``timing/step_s`` less ``timing/val_s`` in ``me
 the table compares the arms at T, the shortest run's training time (each run's last validation
 made by T). Writes ``distill.png``, ``distill_metrics.png``, ``summary.json``; ends with ``RESULT``.
 
-    .venv/bin/python bench/distill.py [--arms distill exact top-16 jsd sampled TRL GRPO SFT] [--seeds 0 1 2]
+    .venv/bin/python bench/distill.py [--arms distill jsd-exact reverse-kl reverse-kl-exact reverse-kl-16 sampled TRL GRPO SFT] [--seeds 0 1 2]
         [--distill-steps 200] [--grpo-steps 150] [--sft-arm-steps 200] [--val-every 10] [--sft-eval-every 20]
         [--trl-eval-every 20] [--student-sft-steps 300] [--threads 1] [--out runs/bench-distill]
 """
@@ -222,15 +223,34 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-# the distillation arms: overrides of the distill preset (which ships reverse KL over the top 128 tokens, no policy loss)
+# the distillation arms: (the divergence, overrides) of the distill preset (which ships the JSD, beta 0.5, over the top 128
+# tokens, no policy loss); a divergence replaces the preset's actor.distill.loss section whole (its options differ)
+REVERSE_KL = {"name": "reverse_kl"}
 DISTILL_ARMS = {
-    "distill": [],
-    "exact": ["actor.distill.top_k=0"],
-    "top-16": ["actor.distill.top_k=16"],
-    "jsd": ["actor.distill.top_k=0", "actor.distill.loss={name: jsd, beta: 0.5}"],
-    "sampled": ["actor.distill.coef=0.0", "actor.distill.top_k=0", "actor.distill.use_policy_loss=true",
-                "algorithm.advantage.name=reverse_kl_teacher"],
+    "distill": (None, []),
+    "jsd-exact": (None, ["actor.distill.top_k=0"]),
+    "reverse-kl": (REVERSE_KL, []),
+    "reverse-kl-exact": (REVERSE_KL, ["actor.distill.top_k=0"]),
+    "reverse-kl-16": (REVERSE_KL, ["actor.distill.top_k=16"]),
+    "sampled": (REVERSE_KL, ["actor.distill.coef=0.0", "actor.distill.top_k=0", "actor.distill.use_policy_loss=true",
+                             "algorithm.advantage.name=reverse_kl_teacher"]),
 }  # fmt: skip
+
+
+def arm_config(out: Path, arm: str, loss: dict | None) -> Path:
+    """The distill preset, with ``loss`` as its ``actor.distill.loss`` section when given, in ``out``."""
+    from omegaconf import OmegaConf
+
+    from trellis.examples.demo import config_path
+
+    if loss is None:
+        return config_path("starter_distill.yaml")
+    preset = OmegaConf.load(config_path("starter_distill.yaml"))
+    preset.actor.distill.loss = loss
+    path = out / "configs" / f"{arm}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(preset, path)
+    return path
 
 
 def main() -> None:
@@ -257,8 +277,8 @@ def main() -> None:
 
     paths = [f"model.path={student}", f"data.train_path={rl_data}", f"data.val_path={test_data}", f"trainer.threads={args.threads}",
              "trainer.trackers=[jsonl]", "trainer.save_hf_model=true"]  # fmt: skip
-    arms = {arm: (config_path("starter_distill.yaml"), [*demo_settings(DEMO_KEYS), f"teacher.path={teacher}", *extra], args.distill_steps)
-            for arm, extra in DISTILL_ARMS.items()}  # fmt: skip
+    arms = {arm: (arm_config(out, arm, loss), [*demo_settings(DEMO_KEYS), f"teacher.path={teacher}", *extra], args.distill_steps)
+            for arm, (loss, extra) in DISTILL_ARMS.items()}  # fmt: skip
     arms["GRPO"] = (config_path("demo_rl.yaml"), [], args.grpo_steps)
     arms = {arm: v for arm, v in arms.items() if arm in args.arms}
     runs: dict[str, list[Path]] = {m: [] for m in args.arms}

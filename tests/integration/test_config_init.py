@@ -86,7 +86,8 @@ def test_distill_preset_needs_a_teacher_with_the_students_tokenizer(tmp_path, ti
     paths = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
     cfg = compose(starter, [*paths, f"teacher.path={tiny_untied_model_path}"], load_plugins().registry)
     distill = cfg.actor.distill
-    assert (distill.coef, distill.loss.name, distill.top_k, distill.use_policy_loss) == (1.0, "reverse_kl", 128, False)
+    assert (distill.coef, distill.loss.name, distill.loss.beta, distill.top_k, distill.use_policy_loss) == (1.0, "jsd", 0.5, 128, False)
+    assert (cfg.sampling.n, cfg.data.train_batch_prompts) == (1, 64)
     assert trellis("train", str(starter), "--dry-run", *paths, f"teacher.path={tiny_untied_model_path}", cwd=tmp_path).returncode == 0
     missing = trellis("train", str(starter), "--dry-run", *paths, cwd=tmp_path)
     assert missing.returncode != 0 and "teacher.path" in missing.stderr

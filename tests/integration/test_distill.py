@@ -61,50 +61,29 @@ SHORT_RUN = ("data.train_batch_prompts=16", "actor.optim.lr=3e-3", "actor.micro_
              "trainer.save_hf_model=true", "validation.before_train=false", "data.val_path=null")  # fmt: skip
 
 
-def test_the_exact_reverse_kl_loss_moves_the_student_further_than_the_sampled_estimate(run_rl, tiny_model_path, tiny_untied_model_path, tmp_path):
-    """The same run with the loss term ``actor.distill`` (the whole vocabulary, no policy loss)
-    instead of the ``reverse_kl_teacher`` advantage: the exact KL falls further, and the logged
-    loss is the exact KL on the step's samples (the sampled ``teacher/reverse_kl`` estimates it)."""
-    _, rows = run_rl(f"teacher.path={tiny_untied_model_path}", "actor.distill.coef=1.0", "actor.distill.use_policy_loss=false",
-                     *SHORT_RUN, run_dir=tmp_path / "exact")  # fmt: skip
+def test_the_reverse_kl_falls_further_with_the_exact_loss_than_with_the_sampled_advantage(
+    run_rl, tiny_model_path, tiny_untied_model_path, tmp_path, caplog
+):
+    """Two random tiny models with one tokenizer; enough samples a step for the KL to move. The KL
+    is measured exactly (full vocabulary) on fixed samples of the initial student: the logged
+    ``teacher/reverse_kl`` is a one-batch sample estimate, too noisy at this scale to compare. The
+    sampled-token advantage lowers it; the loss term ``actor.distill`` (the whole vocabulary, no
+    policy loss) lowers it further, and logs the exact KL on the step's samples. Every reward is 0
+    (random models): no warning may say the policy learns nothing."""
+    with caplog.at_level(logging.WARNING, logger="trellis"):
+        _, sampled_rows = run_rl(*DISTILL, f"teacher.path={tiny_untied_model_path}", *SHORT_RUN, run_dir=tmp_path / "sampled")
+        _, rows = run_rl(f"teacher.path={tiny_untied_model_path}", "actor.distill.coef=1.0", "actor.distill.use_policy_loss=false",
+                         *SHORT_RUN, run_dir=tmp_path / "exact")  # fmt: skip
+    assert len([r for r in sampled_rows if "teacher/reverse_kl" in r]) == 12
+    assert all(r["reward/groups_with_signal"] == 0.0 for r in sampled_rows if "teacher/reverse_kl" in r)
+    assert not [r.getMessage() for r in caplog.records if "learns nothing" in r.getMessage()]
     steps = [r for r in rows if "actor/distill_loss" in r]
     assert len(steps) == 12 and "actor/pg_loss" not in steps[0]
     assert steps[0]["actor/distill_loss"] == pytest.approx(steps[0]["teacher/reverse_kl"], abs=0.01)
-    run_rl(*DISTILL, f"teacher.path={tiny_untied_model_path}", *SHORT_RUN, run_dir=tmp_path / "sampled")
     start, exact = held_out_reverse_kl(tiny_model_path, tiny_untied_model_path, tmp_path / "exact" / "hf_model")
     _, sampled = held_out_reverse_kl(tiny_model_path, tiny_untied_model_path, tmp_path / "sampled" / "hf_model")
-    assert exact < 0.85 * sampled and sampled < start, (start, sampled, exact)  # measured: 0.0135 -> 0.0083 sampled, 0.0061 exact
-
-
-def test_the_student_reverse_kl_to_the_teacher_falls(run_rl, tiny_model_path, tiny_untied_model_path, tmp_path, caplog):
-    """Two random tiny models with one tokenizer; enough samples a step for the KL to move. The
-    KL is measured exactly (full vocabulary) on fixed samples of the initial student: the logged
-    ``teacher/reverse_kl`` is a one-batch sample estimate, too noisy at this scale to compare.
-    Every reward is 0 (random models): no warning may say the policy learns nothing."""
-    with caplog.at_level(logging.WARNING, logger="trellis"):
-        _, rows = run_rl(
-            *DISTILL,
-            f"teacher.path={tiny_untied_model_path}",
-            "data.train_batch_prompts=16",
-            "actor.optim.lr=3e-3",
-            "actor.micro_batch_samples=64",
-            "trainer.total_steps=12",
-            "trainer.save_hf_model=true",
-            "validation.before_train=false",
-            "data.val_path=null",
-            run_dir=tmp_path / "distill",
-        )
-    assert len([r for r in rows if "teacher/reverse_kl" in r]) == 12
-    assert all(r["reward/groups_with_signal"] == 0.0 for r in rows if "teacher/reverse_kl" in r)
-    assert not [r.getMessage() for r in caplog.records if "learns nothing" in r.getMessage()]
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    before, teacher = (AutoModelForCausalLM.from_pretrained(p) for p in (tiny_model_path, tiny_untied_model_path))
-    prompts = tokenizer(["1+2=", "13+4=", "20+31=", "7+7="], return_tensors="pt", padding=True).input_ids
-    torch.manual_seed(0)
-    sequences = before.generate(prompts, do_sample=True, max_new_tokens=6, num_return_sequences=8, pad_token_id=tokenizer.pad_token_id)
-    start = exact_reverse_kl(before, teacher, sequences, prompts.shape[1])
-    end = exact_reverse_kl(AutoModelForCausalLM.from_pretrained(tmp_path / "distill" / "hf_model"), teacher, sequences, prompts.shape[1])
-    assert end < 0.75 * start, (start, end)  # measured: 0.0135 -> 0.0083
+    # measured: 0.0135 -> 0.0083 sampled, 0.0061 exact
+    assert sampled < 0.75 * start and exact < 0.85 * sampled, (start, sampled, exact)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(run_rl, tiny_model_path, tmp_path):

@@ -1,6 +1,6 @@
 """Vocabulary-parallel outputs at TP=2 against core's full-vocabulary helpers on peaked (far from
 uniform) logits with a padded vocabulary: values and gradients of log-probs, entropy and the sum
-of squared probabilities."""
+of squared probabilities, and the top-k outputs distillation reads."""
 
 from __future__ import annotations
 
@@ -51,3 +51,39 @@ def test_vocab_parallel_outputs_and_gradients_equal_full_vocabulary():
         grad = torch.cat([g for _, g in results], -1)
         torch.testing.assert_close(grad[..., :VOCAB].double(), z.grad, atol=1e-6, rtol=1e-6)
         assert torch.all(grad[..., VOCAB:] == 0)  # padding columns get no gradient
+
+
+def _shard_top(info):
+    from trellis_megatron import outputs
+    from trellis_megatron.distributed import init_parallel
+
+    init_parallel(info)
+    z, _ = logits_and_tokens()
+    padded = torch.cat([z, torch.zeros(3, 5, PADDED - VOCAB, dtype=z.dtype)], -1)
+    local = padded.chunk(info.mesh.tp, -1)[info.rank].clone().requires_grad_()
+    masked = outputs.mask_padding(local, VOCAB)
+    tops = {k: outputs.top_log_probs(masked, k, VOCAB) for k in (4, 0)}
+    at = outputs.log_probs_at(masked, tops[4][1])
+    (at * weights()[0][..., None]).sum().backward()
+    return tops, at.detach(), local.grad
+
+
+def test_vocab_parallel_top_k_and_log_probs_at_ids_equal_full_vocabulary():
+    """The teacher's top-k (k 4, and 0: the whole true vocabulary, never a padding column) and the
+    student's log-probs at those ids with their gradient, at TP=1 and 2."""
+    z, _ = logits_and_tokens()
+    z = z.clone().requires_grad_()
+    full = torch.log_softmax(z, -1)
+    want = {k: full.detach().topk(k or VOCAB, -1) for k in (4, 0)}
+    at = full.gather(-1, want[4].indices)
+    (at * weights()[0][..., None]).sum().backward()
+    for mesh in (Mesh(), Mesh(tp=2)):
+        results = run_ranks(_shard_top, mesh)
+        for tops, got_at, _ in results:
+            for k, (values, ids) in tops.items():
+                torch.testing.assert_close(values.double(), want[k].values, atol=1e-6, rtol=1e-6)
+                assert torch.equal(ids, want[k].indices) and ids.max() < VOCAB, k
+            torch.testing.assert_close(got_at.double(), at.detach(), atol=1e-6, rtol=1e-6)
+        grad = torch.cat([g for _, _, g in results], -1)
+        torch.testing.assert_close(grad[..., :VOCAB].double(), z.grad, atol=1e-6, rtol=1e-6)
+        assert torch.all(grad[..., VOCAB:] == 0)

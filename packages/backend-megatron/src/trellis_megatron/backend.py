@@ -27,7 +27,6 @@ from transformers import AutoConfig
 
 from trellis import Batch
 from trellis.kit.backend import (
-    OUTPUTS,
     Backend,
     BackendSpec,
     LossFn,
@@ -64,10 +63,6 @@ def fusions(device_type: str) -> dict[str, bool]:
 
 class MegatronBackend(Backend):
     """One role's model on one rank: this rank's tensor shard of its pipeline stage."""
-
-    # no top-k outputs yet: a top-k over a vocabulary split across tensor-parallel ranks is not
-    # written (distillation losses that read them are refused by name on this backend)
-    outputs = tuple(o for o in OUTPUTS if o not in ("top_log_probs", "top_ids", "top_ids_log_probs"))
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec

@@ -67,13 +67,54 @@ def sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
     return _tp_sum((e * e).sum(-1)) / (2 * log_z).exp()
 
 
+def top_log_probs(logits: torch.Tensor, k: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probs ``(..., k)`` and their vocabulary ids (``k`` 0: all
+    ``vocab_size``), descending, without gradient: each rank's own top ``k`` of its columns,
+    gathered over the group (``k x tp`` candidates a position), the top ``k`` of those."""
+    k = vocab_size if k <= 0 else min(k, vocab_size)
+    with torch.no_grad():
+        z, _, log_z = _shifted(logits)
+        local = z.topk(min(k, z.shape[-1]), dim=-1)
+        values, ids = local.values - log_z[..., None], local.indices + _vocab_start(logits)
+        group = mpu.get_tensor_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            values, ids = (_all_gather(t, group) for t in (values, ids))
+        best = values.topk(k, dim=-1)
+        return best.values, ids.gather(-1, best.indices)
+
+
+def log_probs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log p`` ``(..., m)`` of the vocabulary ids ``(..., m)`` (with gradient): each rank picks
+    the ids among its columns, one sum over the group puts them together."""
+    z, _, log_z = _shifted(logits)
+    start, local = _vocab_start(logits), logits.shape[-1]
+    inside = (ids >= start) & (ids < start + local)
+    picked = z.gather(-1, (ids - start).clamp(0, local - 1)).masked_fill(~inside, 0.0)
+    return _tp_sum(picked) - log_z[..., None]
+
+
+def _vocab_start(logits: torch.Tensor) -> int:
+    return mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' ``t`` side by side on the last dimension, in rank order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, -1)
+
+
+TOP_OUTPUTS = ("top_log_probs", "top_ids", "top_ids_log_probs")
+
+
 def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], vocab_size: int) -> dict[str, torch.Tensor]:
-    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` ``(batch, response_len)`` at the response
-    positions (logits divided by ``micro.meta["temperature"]``) and ``label_log_probs``
+    """``log_probs`` / ``entropy`` / ``sum_sq_probs`` ``(batch, response_len)`` and ``top_log_probs``
+    / ``top_ids`` / ``top_ids_log_probs`` ``(batch, response_len, k)`` at the response positions
+    (logits divided by ``micro.meta["temperature"]``) and ``label_log_probs``
     ``(batch, seq_len - 1)``, from vocabulary-parallel ``logits`` ``(batch, seq_len, vocab / tp)``."""
     logits = mask_padding(logits.float(), vocab_size)
     out: dict[str, torch.Tensor] = {}
-    if {"log_probs", "entropy", "sum_sq_probs"} & set(outputs):
+    if {"log_probs", "entropy", "sum_sq_probs", *TOP_OUTPUTS} & set(outputs):
         responses = micro["responses"].to(logits.device)
         scaled = logits[:, -responses.shape[1] - 1 : -1] / float(micro.meta.get("temperature", 1.0))
         if "log_probs" in outputs:
@@ -82,6 +123,10 @@ def lm_outputs(logits: torch.Tensor, micro: Batch, outputs: tuple[str, ...], voc
             out["entropy"] = entropy(scaled)
         if "sum_sq_probs" in outputs:
             out["sum_sq_probs"] = sum_sq_probs(scaled)
+        if {"top_log_probs", "top_ids"} & set(outputs):
+            out["top_log_probs"], out["top_ids"] = top_log_probs(scaled, int(micro.meta.get("top_k", 0)), vocab_size)
+        if "top_ids_log_probs" in outputs:
+            out["top_ids_log_probs"] = log_probs_at(scaled, micro["top_ids"].to(logits.device))
     if "label_log_probs" in outputs:
         out["label_log_probs"] = log_probs(logits[:, :-1], micro["input_ids"][:, 1:].to(logits.device))
     return out
