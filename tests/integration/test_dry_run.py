@@ -63,6 +63,8 @@ def test_data_paths_take_a_list_of_files_read_one_after_another(trellis_cli, dat
         (["data.train_path=[]"], "config key 'data.train_path' is an empty list; give a parquet or jsonl file, or a list of them"),
         (["data.train_path={a: 1}"], "config key 'data.train_path' has value {'a': 1} but expects type str | list[str]"),
         (["sampling.n=0"], "config key 'sampling.n' is 0; it must be >= 1"),
+        (["data.max_prompt_length=500", "sampling.max_new_tokens=64"],
+         "config keys 'data.max_prompt_length' (500) + 'sampling.max_new_tokens' (64) = 564 tokens, more than the 512 positions of model.path"),
         (["data.train_batch_prompts=100"], "the dataset has 64 prompts, fewer than one batch of 100; lower data.train_batch_prompts or add data"),
         (["reward.name=auto"], "config key 'reward.name' is auto, which has no reward for data_source 'arithmetic' (in data.train_path"),
         (["reward.terms=[{name: gsm8k},{name: gsm8kk}]"], "config key 'reward.terms[1].name': reward 'gsm8kk' is not installed"),

@@ -33,14 +33,16 @@ def data(tmp_path_factory):
 
 def overrides(model, train_path, run_dir, *more):
     environment = (f"multi_turn.environment={GUESS_SUM}", "multi_turn.tool_parser=always_guess", "multi_turn.max_assistant_turns=2")
-    return multi_turn_run(model, train_path, run_dir, *environment, "multi_turn.max_response_tokens=200", "data.max_prompt_length=1536", *more)
+    return multi_turn_run(model, train_path, run_dir, *environment, "multi_turn.max_response_tokens=200", *more)
 
 
 def test_rl_trains_with_an_environment_class_and_its_reward(tiny_tools_model_path, data, tmp_path):
     """Each sample: two model turns, each read as a guess; reward() is 0.25 per guess (0.5), plus
     1 if a guess (the turn's length in characters) was the sum."""
     plugins = load_plugins(extra=[("environments", environments)])
-    train(None, overrides(tiny_tools_model_path, data["train"], tmp_path / "run", "trainer.log_samples=8"), plugins=plugins)
+    # the prompts carry the tools' schemas: room for them
+    args = overrides(tiny_tools_model_path, data["train"], tmp_path / "run", "trainer.log_samples=8", "data.max_prompt_length=1536")
+    train(None, args, plugins=plugins)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "multiturn/tool_calls" in r]
     assert len(steps) == 2

@@ -3,7 +3,9 @@ can fix, each naming the key and the fix."""
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
@@ -40,6 +42,7 @@ def check(cfg: DictConfig, registry) -> None:
     check_judge_engine(cfg, registry)  # before the reward's checks, which call the judges' servers
     check_reward(cfg.reward, registry, cfg.recipe)
     check_inputs(cfg)
+    check_context(cfg)
     staleness_bound(cfg.trainer)
     partial_chunk(cfg.trainer, cfg.multi_turn.enable)
     check_rollout_placement(cfg, registry)
@@ -208,6 +211,20 @@ def check_data(cfg: DictConfig, registry) -> str:
     longest = max(len(item["input_ids"]) for item in train.dataset.items)
     held_out = f", {len(val)} held-out" if val is not None else ""
     return f"{len(train.dataset)} training prompts (longest {longest} tokens of data.max_prompt_length={cfg.data.max_prompt_length}){held_out}"
+
+
+def check_context(cfg: DictConfig) -> None:
+    """One turn, the longest prompt and its new tokens, fits the model's positions: beyond them an
+    engine caps the context and a rotary model reads positions it never learned."""
+    config_file = Path(cfg.model.path) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    prompt, new = cfg.data.max_prompt_length, cfg.sampling.max_new_tokens
+    if limit and prompt + new > limit:
+        raise ConfigError(
+            f"config keys 'data.max_prompt_length' ({prompt}) + 'sampling.max_new_tokens' ({new}) = {prompt + new} tokens, more than "
+            f"the {limit} positions of model.path {cfg.model.path!r} (max_position_embeddings); lower one of them"
+        )
 
 
 def longest_sequence(cfg: DictConfig) -> int:
