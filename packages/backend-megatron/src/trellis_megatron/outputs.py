@@ -29,11 +29,15 @@ def _tp_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _vocab_start(logits: torch.Tensor) -> int:
+    """The vocabulary id of this tensor-parallel rank's first column of ``logits`` ``(..., vocab / tp)``."""
+    return mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
+
+
 def mask_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``logits`` ``(..., vocab / tp)`` with the columns past the model's true ``vocab_size``
     (Megatron pads the vocabulary to split it evenly) set to ``-inf``."""
-    local = logits.shape[-1]
-    start = mpu.get_tensor_model_parallel_rank() * local
+    local, start = logits.shape[-1], _vocab_start(logits)
     if start + local <= vocab_size:
         return logits
     column = torch.arange(start, start + local, device=logits.device)
@@ -91,10 +95,6 @@ def log_probs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     inside = (ids >= start) & (ids < start + local)
     picked = z.gather(-1, (ids - start).clamp(0, local - 1)).masked_fill(~inside, 0.0)
     return _tp_sum(picked) - log_z[..., None]
-
-
-def _vocab_start(logits: torch.Tensor) -> int:
-    return mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
 
 
 def _all_gather(t: torch.Tensor, group) -> torch.Tensor:

@@ -235,7 +235,7 @@ def _right_padded(batches: list[Batch]) -> list[Batch]:
     """Each field of ``batches`` of two or more dimensions right-padded with zeros to its widest."""
     widths = {k: max(b.tensors[k].shape[1] for b in batches) for k in batches[0].tensors.keys() if batches[0].tensors[k].dim() > 1}
     return [
-        Batch({k: _pad(t, 0, widths[k] - t.shape[1]) if k in widths else t for k, t in b.tensors.items()}, b.non_tensors, b.meta)
+        Batch({k: pad_columns(t, 0, widths[k] - t.shape[1]) if k in widths else t for k, t in b.tensors.items()}, b.non_tensors, b.meta)
         for b in batches
     ]
 
@@ -268,11 +268,11 @@ def rollout_padded(batches: list[Batch]) -> list[Batch]:
             if t.dim() < 2:
                 tensors[k] = t
             elif k in PROMPT_SIDE:
-                tensors[k] = _pad(t, prompt - t.shape[1], 0)
+                tensors[k] = pad_columns(t, prompt - t.shape[1], 0)
             elif t.shape[1] == p + r and (p or k in SEQUENCE_SIDE):
-                tensors[k] = torch.cat([_pad(t[:, :p], prompt - p, 0), _pad(t[:, p:], 0, response - r)], dim=1)
+                tensors[k] = torch.cat([pad_columns(t[:, :p], prompt - p, 0), pad_columns(t[:, p:], 0, response - r)], dim=1)
             elif t.shape[1] == r:
-                tensors[k] = _pad(t, 0, response - r)
+                tensors[k] = pad_columns(t, 0, response - r)
             else:
                 raise ValueError(
                     f"cannot merge rollout batches: field {k!r} is {t.shape[1]} wide, neither prompt + response ({p} + {r}) nor "
@@ -288,7 +288,7 @@ def _prompt_len(batch: Batch) -> int:
     return batch.tensors["input_ids"].shape[1] - batch.tensors["responses"].shape[1]
 
 
-def _pad(t: torch.Tensor, left: int, right: int) -> torch.Tensor:
+def pad_columns(t: torch.Tensor, left: int, right: int) -> torch.Tensor:
     """``t`` ``(batch, width, ...)`` with ``left`` and ``right`` zero columns added on dimension 1."""
     if not left and not right:
         return t

@@ -37,6 +37,16 @@ from trellis.runtime.harness import backend_mesh
 log = logging.getLogger("trellis")
 
 
+def text_config(model_path: str | Path) -> dict:
+    """A Hugging Face folder's ``config.json`` (its ``text_config`` for a multimodal model); empty
+    when the folder has none."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return config.get("text_config", config) if "hidden_size" not in config else config
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only model that its activations scale with."""
@@ -51,11 +61,7 @@ class ModelShape:
     def read(model_path: str | Path) -> ModelShape | None:
         """The shape a Hugging Face ``config.json`` gives (its ``text_config`` for a multimodal
         model); None when the folder has none or it lacks a size."""
-        path = Path(model_path) / "config.json"
-        if not path.is_file():
-            return None
-        config = json.loads(path.read_text(encoding="utf-8"))
-        config = config.get("text_config", config) if "hidden_size" not in config else config
+        config = text_config(model_path)
         try:
             hidden, heads = config["hidden_size"], config["num_attention_heads"]
             head_dim = config.get("head_dim") or hidden // heads

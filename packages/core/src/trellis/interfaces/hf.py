@@ -41,10 +41,8 @@ def _sum_sq_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor
 
 
 def _log_prob_rows(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log p(token)`` of each row: the token's logit minus the row's ``logsumexp`` (no
-    ``(rows, vocab)`` log-softmax is kept), in float32 (or wider)."""
-    scaled = _float(logits, temperature)
-    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    """``log p(token)`` of each row (:func:`_log_probs_at_rows` at one id a row)."""
+    return _log_probs_at_rows(logits, tokens.unsqueeze(-1), temperature).squeeze(-1)
 
 
 def _by_rows(rows_fn, logits: torch.Tensor, chunk_size: int | None, *per_row: torch.Tensor) -> torch.Tensor:
@@ -114,7 +112,9 @@ def top_log_probs(logits: torch.Tensor, k: int, chunk_size: int | None = None, t
 
 
 def _log_probs_at_rows(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log p(ids)`` ``(k, m)`` of each row's distribution at its ``m`` token ids ``(k, m)``."""
+    """``log p(ids)`` ``(k, m)`` of each row's distribution at its ``m`` token ids ``(k, m)``: the
+    ids' logits minus the row's ``logsumexp`` (no ``(rows, vocab)`` log-softmax is kept), in
+    float32 (or wider)."""
     scaled = _float(logits, temperature)
     return scaled.gather(-1, ids) - torch.logsumexp(scaled, dim=-1, keepdim=True)
 

@@ -446,13 +446,13 @@ class Run:
 def across_prompts(batch: Any) -> list[int]:
     """The batch's sample indices, the first sample of each prompt (``uid``) in order, then the
     second of each, and so on."""
-    uids = list(batch["uid"]) if "uid" in batch else list(range(len(batch)))
-    seen: dict[Any, int] = {}
+    groups = batch.group_index("uid").tolist() if "uid" in batch else list(range(len(batch)))
+    seen = [0] * (max(groups, default=-1) + 1)
     rank = []
-    for uid in uids:
-        rank.append(seen.get(uid, 0))
-        seen[uid] = rank[-1] + 1
-    return sorted(range(len(uids)), key=lambda i: (rank[i], i))
+    for g in groups:
+        rank.append(seen[g])
+        seen[g] += 1
+    return sorted(range(len(groups)), key=lambda i: (rank[i], i))
 
 
 def _prefixed(figures: dict[str, float]) -> dict[str, float]:

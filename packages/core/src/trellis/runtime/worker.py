@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trellis.batch import Batch
+from trellis.batch import Batch, pad_columns
 from trellis.interfaces.backend import Backend, BackendSpec, DistInfo, WeightBucket
 from trellis.interfaces.dispatch import ALL, DP_SPLIT, RANK0, Route
 from trellis.rng import stream_seed
@@ -349,7 +349,7 @@ def _right_pad(t: torch.Tensor, width: int | None) -> torch.Tensor:
     """A ``(batch, w, ...)`` output zero-padded on the right of dimension 1 to ``(batch, width, ...)``."""
     if width is None or t.dim() < 2 or t.shape[1] >= width:
         return t
-    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
+    return pad_columns(t, 0, width - t.shape[1])
 
 
 def build_worker(

@@ -3,16 +3,14 @@ can fix, each naming the key and the fix."""
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis.config import ConfigError, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
-from trellis.memory import check_activation_memory
+from trellis.memory import check_activation_memory, text_config
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
@@ -216,9 +214,7 @@ def check_data(cfg: DictConfig, registry) -> str:
 def check_context(cfg: DictConfig) -> None:
     """One turn, the longest prompt and its new tokens, fits the model's positions: beyond them an
     engine caps the context and a rotary model reads positions it never learned."""
-    config_file = Path(cfg.model.path) / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    limit = text_config(cfg.model.path).get("max_position_embeddings")
     prompt, new = cfg.data.max_prompt_length, cfg.sampling.max_new_tokens
     if limit and prompt + new > limit:
         raise ConfigError(
