@@ -131,7 +131,7 @@ class MegatronBackend(Backend):
             use_distributed_optimizer=self.opts.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(optim_config, [self.ddp])
-        self.lr_of = lr_factor(cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio, self.spec.total_steps)
+        self.lr_of = lr_factor(cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio, self.spec.total_steps, cfg.warmup_from_zero)
         self.lr_steps = 0
         self._set_lr()
         model.config.finalize_model_grads_func = _finalize_summed

@@ -16,9 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trellis import ConfigError, DataError, Registry, RegistryError, load_rows, validate_recipe_config
-
-AR = "actor_rollout_ref."
-SKIP = object()  # a converter's answer when the value needs nothing in trellis (verl's "unset")
+from trellis_verl_compat.features import DAPO_RULES, DISTILL_RULES, DLOSS, LORA_RULES, MANAGER_KWARGS, critic_defaults
+from trellis_verl_compat.rule import ACTOR, AR, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, when
 
 
 @dataclass(frozen=True)
@@ -27,23 +26,6 @@ class Unresolved:
     another file): treated as not given, and reported."""
 
     text: Any
-
-
-class Unmapped(Exception):
-    """A verl value trellis cannot express; the message says why."""
-
-
-Source = dict[str, Any]  # dotted verl key -> value (verl's defaults under what the user gave)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One verl key, the trellis key it sets and how its value converts (``note``: for the docs)."""
-
-    verl: str
-    trellis: str
-    convert: Callable[[Any, Source], Any] = lambda value, src: value
-    note: str = ""
 
 
 def _times_n(value: Any, src: Source) -> int:
@@ -120,7 +102,7 @@ def _dtype(value: Any, src: Source) -> str:
 
 
 def _when_multi_turn(convert: Callable[[Any, Source], Any]) -> Callable[[Any, Source], Any]:
-    return lambda value, src: convert(value, src) if src.get(ROLLOUT + "multi_turn.enable") else SKIP
+    return when(ROLLOUT + "multi_turn.enable", convert)
 
 
 def _turns(value: Any, src: Source) -> Any:
@@ -204,6 +186,17 @@ def _warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
     return convert
 
 
+def _from_zero(prefix: str) -> Callable[[Any, Source], Any]:
+    """verl's warm-up (torch LambdaLR stepped after each update) runs its first step at lr 0."""
+
+    def convert(value: Any, src: Source) -> Any:
+        steps = src.get(prefix + "optim.lr_warmup_steps") or -1
+        ratio = src.get(prefix + "optim.lr_warmup_steps_ratio") or 0
+        return True if steps > 0 or (steps <= 0 and ratio and int(float(ratio) * total_steps(src)) > 0) else SKIP
+
+    return convert
+
+
 def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
     return [
         Rule(verl_prefix + "optim.lr", trellis_prefix + "optim.lr"),
@@ -211,6 +204,10 @@ def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
         Rule(verl_prefix + "optim.betas", trellis_prefix + "optim.betas"),
         Rule(verl_prefix + "optim.lr_warmup_steps", trellis_prefix + "optim.warmup_steps", _positive, "-1: use the ratio"),
         Rule(verl_prefix + "optim.lr_warmup_steps_ratio", trellis_prefix + "optim.warmup_steps", _warmup_ratio(verl_prefix), "x total steps"),
+        *(
+            Rule(verl_prefix + key, trellis_prefix + "optim.warmup_from_zero", _from_zero(verl_prefix), "verl's first warm-up step at lr 0")
+            for key in ("optim.lr_warmup_steps", "optim.lr_warmup_steps_ratio")
+        ),
         Rule(verl_prefix + "optim.warmup_style", trellis_prefix + "optim.lr_schedule", _schedule),
         Rule(verl_prefix + "optim.lr_scheduler_type", trellis_prefix + "optim.lr_schedule", _schedule),
         Rule(verl_prefix + "optim.min_lr_ratio", trellis_prefix + "optim.min_lr_ratio"),
@@ -230,8 +227,6 @@ def _batching(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
     ]
 
 
-ACTOR = AR + "actor."
-ROLLOUT = AR + "rollout."
 RULES: tuple[Rule, ...] = (
     Rule(AR + "model.path", "model.path"),
     Rule("data.tokenizer", "model.tokenizer_path"),
@@ -275,7 +270,12 @@ RULES: tuple[Rule, ...] = (
         "the file's entries, component verl (verl_class from _target_, the other keys as kwargs); multi-turn runs",
     ),
     Rule(ROLLOUT + "multi_turn.format", "multi_turn.tool_parser"),
-    Rule(ROLLOUT + "multi_turn.max_tool_response_length", "multi_turn.max_tool_response_chars", note="characters in both"),
+    Rule(
+        ROLLOUT + "multi_turn.max_tool_response_length",
+        "multi_turn.max_tool_response_chars",
+        _when_multi_turn(lambda v, s: v),
+        "characters in both; verl's default 256",
+    ),
     Rule("data.max_response_length", "multi_turn.max_response_tokens", _when_multi_turn(lambda v, s: v), "multi-turn: all turns"),
     Rule(ROLLOUT + "multi_turn.enable", "multi_turn.score", _when_multi_turn(lambda v, s: "reward"), "verl scores trajectories"),
     Rule(AR + "model.enable_gradient_checkpointing", "backend.activation_checkpointing"),
@@ -308,7 +308,6 @@ RULES: tuple[Rule, ...] = (
             Rule(prefix + "custom_reward_function.reward_kwargs", "reward.kwargs"),
         )
     ),
-    Rule("reward_model.reward_kwargs", "reward.kwargs"),
     Rule("reward_model.enable", "reward.model.path", _reward_model, "reward_model.model.path, when enable is true"),
     Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
     Rule("trainer.total_epochs", "trainer.total_steps", _epochs, "epochs x (training rows // train_batch_size)"),
@@ -321,7 +320,10 @@ RULES: tuple[Rule, ...] = (
     Rule("trainer.logger", "trainer.trackers", _trackers, "jsonl added (metrics.jsonl)"),
     Rule("trainer.default_local_dir", "trainer.run_dir"),
     Rule("trainer.resume_mode", "trainer.resume", _resume, "disable -> never; resume_path -> trainer.resume_from_path"),
-    Rule("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints"),
+    Rule("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints", note="null: every checkpoint kept, in both"),
+    *LORA_RULES,
+    *DAPO_RULES,
+    *DISTILL_RULES,
 )
 
 # verl's defaults (ppo_trainer.yaml) where they differ from trellis's, applied under what the user gives
@@ -337,6 +339,9 @@ VERL_DEFAULTS: Source = {
     "algorithm.adv_estimator": "gae",
     "trainer.total_epochs": 30,
     "trainer.n_gpus_per_node": 8,
+    "trainer.max_actor_ckpt_to_keep": None,  # every checkpoint kept
+    ROLLOUT + "val_kwargs.temperature": 0,  # greedy validation
+    ROLLOUT + "multi_turn.max_tool_response_length": 256,
 }
 
 # read by another key's rule: not reported as unmapped
@@ -349,10 +354,17 @@ READ_BY_OTHERS = {
     "reward_model.model.path",
     ACTOR + "use_remove_padding",  # verl's interpolation of model.use_remove_padding
     "data.tool_config_path",  # verl's interpolation of the rollout's
+    *(f"reward_model.overlong_buffer.{k}" for k in ("len", "penalty_factor")),
+    *(DLOSS + k for k in ("loss_mode", "topk", "use_task_rewards", "distillation_loss_coef", "loss_max_clamp", "log_prob_min_clamp")),
+    DLOSS + "use_policy_gradient",
+    "distillation.teacher_models.teacher_model.model_path",
+    "distillation.teacher_models.teacher_model.key",
+    "distillation.teacher_key",
 }
+FILTER_INFLIGHT = "algorithm.filter_groups.max_inflight_gen_batches"
 
 # dict values read whole (not key by key)
-WHOLE = ("custom_reward_function.reward_kwargs", "reward.custom_reward_function.reward_kwargs", "reward_model.reward_kwargs")
+WHOLE = ("custom_reward_function.reward_kwargs", "reward.custom_reward_function.reward_kwargs", *MANAGER_KWARGS)
 
 # verl's top-level sections: a file with none of them is not a verl config
 VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "reward", "reward_model", "trainer")
@@ -379,7 +391,26 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("*profiler*", "no profiler settings"),
     ("*log_prob_*", "log-prob passes use the role's micro_batch_samples / max_tokens_per_micro_batch"),
     ("*ulysses_sequence_parallel_size", "no sequence parallelism"),
-    (AR + "model.lora*", "no LoRA"),
+    (
+        AR + "model.lora_adapter_path",
+        "trellis starts a LoRA adapter at B = 0 (the base model); to start from a saved adapter, merge it into its base "
+        "(peft's merge_and_unload) and give the merged folder as actor_rollout_ref.model.path",
+    ),
+    (AR + "model.exclude_modules", "trellis's LoRA has no exclude list; give target_modules without those modules"),
+    (
+        AR + "model.lora.*",
+        "verl's Megatron-engine LoRA (Megatron module names); trellis's LoRA is lora_rank / lora_alpha / target_modules (actor.adapter)",
+    ),
+    ("critic.model.lora*", "trellis trains the critic's full weights; LoRA is the actor's (actor.adapter)"),
+    (FILTER_INFLIGHT, "trellis generates one dynamic-sampling round at a time"),
+    ("data.gen_batch_size", "trellis generates data.train_batch_prompts new prompts per dynamic-sampling round"),
+    ("reward_model.overlong_buffer.log", ""),  # trellis always logs reward/overlong_penalty_mean
+    (
+        "distillation.teacher_models.*.inference.*",
+        "trellis's teacher is a frozen model in the trainer's processes (teacher.path), not an inference server",
+    ),
+    ("distillation.distillation_loss.*", "with use_policy_gradient, trellis's distillation advantage goes through actor.policy_loss"),
+    ("distillation.*", "the teacher shares the trainer's processes (no pool of its own) and is chosen per run, not per data_source"),
     (AR + "model.*", "model loading knob; trellis loads model.path with the backend's options"),
     ("critic.model.*", "model loading knob; trellis loads critic.model_path with the backend's options"),
     ("*ppo_micro_batch_size", "global micro-batch (deprecated in verl); give ppo_micro_batch_size_per_gpu"),
@@ -456,6 +487,7 @@ class Conversion:
     config: dict[str, Any]
     unmapped: list[tuple[str, Any, str]] = field(default_factory=list)
     defaults_used: list[str] = field(default_factory=list)
+    differences: dict[str, tuple[Any, str]] = field(default_factory=dict)  # verl key -> (value, how the run differs from verl's)
     origin: dict[str, str] = field(default_factory=dict)  # trellis key -> the verl key it came from
 
 
@@ -522,8 +554,12 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
         src.update(
             {ROLLOUT + "multi_turn." + k: None for k in ("max_assistant_turns", "max_user_turns") if given.get(ROLLOUT + "multi_turn." + k) is None}
         )
-    defaults_used = [f"{k}={v}" for k, v in VERL_DEFAULTS.items() if given.get(k) is None]
-    out = Conversion({"recipe": "rl", "reward": {"name": "auto"}}, defaults_used=defaults_used)
+    defaults = dict(VERL_DEFAULTS)
+    if src.get("algorithm.adv_estimator") == "gae":  # verl's critic takes the actor's batching where its own is not given
+        defaults.update({k: v for k, v in critic_defaults(src).items() if given.get(k) is None})
+        src.update(defaults)
+        src.update({k: v for k, v in given.items() if v is not None})
+    out = Conversion({"recipe": "rl", "reward": {"name": "auto"}})
     origin = out.origin
     failed: dict[str, str] = {}
     for rule in RULES:
@@ -536,9 +572,14 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
             continue
         except (TypeError, ValueError) as exc:
             raise DataError(f"verl key '{rule.verl}' is {src[rule.verl]!r}, which does not convert ({exc}); give a number") from None
+        if isinstance(value, Differs):
+            out.differences.setdefault(rule.verl, (src[rule.verl], value.why))
+            value = value.value
         if value is not SKIP:
             _set(out.config, rule.trellis, value)
             origin[rule.trellis] = rule.verl
+    used = {*origin.values(), *failed, *out.differences}
+    out.defaults_used = [f"{k}={v}" for k, v in defaults.items() if given.get(k) is None and k in used]
     if registry is not None:
         for key, why in _foreign_options(out.config, registry):
             failed[origin[key]] = why
@@ -603,8 +644,12 @@ def _foreign_options(config: dict[str, Any], registry: Registry) -> list[tuple[s
 
 
 def report(conversion: Conversion) -> str:
-    """The stderr text: the verl defaults used and each verl key not converted, with why."""
+    """The stderr text: the verl defaults used, the keys converted with a difference from verl's
+    run and each verl key not converted, with why."""
     lines = [f"# verl defaults used (not given): {', '.join(conversion.defaults_used)}"] if conversion.defaults_used else []
+    if conversion.differences:
+        lines.append(f"# converted, but the run differs from verl's ({len(conversion.differences)}):")
+        lines += [f"{key}={value!r}: {why}" for key, (value, why) in conversion.differences.items()]
     if conversion.unmapped:
         lines.append(f"# verl keys not converted ({len(conversion.unmapped)}):")
         lines += [f"{key}={value!r}: {why}" for key, value, why in conversion.unmapped]

@@ -22,7 +22,7 @@ def make_optimizer(params, cfg, total_steps: int, implementation: str = "auto") 
         implementation = "fused" if params and all(p.device.type == "cuda" for p in params) else "foreach"
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "per_tensor": {"foreach": False}}[implementation]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **flags)
-    return optimizer, LambdaLR(optimizer, lr_factor(cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio, total_steps))
+    return optimizer, LambdaLR(optimizer, lr_factor(cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio, total_steps, cfg.warmup_from_zero))
 
 
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "per_tensor")
@@ -31,14 +31,15 @@ IMPLEMENTATIONS = ("auto", "fused", "foreach", "per_tensor")
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def lr_factor(warmup: int, schedule: str, min_ratio: float, total_steps: int):
-    """Multiplier of the base LR at scheduler step ``s`` (0-based)."""
+def lr_factor(warmup: int, schedule: str, min_ratio: float, total_steps: int, from_zero: bool = False):
+    """Multiplier of the base LR at scheduler step ``s`` (0-based); warm-up at ``(s + 1) / warmup``,
+    or ``s / warmup`` ``from_zero``."""
     if schedule not in LR_SCHEDULES:
         raise ValueError(f"LR schedule {schedule!r} is unknown; valid: {', '.join(LR_SCHEDULES)}")
 
     def factor(s: int) -> float:
         if s < warmup:
-            return (s + 1) / warmup
+            return (s + (not from_zero)) / warmup
         if schedule == "constant" or total_steps <= warmup:
             return 1.0
         progress = min(1.0, (s - warmup) / max(1, total_steps - warmup))

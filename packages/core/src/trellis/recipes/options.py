@@ -47,7 +47,7 @@ class TrainerConfig:
     ray_network: str = choice("private", ("private", "host"))  # ray, CLI: a private one-machine cluster in a loopback-only network namespace
     save_hf_model: bool = False  # write the final policy as a Hugging Face folder in <run_dir>/hf_model
     save_every_steps: int = ranged(0, ge=0)  # a checkpoint every N steps (0: only at the last step)
-    keep_checkpoints: int = ranged(2, ge=0)  # the latest complete checkpoints kept (0: write none)
+    keep_checkpoints: int | None = ranged(2, ge=0)  # the latest complete checkpoints kept (0: write none; None: keep all)
     resume: str = "auto"  # auto (the latest complete checkpoint in run_dir, if any) | never | a checkpoint or run folder
     resume_allow_changes: list[str] = field(default_factory=list)  # dotted keys that may differ from the checkpoint's config
 
@@ -142,13 +142,16 @@ class RecipeConfig:
 @dataclass
 class OptimConfig:
     """AdamW with warm-up then a constant or cosine schedule; the scheduler steps once per
-    trainer step (as verl does), so ``warmup_steps`` counts trainer steps."""
+    trainer step (as verl does), so ``warmup_steps`` counts trainer steps. Warm-up step ``s``
+    (0-based) runs at ``(s + 1) / warmup_steps`` of ``lr``, or with ``warmup_from_zero`` at
+    ``s / warmup_steps`` (Hugging Face's and verl's schedules: the first step at lr 0)."""
 
     lr: float = ranged(1e-5, gt=0)
     weight_decay: float = ranged(0.0, ge=0)
     betas: list[float] = ranged(default_factory=lambda: [0.9, 0.999], ge=0, lt=1)
     eps: float = ranged(1e-8, gt=0)
     warmup_steps: int = ranged(0, ge=0)
+    warmup_from_zero: bool = False
     lr_schedule: str = choice("constant", LR_SCHEDULES)
     min_lr_ratio: float = ranged(0.0, ge=0, le=1)  # cosine floor, as a fraction of lr
     grad_clip: float = ranged(1.0, ge=0)  # max global grad norm; 0 disables clipping

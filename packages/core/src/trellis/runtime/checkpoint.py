@@ -257,8 +257,8 @@ def restore(path: Path, roles: Mapping[str, Any], state: Mapping[str, Any]) -> i
 
 
 # -- saving -----------------------------------------------------------------------------------------
-def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], state: Mapping[str, Any], keep: int) -> Path:
-    """Write ``<run_dir>/checkpoint-<step>`` atomically, then keep only the latest ``keep``."""
+def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], state: Mapping[str, Any], keep: int | None) -> Path:
+    """Write ``<run_dir>/checkpoint-<step>`` atomically, then keep only the latest ``keep`` (None: all)."""
     from trellis import __version__
 
     run_dir = Path(run_dir).absolute()  # the ranks of a role may run in other processes, with another working folder
@@ -300,7 +300,9 @@ def save(run_dir: Path, step: int, cfg: DictConfig, roles: Mapping[str, Any], st
     return final
 
 
-def _prune(run_dir: Path, keep: int) -> None:
+def _prune(run_dir: Path, keep: int | None) -> None:
+    if keep is None:
+        return
     found = sorted((p for p in run_dir.glob(f"{PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None), key=checkpoint_step)
     for old in found[: max(len(found) - keep, 0)]:
         _delete(old)
@@ -390,7 +392,7 @@ class Checkpointer:
         """Save when ``step`` is due; fire ``trellis_checkpoint_saved``."""
         t = self.cfg.trainer
         due = step == t.total_steps or (t.save_every_steps > 0 and step % t.save_every_steps == 0)
-        if not due or t.keep_checkpoints <= 0:
+        if not due or t.keep_checkpoints == 0:
             return None
         path = save(self.run_dir, step, self.cfg, self.roles, self.state, t.keep_checkpoints)
         self.hook.trellis_checkpoint_saved(step=step, path=path)
