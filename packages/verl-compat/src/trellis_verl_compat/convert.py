@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import re
@@ -16,8 +17,19 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trellis import ConfigError, DataError, Registry, RegistryError, load_rows, validate_recipe_config
-from trellis_verl_compat.features import DAPO_RULES, DISTILL_RULES, DLOSS, LORA_RULES, MANAGER_KWARGS, critic_defaults
-from trellis_verl_compat.rule import ACTOR, AR, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, when
+from trellis_verl_compat.features import (
+    ASYNC_RULES,
+    DAPO_RULES,
+    DISTILL_RULES,
+    DLOSS,
+    LORA_RULES,
+    MANAGER_KWARGS,
+    critic_defaults,
+    fully_async,
+    sync_prompts,
+)
+from trellis_verl_compat.launch import MAIN_PPO, Launch, config_files, entry_of, read_script
+from trellis_verl_compat.rule import ACTOR, AR, MODE, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, when
 
 
 @dataclass(frozen=True)
@@ -156,9 +168,14 @@ def _agent_loops(value: Any, src: Source) -> list[dict[str, Any]]:
 
 def total_steps(src: Source) -> int:
     """verl's step count: ``total_training_steps``, else ``total_epochs`` x (training rows //
-    ``train_batch_size``), verl dropping an epoch's last partial batch."""
+    ``train_batch_size``), verl dropping an epoch's last partial batch. verl's fully-async trainer
+    counts weight syncs: ``rollout.total_rollout_steps`` prompts // the prompts of one sync."""
+    if src.get(MODE) == "fully_async":
+        return int(src["rollout.total_rollout_steps"]) // sync_prompts(src)
     if src.get("trainer.total_training_steps"):
         return int(src["trainer.total_training_steps"])
+    if not int(src["data.train_batch_size"]):
+        raise Unmapped("data.train_batch_size is 0; give it (prompts per step) or trainer.total_training_steps")
     files = _files(src.get("data.train_files"), src)
     try:
         rows = len(load_rows(files, required=())) if files else 0
@@ -170,11 +187,17 @@ def total_steps(src: Source) -> int:
 
 
 def _steps(value: Any, src: Source) -> Any:
-    return total_steps(src) if value else SKIP
+    return total_steps(src) if value or src.get(MODE) == "fully_async" else SKIP
 
 
 def _epochs(value: Any, src: Source) -> Any:
-    return SKIP if src.get("trainer.total_training_steps") else total_steps(src)
+    return SKIP if src.get("trainer.total_training_steps") or src.get(MODE) == "fully_async" else total_steps(src)
+
+
+def _gen_batch(value: Any, src: Source) -> Any:
+    if src.get(MODE) == "fully_async" or value in (None, src.get("data.train_batch_size")):
+        return SKIP
+    raise Unmapped("trellis generates data.train_batch_prompts new prompts per dynamic-sampling round (verl: gen_batch_size)")
 
 
 def _warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
@@ -324,6 +347,10 @@ RULES: tuple[Rule, ...] = (
     *LORA_RULES,
     *DAPO_RULES,
     *DISTILL_RULES,
+    *ASYNC_RULES,
+    Rule(ROLLOUT + "val_kwargs.do_sample", "validation.temperature", lambda v, s: SKIP if v else 0, "false: greedy (temperature 0)"),
+    Rule("data.gen_batch_size", "data.train_batch_prompts", _gen_batch, "fully async: one prompt a request in both"),
+    Rule("rollout.total_rollout_steps", "trainer.total_steps", fully_async(lambda v, s: total_steps(s)), "// prompts per sync (fully async)"),
 )
 
 # verl's defaults (ppo_trainer.yaml) where they differ from trellis's, applied under what the user gives
@@ -375,9 +402,7 @@ TRELLIS_BEHAVIOUR: Source = {
     "data.reward_fn_key": "data_source",
     "data.filter_overlong_prompts": True,
     "data.return_raw_chat": False,
-    ROLLOUT + "val_kwargs.do_sample": False,
     "trainer.v1.trainer_mode": "sync",  # generate, then train: trellis's trainer.async_mode=off
-    "async_training.partial_rollout": False,  # trellis's default too (trainer.partial_rollout=false)
     ROLLOUT + "val_kwargs.top_p": 1.0,
     ROLLOUT + "val_kwargs.top_k": -1,
     "reward_model.reward_manager": "naive",
@@ -403,7 +428,6 @@ REASONS: tuple[tuple[str, str], ...] = (
     ),
     ("critic.model.lora*", "trellis trains the critic's full weights; LoRA is the actor's (actor.adapter)"),
     (FILTER_INFLIGHT, "trellis generates one dynamic-sampling round at a time"),
-    ("data.gen_batch_size", "trellis generates data.train_batch_prompts new prompts per dynamic-sampling round"),
     ("reward_model.overlong_buffer.log", ""),  # trellis always logs reward/overlong_penalty_mean
     (
         "distillation.teacher_models.*.inference.*",
@@ -417,6 +441,8 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("data.filter_overlong_prompts", "trellis always drops prompts longer than max_prompt_length (with a warning)"),
     ("data.truncation", "trellis drops prompts longer than max_prompt_length (with a warning) instead of truncating"),
     ("data.prompt_key", "the prompt column is always 'prompt'"),
+    ("data.return_raw_chat", "trellis keeps every row's chat messages; the multi-turn loop reads them"),
+    (AR + "hybrid_engine", "trellis's engine shares the trainer's processes unless trainer.rollout_pool gives it its own"),
     ("data.reward_fn_key", "rewards are picked by 'data_source' (reward.name: auto)"),
     ("data.val_batch_size", "validation generates every held-out prompt at once; cap them with data.val_max_prompts"),
     ("data.*", "no trellis data option"),
@@ -442,21 +468,7 @@ REASONS: tuple[tuple[str, str], ...] = (
         "versions a step's oldest token lags: trainer.max_staleness with trainer.async_mode=fully_async",
     ),
     ("trainer.v1.*", "verl's v1 async trainers (trainer_mode colocate_async / separate_async) have no trellis counterpart"),
-    (
-        "async_training.staleness_threshold",
-        "a fraction of a batch generated beyond what the next parameter sync needs (verl's fully-async recipe); trellis bounds "
-        "whole steps: trainer.max_staleness (weight versions) with trainer.async_mode=fully_async",
-    ),
-    (
-        "async_training.partial_rollout",
-        "trellis cuts a generation for a weight sync with trainer.partial_rollout=true (trainer.async_mode=fully_async), but "
-        "verl's fully-async recipe is chosen by its entry point and bounds staleness otherwise: set them by hand"
-    ),
-    (
-        "async_training.*",
-        "verl's fully-async rollouter (chosen by its entry point, not a key): trellis syncs weights once per step; generate "
-        "ahead with trainer.async_mode=one_step or fully_async",
-    ),
+    ("async_training.*", "a knob of verl's fully-async rollouter's scheduling; trellis's fully-async mode has none"),
     (
         "rollout.*",
         "the rollout GPUs of verl's one-step-off / fully-async recipes: trellis's engines apart from the trainer are "
@@ -487,14 +499,16 @@ class Conversion:
     config: dict[str, Any]
     unmapped: list[tuple[str, Any, str]] = field(default_factory=list)
     defaults_used: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the converter could not check here
     differences: dict[str, tuple[Any, str]] = field(default_factory=dict)  # verl key -> (value, how the run differs from verl's)
     origin: dict[str, str] = field(default_factory=dict)  # trellis key -> the verl key it came from
 
 
-def read_verl(args: list[str]) -> dict[str, Any]:
-    """The dotted keys and resolved values of verl YAML files and ``key=value`` overrides (hydra's
-    ``+key``/``++key`` accepted), merged in order; an unresolvable interpolation's value is None."""
-    parts = []
+def read_verl(args: list[str], files: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The dotted keys and resolved values of the mappings ``files`` (a hydra config's, composed),
+    then verl YAML files and ``key=value`` overrides (hydra's ``+key``/``++key`` accepted), merged
+    in order; an unresolvable interpolation's value is None."""
+    parts = [OmegaConf.create(data) for data in files]
     for arg in args:
         if "=" in arg:
             try:
@@ -542,19 +556,21 @@ def _leaves(node: Any, prefix: str = "") -> list[str]:
     return [prefix[:-1]]
 
 
-def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversion:
-    """The trellis ``rl`` config for verl keys ``given`` (dotted); with ``registry``, options a
-    component does not take (e.g. ``clip_ratio_c`` for gspo) are left out and reported."""
+def convert(given: dict[str, Any], registry: Registry | None = None, entry: str = MAIN_PPO) -> Conversion:
+    """The trellis ``rl`` config for verl keys ``given`` (dotted) launched by the verl entry point
+    ``entry``; with ``registry``, options a component does not take (e.g. ``clip_ratio_c`` for
+    gspo) are left out and reported."""
     if not given:
         raise DataError("no verl keys given; give verl YAML files and/or key=value overrides as for verl.trainer.main_ppo")
     unresolved = {k: v.text for k, v in given.items() if isinstance(v, Unresolved)}
     given = {k: None if k in unresolved else v for k, v in given.items()}
-    src = {**VERL_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    launched = entry_of(entry)
+    src = {**VERL_DEFAULTS, **launched.defaults, **{k: v for k, v in given.items() if v is not None}, MODE: launched.mode}
     if src.get(ROLLOUT + "multi_turn.enable"):  # verl's null turn limits mean "no limit": converted, not skipped
         src.update(
             {ROLLOUT + "multi_turn." + k: None for k in ("max_assistant_turns", "max_user_turns") if given.get(ROLLOUT + "multi_turn." + k) is None}
         )
-    defaults = dict(VERL_DEFAULTS)
+    defaults = {**VERL_DEFAULTS, **launched.defaults}
     if src.get("algorithm.adv_estimator") == "gae":  # verl's critic takes the actor's batching where its own is not given
         defaults.update({k: v for k, v in critic_defaults(src).items() if given.get(k) is None})
         src.update(defaults)
@@ -605,8 +621,18 @@ def convert(given: dict[str, Any], registry: Registry | None = None) -> Conversi
 def check_converted(conversion: Conversion, registry: Registry) -> None:
     """The converted config against the ``rl`` schema (types, ranges, names; required keys may
     still be missing): a ``DataError`` names the verl key a bad value came from."""
+    config = copy.deepcopy(conversion.config)
+    for section, kind, default in COMPONENT_SECTIONS:  # an engine or backend not installed here is checked where it is
+        *parents, last = section.split(".")
+        node = functools.reduce(lambda tree, part: tree.get(part, {}), parents, config)
+        name = (node.get(last) or {}).get("name", default)
+        try:
+            registry.get(kind, name)
+        except RegistryError as exc:
+            node.pop(last, None)
+            conversion.notes.append(f"{section}: {exc}; its options are checked when trellis train runs where it is installed")
     try:
-        validate_recipe_config(OmegaConf.create(conversion.config), registry)
+        validate_recipe_config(OmegaConf.create(config), registry)
     except ConfigError as exc:
         key = re.search(r"config key '([^']+)'", str(exc))
         verl = conversion.origin.get(key.group(1)) if key else None
@@ -647,6 +673,7 @@ def report(conversion: Conversion) -> str:
     """The stderr text: the verl defaults used, the keys converted with a difference from verl's
     run and each verl key not converted, with why."""
     lines = [f"# verl defaults used (not given): {', '.join(conversion.defaults_used)}"] if conversion.defaults_used else []
+    lines += [f"# {note}" for note in conversion.notes]
     if conversion.differences:
         lines.append(f"# converted, but the run differs from verl's ({len(conversion.differences)}):")
         lines += [f"{key}={value!r}: {why}" for key, (value, why) in conversion.differences.items()]
@@ -654,3 +681,24 @@ def report(conversion: Conversion) -> str:
         lines.append(f"# verl keys not converted ({len(conversion.unmapped)}):")
         lines += [f"{key}={value!r}: {why}" for key, value, why in conversion.unmapped]
     return "\n".join(lines)
+
+
+def read_launch(args: list[str], entry: str | None = None, config_path: str | None = None, config_name: str | None = None):
+    """``(given keys, entry point, defaults entries not found)`` for the command line of
+    ``from-verl``: a launch script (its command's entry point, hydra config and overrides, then the
+    arguments after it), or verl YAML files and overrides; the options win over the script's."""
+    launch, rest, base = Launch(), [], Path(".")
+    for arg in args:
+        if arg.endswith(".sh") and "=" not in arg:
+            if not Path(arg).is_file():
+                raise DataError(f"verl launch script {arg!r} does not exist")
+            launch = read_script(Path(arg))
+            base = Path(arg).parent
+            rest = [*launch.overrides, *rest]
+        else:
+            rest.append(arg)
+    launch.entry = entry or launch.entry
+    launch.config_path = config_path or launch.config_path
+    launch.config_name = config_name or launch.config_name
+    files, missing = config_files(launch, base)
+    return read_verl(rest, files), launch.entry, missing

@@ -1,12 +1,14 @@
 """verl's feature switches as trellis settings with verl's semantics: LoRA, DAPO's group filter,
-reward manager and overlong buffer, on-policy distillation and the critic's defaults."""
+reward manager and overlong buffer, on-policy distillation, the critic's defaults and the async
+trainers' keys."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
-from trellis_verl_compat.rule import ACTOR, AR, SKIP, Differs, Rule, Source, Unmapped, when
+from trellis_verl_compat.rule import ACTOR, AR, MODE, SKIP, Differs, Rule, Source, Unmapped, when
 
 LORA = AR + "model.lora_rank"
 
@@ -227,3 +229,58 @@ def critic_defaults(given: Source) -> Source:
         for key, fallback in CRITIC_FROM_ACTOR.items()
         if given.get("critic." + key) is None and given.get(ACTOR + key) is not None
     }
+
+
+ASYNC = "async_training."
+
+
+def sync_prompts(src: Source) -> int:
+    """Prompts between two weight syncs in verl's fully-async trainer: ``trigger_parameter_sync_step``
+    local updates, each on ``require_batches`` mini-batches of ``ppo_mini_batch_size`` prompts."""
+    return int(src[ACTOR + "ppo_mini_batch_size"]) * int(src[ASYNC + "require_batches"]) * int(src[ASYNC + "trigger_parameter_sync_step"])
+
+
+def fully_async(convert: Callable[[Any, Source], Any]) -> Callable[[Any, Source], Any]:
+    """``convert`` for runs launched by verl's fully-async entry point; elsewhere verl ignores the key."""
+
+    def guarded(value: Any, src: Source) -> Any:
+        if src.get(MODE) == "fully_async":
+            return convert(value, src)
+        if value is False:
+            return SKIP  # what trellis does anyway
+        raise Unmapped(
+            "read by verl's fully-async trainer only, which its entry point chooses "
+            "(python3 -m verl.experimental.fully_async_policy.fully_async_main); give the launch script, or --entry with that module"
+        )
+
+    return guarded
+
+
+def _staleness(value: Any, src: Source) -> Any:
+    whole = math.ceil(float(value))
+    if whole == float(value):
+        return whole
+    return Differs(
+        whole,
+        f"verl generates up to {value} of the next sync's samples ahead; trellis bounds whole steps: trainer.max_staleness = "
+        f"ceil({value}) = {whole}, the same bound on a sample's age, more samples ahead",
+    )
+
+
+def _partial(value: Any, src: Source) -> Any:
+    return bool(value) if float(src.get(ASYNC + "staleness_threshold") or 0) > 0 else SKIP  # verl: no effect at staleness 0
+
+
+ASYNC_RULES = (
+    Rule(MODE, "trainer.async_mode", lambda value, src: value if value != "off" else SKIP, "the entry point's mode"),
+    Rule(ASYNC + "staleness_threshold", "trainer.async_mode", fully_async(lambda v, s: "fully_async"), "fully-async entry"),
+    Rule(ASYNC + "staleness_threshold", "trainer.max_staleness", fully_async(_staleness), "ceil: whole steps"),
+    Rule(ASYNC + "partial_rollout", "trainer.partial_rollout", fully_async(_partial), "when staleness_threshold > 0"),
+    Rule(
+        ASYNC + "trigger_parameter_sync_step",
+        "data.train_batch_prompts",
+        fully_async(lambda v, s: sync_prompts(s)),
+        "mini x require_batches x trigger",
+    ),
+    Rule(ASYNC + "require_batches", "data.train_batch_prompts", fully_async(lambda v, s: sync_prompts(s)), "prompts per weight sync"),
+)

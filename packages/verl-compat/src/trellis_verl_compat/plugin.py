@@ -12,17 +12,26 @@ import trellis
 
 @trellis.hookimpl
 def trellis_add_commands(commands):
-    p = commands.add("config from-verl", from_verl, help="print the trellis rl config for a verl PPO/GRPO config; unconverted keys go to stderr")
-    p.add_argument("verl", nargs="+", help="verl YAML files and/or key=value overrides as given to verl.trainer.main_ppo")
+    p = commands.add(
+        "config from-verl", from_verl, help="print the trellis rl config for a verl launch script or config; unconverted keys go to stderr"
+    )
+    p.add_argument(
+        "verl", nargs="+", help="a verl launch script (.sh), verl YAML files and/or key=value overrides as given to verl's entry point"
+    )
+    p.add_argument("--entry", help="the verl entry point the keys are for (default: the script's, else verl.trainer.main_ppo)")
+    p.add_argument("--config-path", help="hydra's --config-path (overrides the script's)")
+    p.add_argument("--config-name", help="hydra's --config-name (overrides the script's)")
 
 
 def from_verl(args: argparse.Namespace) -> int:
-    from trellis_verl_compat.convert import check_converted, convert, read_verl, report
+    from trellis_verl_compat.convert import check_converted, convert, read_launch, report
 
     registry = args.plugins.registry
-    conversion = convert(read_verl(args.verl), registry)
+    given, entry, missing = read_launch(args.verl, args.entry, args.config_path, args.config_name)
+    conversion = convert(given, registry, entry)
+    conversion.unmapped += [("defaults", item, "not found under --config-path; its settings are not converted") for item in missing]
     check_converted(conversion, registry)
-    print("# trellis rl config converted from verl by trellis config from-verl; check it with trellis config show")
+    print(f"# trellis rl config converted from verl ({entry}) by trellis config from-verl; check it with trellis config show")
     print(OmegaConf.to_yaml(OmegaConf.create(conversion.config)).rstrip())
     if report(conversion):
         print(report(conversion), file=sys.stderr)

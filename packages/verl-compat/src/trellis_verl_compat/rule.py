@@ -40,3 +40,6 @@ class Rule:
 def when(key: str, convert: Callable[[Any, Source], Any] = lambda value, src: value) -> Callable[[Any, Source], Any]:
     """``convert`` applied only when the verl key ``key`` is true (a feature's switch), else SKIP."""
     return lambda value, src: convert(value, src) if src.get(key) else SKIP
+
+
+MODE = "<mode>"  # not a verl key: the async mode of the entry point the run was launched with (off, one_step, fully_async)

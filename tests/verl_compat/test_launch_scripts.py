@@ -1,0 +1,163 @@
+"""``trellis config from-verl run.sh``: verl launch scripts (the shapes of verl's own, named in each
+file's header) read without running them, the entry point choosing the mode, and the features they
+switch on converted with verl's semantics: LoRA, DAPO's group filter and overlong buffer,
+one-step-off and fully-async training, distillation and a hydra config with its defaults."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_runs import run_cli as trellis
+
+from trellis_verl_compat.convert import convert, read_launch, read_verl
+from trellis_verl_compat.launch import read_script
+
+SCRIPTS = Path(__file__).parent / "launch"
+
+
+def converted(script: str, *extra: str, cwd: Path = SCRIPTS) -> tuple[dict, str]:
+    out = trellis("config", "from-verl", str(SCRIPTS / script), *extra, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout), out.stderr
+
+
+def test_shell_expansion_as_bash_does_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", "/home/u")
+    monkeypatch.delenv("MODEL", raising=False)
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "set -x\n"
+        'MODEL=${MODEL:-"${HOME}/models/q"}  # a default holding a variable\n'
+        "bsz=4\nmini=$(((bsz * 3) / 2))\n"
+        "args=(\n  data.train_batch_size=${bsz}\n  'trainer.experiment_name=a b'  # quoted\n)\n"
+        'HERE=$(cd "$(dirname "$0")" && pwd)\n'
+        "VLLM_USE_V1=1 python3 -m verl.trainer.main_ppo \\\n"
+        '    "${args[@]}" actor_rollout_ref.model.path=$MODEL \\\n'
+        "    actor_rollout_ref.actor.ppo_mini_batch_size=$mini data.train_files=$HERE/t.parquet \\\n"
+        "    trainer.project_name='$HOME' $@\n"
+    )
+    launch = read_script(script)
+    assert launch.entry == "verl.trainer.main_ppo"
+    assert launch.overrides == [
+        "data.train_batch_size=4",
+        "trainer.experiment_name=a b",
+        "actor_rollout_ref.model.path=/home/u/models/q",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+        f"data.train_files={tmp_path.resolve()}/t.parquet",
+        "trainer.project_name=$HOME",  # single quotes: not expanded
+    ]
+
+
+def test_lora_script_trains_an_adapter_at_its_rank_and_alpha():
+    cfg, err = converted("lora.sh")
+    assert cfg["actor"]["adapter"] == {"rank": 64, "alpha": 32}  # target_modules: verl's all-linear is trellis's default
+    assert cfg["actor"]["optim"]["lr"] == 3e-6 and "lora" not in err
+
+
+def test_dapo_script_filters_groups_penalises_overlong_and_warms_up_from_zero():
+    cfg, err = converted("dapo.sh")
+    assert cfg["algorithm"]["dynamic_sampling"] == {"enable": True, "metric": "acc", "max_rounds": 10}
+    assert cfg["reward"]["overlong"] == {"buffer_len": 4096, "penalty": 1.0}
+    assert "kwargs" not in cfg["reward"]  # the manager's options never reach compute_score
+    assert cfg["sampling"]["max_new_tokens"] == 20480 and cfg["data"]["max_prompt_length"] == 2048
+    assert cfg["actor"]["policy_loss"] == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 10.0}
+    assert cfg["actor"]["optim"]["warmup_steps"] == 10 and cfg["actor"]["optim"]["warmup_from_zero"] is True
+    assert cfg["trainer"]["keep_checkpoints"] is None  # verl keeps every checkpoint
+    assert (cfg["validation"]["temperature"], cfg["trainer"]["total_steps"]) == (1.0, 200)
+    assert "data.gen_batch_size=1536: trellis generates data.train_batch_prompts new prompts per dynamic-sampling round" in err
+    assert "overlong" not in err and "filter_groups" not in err and "no trellis counterpart" not in err
+
+
+def test_manager_kwargs_convert_only_under_the_dapo_manager():
+    base = ["actor_rollout_ref.model.path=/m", "trainer.total_training_steps=2", "data.max_response_length=64"]
+    buffer = ["+reward.reward_kwargs.overlong_buffer_cfg.enable=True", "+reward.reward_kwargs.overlong_buffer_cfg.len=16"]
+    naive = convert(read_verl([*base, *buffer]))
+    assert "overlong" not in naive.config["reward"]
+    why = {k: reason for k, _, reason in naive.unmapped}
+    assert why["reward.reward_kwargs"].startswith("verl's 'naive' reward manager ignores the overlong buffer")
+    dapo = convert(read_verl([*base, *buffer, "reward.reward_manager.name=dapo", "+reward.reward_kwargs.max_resp_len=48"]))
+    assert dapo.config["reward"]["overlong"] == {"buffer_len": 16, "penalty": 1.0}
+    assert "max_resp_len=48" in dapo.differences["reward.reward_kwargs"][1]  # measured from another length than the sampling cap
+    batch = convert(read_verl([*base, "reward.reward_manager.name=batch", "+reward.reward_kwargs.method=strict"]))
+    assert batch.config["reward"]["batched"] is True and "kwargs" not in batch.config["reward"]
+    assert "a keyword argument for compute_score is custom_reward_function.reward_kwargs" in batch.unmapped[0][2]
+
+
+def test_fully_async_script_runs_ahead_with_verls_sync_batch_and_step_count():
+    cfg, err = converted("fully_async.sh")
+    mini, require, trigger = 32, 4, 4
+    assert cfg["data"]["train_batch_prompts"] == mini * require * trigger  # prompts between weight syncs
+    assert cfg["actor"]["mini_batch_samples"] == mini * 16  # one optimizer step per verl mini-batch
+    assert cfg["trainer"]["total_steps"] == 512 * 400 // (mini * require * trigger)  # total_rollout_steps, not 30 epochs
+    assert (cfg["trainer"]["async_mode"], cfg["trainer"]["max_staleness"], cfg["trainer"]["partial_rollout"]) == ("fully_async", 1, True)
+    assert "trainer.max_staleness = ceil(0.1) = 1" in err
+    assert cfg["reward"]["overlong"] == {"buffer_len": 4096, "penalty": 1.0}
+
+
+@pytest.mark.parametrize("threshold", [0, 0.5, 2])
+def test_staleness_threshold_bounds_whole_steps(threshold):
+    given = ["actor_rollout_ref.model.path=/m", f"async_training.staleness_threshold={threshold}"]
+    trainer = convert(read_verl(given), entry="verl.experimental.fully_async_policy.fully_async_main").config["trainer"]
+    assert trainer["max_staleness"] == math.ceil(threshold)
+    assert trainer.get("partial_rollout") is (True if threshold else None)  # verl: partial rollouts act above 0 only
+
+
+def test_one_step_off_script_generates_one_step_ahead():
+    cfg, err = converted("one_step_off.sh")
+    assert cfg["trainer"]["async_mode"] == "one_step"
+    assert (cfg["data"]["train_batch_prompts"], cfg["actor"]["mini_batch_samples"], cfg["trainer"]["procs_per_node"]) == (32, 32, 6)
+    assert "rollout.n_gpus_per_node=2: the rollout GPUs of verl's one-step-off" in err
+
+
+def test_distillation_script_distils_from_its_teacher():
+    cfg, err = converted("distill.sh")
+    assert cfg["teacher"]["path"] == "Qwen/Qwen3-8B"
+    distill = cfg["actor"]["distill"]
+    assert distill == {"coef": 1.0, "use_policy_loss": False, "top_k": 64, "loss": {"name": "forward_kl"}}
+    assert "trellis adds one bucket for the mass outside the teacher's top-64" in err
+
+
+def test_distillation_with_policy_gradient_is_the_reverse_kl_advantage():
+    base = ["actor_rollout_ref.model.path=/m", "algorithm.adv_estimator=grpo", "distillation.enabled=True"]
+    teacher = "distillation.teacher_models.teacher_model.model_path=/t"
+    conversion = convert(
+        read_verl(
+            [
+                *base,
+                teacher,
+                "distillation.distillation_loss.loss_mode=k1",
+                "distillation.distillation_loss.use_policy_gradient=True",
+                "distillation.distillation_loss.use_task_rewards=False",
+            ]
+        )
+    )
+    assert conversion.config["algorithm"]["advantage"] == {"name": "reverse_kl_teacher", "reward_weight": 0.0}
+    assert "distill" not in conversion.config["actor"] and conversion.differences == {}
+    missing = convert(read_verl(base))
+    assert "distillation.teacher_models.teacher_model.model_path" in {k: r for k, _, r in missing.unmapped}["distillation.enabled"]
+
+
+def test_hydra_config_name_follows_its_defaults_and_the_engine_need_not_be_installed():
+    """The script names its config by --config-path/--config-name; the YAML's own keys (multi-turn
+    on, 5 assistant turns) convert under the script's overrides, and sglang, not installed in this
+    session, does not stop the conversion."""
+    cfg, err = converted("multiturn/run.sh", cwd=SCRIPTS / "multiturn")
+    assert cfg["multi_turn"]["enable"] is True and cfg["multi_turn"]["max_assistant_turns"] == 5
+    assert cfg["multi_turn"]["tools"][0]["verl_class"] == "verl.tools.gsm8k_tool.Gsm8kTool"
+    assert cfg["rollout"] == {"name": "sglang"} and cfg["sampling"]["n"] == 16
+    assert cfg["multi_turn"]["max_tool_response_chars"] == 256  # verl's default cap
+    assert "rollout 'sglang' is not installed" in err
+
+
+def test_entry_points_of_other_trainers_are_refused_naming_the_recipe(tmp_path):
+    script = tmp_path / "sft.sh"
+    script.write_text("torchrun --nproc_per_node=8 -m verl.trainer.fsdp_sft_trainer data.train_files=x\n")
+    with pytest.raises(Exception, match="is an SFT run; trellis's sft recipe takes it"):
+        read_launch([str(script)])
+        convert({"data.train_files": "x"}, entry="verl.trainer.fsdp_sft_trainer")
+    out = trellis("config", "from-verl", str(script), cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "verl entry point verl.trainer.fsdp_sft_trainer is an SFT run" in out.stderr
