@@ -61,6 +61,13 @@ def test_only_the_latest_checkpoints_are_kept(tmp_path):
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
 
 
+def test_keep_none_keeps_every_checkpoint(tmp_path):
+    """``trainer.keep_checkpoints: null`` (verl's ``max_actor_ckpt_to_keep`` default) prunes nothing."""
+    for step in (1, 2, 3):
+        write(tmp_path, step, keep=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [
