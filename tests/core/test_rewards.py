@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import sys
@@ -172,6 +173,37 @@ def test_an_error_scores_zero_counts_and_logs_once(tok, caplog):
     # per sample: 1 where the dict came back, 0 for the failures and the plain-number score
     components = manager.score(batch).components
     assert list(components) == ["acc"] and components["acc"].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_an_async_reward_is_awaited_every_sample_at_once(tok):
+    """verl's GenRM pattern: ``async def compute_score`` awaited (not a coroutine taken for a
+    score), a batch's samples all in flight together (each waits until all have started, which
+    one-at-a-time would never reach), a raise counted as an error; ``max_concurrency`` bounds it."""
+    started, flight = [], {"now": 0, "most": 0}
+
+    async def judge(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+        started.append(extra_info["i"])
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        for _ in range(100):  # until every sample has started (or a bounded wait, when they are gated)
+            if len(started) == 4:
+                break
+            await asyncio.sleep(0.001)
+        flight["now"] -= 1
+        if solution_str == "#### 4":
+            raise ValueError("the judge said no")
+        return {"score": float(solution_str == "#### 46") + bonus, "acc": 1.0}
+
+    reg = Registry()
+    reg.add("reward", "judge", judge)
+    batch = responses(tok, ["#### 46", "#### 4", "#### 46", "nothing"])
+    result = RewardManager(RewardConfig(name="judge", kwargs={"bonus": 0.5}, max_error_rate=1.0), reg, tok).score(batch)
+    assert result.scores.tolist() == [1.5, 0.0, 1.5, 0.5] and result.metrics["reward/errors"] == 1.0
+    assert flight["most"] == 4  # every sample awaited at once
+    started.clear()
+    flight["most"] = 0
+    RewardManager(RewardConfig(name="judge", max_concurrency=2, max_error_rate=1.0), reg, tok).score(batch)
+    assert flight["most"] == 2
 
 
 def test_error_rate_and_the_limit_that_stops_the_run(tok):

@@ -2,12 +2,14 @@
 
 A reward function has verl's signature ``compute_score(data_source, solution_str, ground_truth,
 extra_info, **kwargs) -> float | dict`` (a dict holds ``score``; its other numbers become
-metrics ``reward/<key>``). It is registered under kind ``reward`` by a plugin, or loaded from a
-user's ``.py`` file (``reward.path`` + ``reward.name``).
+metrics ``reward/<key>``), or is an ``async def`` of it (awaited, a batch's samples at once).
+It is registered under kind ``reward`` by a plugin, or loaded from a user's ``.py`` file
+(``reward.path`` + ``reward.name``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import inspect
 import logging
@@ -211,7 +213,9 @@ class RewardConfig:
     kwargs: extra keyword arguments for every call (verl's ``reward_kwargs``), e.g. ``{method: flexible}``.
     max_concurrency: how many samples of a batch are scored at once, each call in a thread of a pool
         (for rewards that wait on something, such as a code sandbox); None = the function's
-        ``max_concurrency`` attribute, else 1 (one after another). Ignored when batched.
+        ``max_concurrency`` attribute, else 1 (one after another). Ignored when batched. An
+        ``async def`` function is awaited on one event loop, at most this many at once (None:
+        the attribute, else every sample of the batch at once, as verl's reward loop awaits them).
     max_error_rate: the run stops when a larger share of a batch's samples fail to score (1: never).
         A sample that could not be scored is never a silent 0 (a reward that cannot reach its
         server raises), so the default stops a run whose reward mostly does not work.
@@ -466,7 +470,11 @@ class _Scorer:
         self.batched = bool(source.batched or getattr(self.fn, "batched", False))
         self.name = f"{source.name} ({source.path})" if source.path else source.name
         self.key, self.weight = key, float(weight)
-        limit = max_concurrency if max_concurrency is not None else getattr(self.fn, "max_concurrency", 1)
+        self.awaited = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(type(self.fn).__call__)
+        limit = max_concurrency if max_concurrency is not None else getattr(self.fn, "max_concurrency", 0 if self.awaited else 1)
+        if limit == 0 and self.awaited:
+            self.max_concurrency = 0  # every sample at once
+            return
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise RewardError(f"reward.max_concurrency={limit!r} for reward {self.name!r}; give a whole number >= 1 (1 = one sample at a time)")
         self.max_concurrency = limit
@@ -532,6 +540,8 @@ class RewardManager:
         for scorer in self.scorers:
             if scorer.batched:
                 raw = self._call_batched(scorer, data_sources, solutions, ground_truths, extra_infos)
+            elif scorer.awaited:
+                raw = _run_coroutine(self._await_all(scorer, data_sources, solutions, ground_truths, extra_infos))
             elif scorer.max_concurrency > 1 and n > 1:
                 with ThreadPoolExecutor(min(scorer.max_concurrency, n), thread_name_prefix="trellis-reward") as pool:
                     raw = list(pool.map(partial(self._call_one, scorer), range(n), data_sources, solutions, ground_truths, extra_infos))
@@ -593,12 +603,26 @@ class RewardManager:
             self._failed(scorer, i, data_source, exc)
             return _Failed()
 
+    async def _await_all(self, scorer: _Scorer, data_sources: list, solutions: list[str], ground_truths: list, extra_infos: list) -> list[Any]:
+        """An ``async def`` reward awaited for every sample, at most ``max_concurrency`` at once (0: all)."""
+        gate = asyncio.Semaphore(scorer.max_concurrency or len(solutions) or 1)
+
+        async def one(i: int) -> Any:
+            async with gate:
+                try:
+                    sample = {"data_source": data_sources[i], "solution_str": solutions[i], "ground_truth": ground_truths[i]}
+                    return await scorer.fn(**sample, extra_info=extra_infos[i], **scorer.kwargs)
+                except Exception as exc:
+                    self._failed(scorer, i, data_sources[i], exc)
+                    return _Failed()
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(solutions)))))
+
     def _call_batched(self, scorer: _Scorer, data_sources: list, solutions: list[str], ground_truths: list, extra_infos: list) -> list[Any]:
         n = len(solutions)
         try:
-            out = list(
-                scorer.fn(data_sources=data_sources, solution_strs=solutions, ground_truths=ground_truths, extra_infos=extra_infos, **scorer.kwargs)
-            )
+            out = scorer.fn(data_sources=data_sources, solution_strs=solutions, ground_truths=ground_truths, extra_infos=extra_infos, **scorer.kwargs)
+            out = list(_run_coroutine(out) if inspect.isawaitable(out) else out)
             if len(out) != n:
                 raise RewardError(f"batched reward {scorer.name!r} returned {len(out)} scores for {n} samples")
             return out
@@ -624,6 +648,17 @@ class RewardManager:
 
 class _Failed:
     """Marks a sample whose reward function raised."""
+
+
+def _run_coroutine(coroutine: Any) -> Any:
+    """Run ``coroutine`` to its end on an event loop of its own (in a thread of its own when this
+    thread already runs one, as a reward called from async code would)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1, thread_name_prefix="trellis-reward-loop") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def _as_score(result: Any) -> tuple[float, dict[str, float]]:

@@ -213,7 +213,8 @@ class RoleWorker(Worker):
         seeds the shuffle): epochs over mini-batches (one optimizer step each) of micro-batches;
         the LR schedule steps once per call. Metrics ``<prefix>/...`` (the objective's
         ``prefix``, else the role's name): summed metrics (the objective's losses) add up the
-        micro-batches' shares over ranks; the others are averaged.
+        micro-batches' shares over ranks; the others are averaged; ``<prefix>/optimizer_steps``
+        counts the update's optimizer steps (epochs x mini-batches).
 
         An objective that declares ``first_forward`` (the field of the sampling policy's
         log-probs, e.g. ``old_log_probs``) gets it from the update's own first forward, detached,
@@ -225,8 +226,10 @@ class RoleWorker(Worker):
         outputs = objective.outputs + ("entropy",) * (first_forward is not None and "entropy" not in objective.outputs)
         seed = stream_seed(self.spec.seed, 7919 * (int(batch.meta.get("step", 1)) - 1))
         metrics: dict[str, list[float]] = defaultdict(list)
+        steps = 0
         for epoch in range(self.plan.epochs):
             for mini in self.plan.mini_batches(batch, self.spec.dist.dp_size, epoch, seed):
+                steps += 1
                 agg = self._global_counts(objective, mini)
                 micros, real, _ = self._micro_batches(mini)  # sums over the micro-batches: their order is free
                 micros = [objective.rows(m) for m in micros]
@@ -244,7 +247,7 @@ class RoleWorker(Worker):
                 for k, v in self.backend.optimizer_step().items():
                     metrics[k].append(v)
         metrics["lr"].append(self.backend.lr_step())
-        return {f"{prefix}/{k}": sum(v) / len(v) for k, v in metrics.items()}
+        return {f"{prefix}/{k}": sum(v) / len(v) for k, v in metrics.items()} | {f"{prefix}/optimizer_steps": float(steps)}
 
     def _first_forward(self, verb: str, objective: Any, batch: Batch) -> str | None:
         """The field this update fills from its own first forward (see :meth:`train`), or None

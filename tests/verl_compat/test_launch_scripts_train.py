@@ -1,0 +1,114 @@
+"""verl launch scripts converted by ``trellis config from-verl`` with only the model, the data and the
+sizes overridden (as a verl user would scale them to a laptop) train 2 steps on the tiny model with
+the feature each script names active: a LoRA adapter and nothing else trains; DAPO refills
+filtered groups and penalises long responses; one-step-off and fully-async runs generate ahead;
+distillation moves the student; PPO's critic updates as often as verl's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_runs import run_cli as trellis
+
+from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.recipes.train import train
+
+SCRIPTS = Path(__file__).parent / "launch"
+
+# the sizes a user scales verl's scripts down to: 4 prompts x 2 samples, short lengths, one process, 2 steps
+SIZES = [
+    "data.train_batch_size=4",
+    "data.max_prompt_length=32",
+    "data.max_response_length=12",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "trainer.n_gpus_per_node=1",
+    "trainer.total_training_steps=2",
+    "trainer.logger=['console']",
+    "trainer.val_before_train=False",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "data.val_files=null",
+]
+# what each script needs beyond the sizes (its own values larger than a tiny run allows)
+EXTRA = {
+    "lora.sh": ["actor_rollout_ref.model.lora_rank=4"],
+    "dapo.sh": ["reward_model.overlong_buffer.len=4", "actor_rollout_ref.actor.optim.lr_warmup_steps=1", "algorithm.filter_groups.max_num_gen_batches=3"],
+    "fully_async.sh": [
+        "async_training.require_batches=1",
+        "async_training.trigger_parameter_sync_step=2",
+        "rollout.total_rollout_steps=8",
+        "+reward.reward_kwargs.overlong_buffer_cfg.len=4",
+        "+reward.reward_kwargs.max_resp_len=12",
+    ],
+    "one_step_off.sh": [],
+    "distill.sh": ["distillation.distillation_loss.topk=8"],
+}
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    rows = make_arithmetic_split(16, 0, max_value=9)
+    for row in rows:
+        row["data_source"] = "openai/gsm8k"
+    return write_rows(rows, tmp_path / "train.parquet")
+
+
+def run(script: str, model: str, data: Path, tmp_path: Path, *extra: str) -> tuple[dict, list[dict], Path]:
+    """Convert ``script`` with the overrides, train it, return the config and each step's metrics."""
+    given = [*SIZES, *EXTRA.get(script, []), *extra, f"actor_rollout_ref.model.path={model}", f"data.train_files={data}"]
+    out = trellis("config", "from-verl", str(SCRIPTS / script), *given, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    config = tmp_path / "run.yaml"
+    config.write_text(out.stdout)
+    run_dir = tmp_path / "run"
+    train(str(config), [f"trainer.run_dir={run_dir}", "trainer.trackers=[jsonl]"])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return yaml.safe_load(out.stdout), [m for m in metrics if "actor/pg_loss" in m or "actor/distill_loss" in m], run_dir
+
+
+def test_lora_script_trains_the_adapter_only(tiny_model_path, data, tmp_path):
+    cfg, steps, run_dir = run("lora.sh", tiny_model_path, data, tmp_path)
+    assert cfg["actor"]["adapter"]["rank"] == 4 and len(steps) == 2
+    assert all(s["actor/grad_norm"] > 0 for s in steps)
+    saved = json.loads(next(run_dir.glob("checkpoint-2/**/adapter_config.json")).read_text())
+    assert saved["r"] == 4 and saved["lora_alpha"] == 32  # the checkpoint holds the adapter, not the full weights
+
+
+def test_dapo_script_refills_groups_and_penalises_overlong(tiny_model_path, data, tmp_path):
+    cfg, steps, _ = run("dapo.sh", tiny_model_path, data, tmp_path)
+    assert cfg["algorithm"]["dynamic_sampling"]["enable"] and cfg["reward"]["overlong"]["buffer_len"] == 4
+    assert len(steps) == 2
+    for s in steps:
+        assert 1 <= s["dynamic_sampling/rounds"] <= 3
+        assert s["reward/overlong_penalty_mean"] <= 0
+    assert steps[0]["actor/lr"] == 0.0  # verl's warm-up: the first step at lr 0
+
+
+@pytest.mark.parametrize(("script", "mode"), [("one_step_off.sh", "one_step"), ("fully_async.sh", "fully_async")])
+def test_async_scripts_generate_ahead(script, mode, tiny_model_path, data, tmp_path):
+    cfg, steps, _ = run(script, tiny_model_path, data, tmp_path)
+    assert cfg["trainer"]["async_mode"] == mode and len(steps) == 2
+    assert steps[-1]["async/buffered_steps"] >= 0
+    if mode == "fully_async":
+        assert cfg["data"]["train_batch_prompts"] == 2 * 1 * 2 and cfg["trainer"]["total_steps"] == 8 // 4
+        assert all(s["actor/optimizer_steps"] == 2 for s in steps)  # verl: trigger_parameter_sync_step local updates per sync
+
+
+def test_distillation_script_moves_the_student(tiny_model_path, tiny_untied_model_path, data, tmp_path):
+    teacher = f"distillation.teacher_models.teacher_model.model_path={tiny_untied_model_path}"
+    cfg, steps, _ = run("distill.sh", tiny_model_path, data, tmp_path, teacher, "actor_rollout_ref.rollout.n=1")
+    assert cfg["actor"]["distill"]["use_policy_loss"] is False and len(steps) == 2
+    assert all(s["actor/distill_loss"] > 0 and s["actor/grad_norm"] > 0 for s in steps)
+
+
+def test_ppo_critic_updates_as_often_as_verls(tiny_model_path, data, tmp_path):
+    """verl's critic takes the actor's mini-batch when its own is not given: 4 prompts in mini-batches
+    of 2 is 2 optimizer steps for both roles, where trellis's own default would give the critic 1."""
+    cfg, steps, _ = run("lora.sh", tiny_model_path, data, tmp_path, "algorithm.adv_estimator=gae", "actor_rollout_ref.model.lora_rank=0")
+    assert cfg["critic"]["mini_batch_samples"] == 2 * 2
+    assert all(s["critic/optimizer_steps"] == s["actor/optimizer_steps"] == 2 for s in steps)
