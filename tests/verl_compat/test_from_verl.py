@@ -70,7 +70,7 @@ def test_grpo_command_line_composes_with_verls_settings(train_file, tmp_path):
     assert cfg.actor.micro_batch_samples == 16
     assert (cfg.actor.optim.lr, cfg.actor.optim.weight_decay) == (1e-6, 0.01)  # weight decay: verl's default
     assert (cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type, cfg.actor.entropy_coeff) == (True, 0.001, "low_var_kl", 0.0)
-    assert cfg.algorithm.advantage.name == "grpo" and cfg.rollout.name == "hf" and cfg.reward.name == "auto"
+    assert cfg.algorithm.advantage.name == "grpo" and cfg.rollout.name == "hf" and cfg.reward.name == "verl_default"  # verl's scoring
     assert cfg.trainer.total_steps == 15 * (1000 // 256)  # epochs x full batches per epoch
     assert (cfg.trainer.nnodes, cfg.trainer.procs_per_node, cfg.trainer.controller) == (1, 8, "ray")
     assert (cfg.trainer.val_every_steps, cfg.trainer.save_every_steps) == (5, 0)
@@ -297,7 +297,7 @@ def test_a_reward_model_converts_to_the_reward_model_role():
     assert "re-tokenises" in why["reward_model.model.input_tokenizer"] and "micro-batching" in why["reward_model.micro_batch_size_per_gpu"]
     assert "reward_model.enable" not in why and "reward_model.model.path" not in why
     reward, why = converted("reward_model.enable=False", "reward_model.model.path=/models/rm")
-    assert reward == {"name": "auto"} and not [k for k in why if k.startswith("reward_model")]  # off: verl ignores the path too
+    assert reward == {"name": "verl_default"} and not [k for k in why if k.startswith("reward_model")]  # off: verl ignores the path too
     _, why = converted("reward_model.enable=True")
     assert "reward_model.model.path is not given" in why["reward_model.enable"]
 

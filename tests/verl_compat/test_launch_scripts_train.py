@@ -37,7 +37,11 @@ SIZES = [
 # what each script needs beyond the sizes (its own values larger than a tiny run allows)
 EXTRA = {
     "lora.sh": ["actor_rollout_ref.model.lora_rank=4"],
-    "dapo.sh": ["reward_model.overlong_buffer.len=4", "actor_rollout_ref.actor.optim.lr_warmup_steps=1", "algorithm.filter_groups.max_num_gen_batches=3"],
+    "dapo.sh": [
+        "reward_model.overlong_buffer.len=4",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=1",
+        "algorithm.filter_groups.max_num_gen_batches=3",
+    ],
     "fully_async.sh": [
         "async_training.require_batches=1",
         "async_training.trigger_parameter_sync_step=2",

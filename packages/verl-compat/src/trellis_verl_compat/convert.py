@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trellis import ConfigError, DataError, Registry, RegistryError, load_rows, validate_recipe_config
+from trellis_verl_compat import scoring
 from trellis_verl_compat.features import (
     ASYNC_RULES,
     DAPO_RULES,
@@ -575,7 +576,12 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
         defaults.update({k: v for k, v in critic_defaults(src).items() if given.get(k) is None})
         src.update(defaults)
         src.update({k: v for k, v in given.items() if v is not None})
-    out = Conversion({"recipe": "rl", "reward": {"name": "auto"}})
+    out = Conversion({"recipe": "rl", "reward": {"name": "verl_default" if scoring.available() else "auto"}})
+    if not scoring.available():
+        out.notes.append(
+            "reward.name: auto (trellis's scoring by data_source) where verl's default_compute_score differs for MATH (math-verify "
+            f"takes an unboxed answer) and math/aime (0/1, not -1/+1); to score as verl: {scoring.INSTALL}, then convert again"
+        )
     origin = out.origin
     failed: dict[str, str] = {}
     for rule in RULES:
@@ -613,7 +619,7 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
             if why:
                 out.unmapped.append((key, value, why))
     reward = out.config["reward"]
-    if "model" in reward and reward["name"] == "auto" and "path" not in reward:
+    if "model" in reward and reward["name"] in ("auto", "verl_default") and "path" not in reward:
         del reward["name"]  # verl's reward model alone is the reward (its score replaces the function's)
     return out
 

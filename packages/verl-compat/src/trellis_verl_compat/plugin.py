@@ -1,4 +1,5 @@
-"""The ``trellis config from-verl`` command, added to the ``trellis`` command by entry point."""
+"""The ``trellis config from-verl`` command, added to the ``trellis`` command by entry point, and the
+``verl_default`` reward (verl's own scoring)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import sys
 from omegaconf import OmegaConf
 
 import trellis
+
+
+@trellis.hookimpl
+def trellis_register(registry):
+    from trellis_verl_compat.scoring import verl_default
+
+    registry.add("reward", "verl_default", verl_default)
 
 
 @trellis.hookimpl
