@@ -348,6 +348,34 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
     assert "multiturn/num_turns_mean" in result.metrics
 
 
+def test_a_loops_own_reward_is_the_samples_reward_under_score_reward(registry, tokenizer):
+    """verl's rule for an agent loop's ``reward_score``: where the loop gave one it is the sample's
+    reward; the reward function scores only the other samples (and is not called for them)."""
+    from trellis.multiturn.scoring import score_multiturn
+    from trellis.rewards import RewardConfig, RewardManager
+
+    seen = []
+
+    def hashes(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(solution_str)
+        return {"score": float(solution_str.count("####")), "acc": 1.0}
+
+    agent = spec(registry, tokenizer, interactions=[{"name": "c", "component": "checker"}], score="reward", max_response_tokens=200)
+    batch = prompts(tokenizer, [row(), row("1+2=")])
+    out = run(ScriptedEngine(tokenizer, ["#### 45", "#### 46"]), agent, batch, n=2)
+    out.update(batch.select("data_source", "ground_truth").repeat_interleave(2))
+    out["agent_rewards"] = torch.tensor([0.0, 0.75, 0.0, -1.0])
+    out["agent_scored"] = torch.tensor([False, True, False, True])  # samples 1 and 3: their loop's reward_score
+    if "hashes" not in registry.names("reward"):
+        registry.add("reward", "hashes", hashes)
+    result = score_multiturn(out, agent.settings, RewardManager(RewardConfig(name="hashes"), registry, tokenizer))
+    assert result.scores.tolist() == [2.0, 0.75, 2.0, -1.0] and len(seen) == 2
+    assert result.components["acc"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert result.metrics["reward/mean"] == (2.0 + 0.75 + 2.0 - 1.0) / 4 and result.metrics["reward/agent_scored"] == 0.5
+    last = out["response_mask"].cumsum(-1).argmax(-1)
+    assert result.token_scores[torch.arange(4), last].tolist() == [2.0, 0.75, 2.0, -1.0]
+
+
 def test_rows_pick_their_agent_loop_and_the_environment_may_speak_first(registry, tokenizer):
     """One batch, two loops by the ``agent_name`` column: the row without one runs the default
     (``tool_agent``: answer, feedback, answer); the other runs ``observation_first``, where the

@@ -119,7 +119,7 @@ def test_a_verl_agent_loop_trains_on_what_the_engine_sampled(tiny_model_path, da
             between = tokenizer.decode(second_context[len(first_context) + len(first.token_ids) :])
             assert CHECK in between and between.endswith("<|im_start|>assistant\n")
             reply = tokenizer.decode(second.token_ids, skip_special_tokens=True)
-            assert batch["agent_rewards"][i].item() == pytest.approx(len(reply) / 10)
+            assert batch["agent_rewards"][i].item() == pytest.approx(len(reply) / 10) and batch["agent_scored"][i]
         assert not mine
         assert steps[step]["reward/mean"] == pytest.approx(batch["agent_rewards"].mean().item(), abs=1e-6)
 

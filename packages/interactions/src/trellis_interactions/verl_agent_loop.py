@@ -182,7 +182,8 @@ class ServerManager:
 
 def trajectory(output: Any, prompt_ids: list[int], calls: list[tuple[list[int], Generation]], loop: str) -> Trajectory:
     """``AgentLoopOutput`` as a ``Trajectory``: its response ids, mask and log-probs (the engine's,
-    where the loop returned none), ``reward_score`` as the loop's reward, ``extra_fields``'
+    where the loop returned none), ``reward_score`` as the loop's reward (the sample's whole reward
+    when given, as in verl), ``extra_fields``'
     ``turn_scores`` and ``tool_rewards``. Raises ValueError when its prompt is not ``prompt_ids``
     or a turn was sampled after ids other than the trajectory's."""
     if list(output.prompt_ids) != prompt_ids:
@@ -210,6 +211,7 @@ def trajectory(output: Any, prompt_ids: list[int], calls: list[tuple[list[int], 
         turn_scores=[float(x) for x in extra.get("turn_scores") or []],
         tool_reward=float(sum(extra.get("tool_rewards") or [])),
         agent_reward=float(output.reward_score or 0.0),
+        agent_scored=output.reward_score is not None,  # verl: the loop's score, else the reward function's
         assistant_turns=assistant,
         user_turns=max(int(output.num_turns) - assistant - 1, 0),  # verl counts the prompt, every user/tool turn and every model turn
         finish=calls[-1][1].finish_reason if calls else "done",

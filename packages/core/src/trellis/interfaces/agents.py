@@ -78,6 +78,9 @@ class Trajectory:
     turn_scores: list[float] = field(default_factory=list)
     tool_reward: float = 0.0
     agent_reward: float = 0.0  # the loop's own reward for the whole sample (an ``openai_agent``'s return value, an environment class's reward())
+    # agent_reward is the sample's whole reward, as verl takes an agent loop's reward_score: under
+    # multi_turn.score=reward the reward function scores only the samples their loop did not
+    agent_scored: bool = False
     assistant_turns: int = 0
     user_turns: int = 0
     tool_calls: int = 0

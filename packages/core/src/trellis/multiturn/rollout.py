@@ -43,7 +43,7 @@ class AgentRollout:
         """``params.n`` conversations per prompt, every loop's samples in flight together (up to
         ``max_concurrent_samples``); the ``rollout_batch`` layout (response attention 1 on every
         token, ``response_mask`` 1 on the model's) plus per-sample ``num_turns``, ``user_turns``,
-        ``tool_calls``, ``tool_errors``, ``malformed_calls``, ``tool_rewards``, ``agent_rewards``, ``env_errors``, and
+        ``tool_calls``, ``tool_errors``, ``malformed_calls``, ``tool_rewards``, ``agent_rewards``, ``agent_scored``, ``env_errors``, and
         ``turn_scores``, ``interaction``, ``finish_reason``, ``agent_name`` (Python fields).
 
         prompts: left-padded ``input_ids`` / ``attention_mask`` ``(batch, prompt_len)`` with
@@ -181,6 +181,7 @@ def assemble(prompts: Batch, params: SamplingParams, trajectories: list[Trajecto
     out["env_errors"] = torch.tensor([t.finish == "error" for t in trajectories], dtype=torch.long)
     out["tool_rewards"] = torch.tensor([t.tool_reward for t in trajectories], dtype=torch.float32)
     out["agent_rewards"] = torch.tensor([t.agent_reward for t in trajectories], dtype=torch.float32)
+    out["agent_scored"] = torch.tensor([t.agent_scored for t in trajectories], dtype=torch.bool)
     out["turn_scores"] = [list(t.turn_scores) for t in trajectories]
     out["interaction"] = [t.interaction for t in trajectories]
     out["finish_reason"] = [t.finish for t in trajectories]

@@ -7,7 +7,7 @@ import torch
 
 from trellis.batch import Batch, last_valid_index
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.rewards import RewardError, RewardResult, Scorer
+from trellis.rewards import RewardError, RewardResult, Scorer, reward_figures
 
 
 class ConversationScorer:
@@ -38,7 +38,7 @@ def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: Scorer) 
     and, where the interaction scored it, ``reward/first_turn_mean`` (the first answer alone,
     i.e. the reward without feedback)."""
     if settings.score == "reward":
-        result = reward_fn.score(with_num_turns(batch))
+        result = reward_unless_agent_scored(batch, reward_fn)
         metrics = dict(result.metrics)
     else:
         scores = environment_scores(batch, settings.score)
@@ -48,6 +48,26 @@ def score_multiturn(batch: Batch, settings: MultiTurnConfig, reward_fn: Scorer) 
     if first:
         metrics["reward/first_turn_mean"] = sum(first) / len(first)
     return RewardResult(result.token_scores, {**metrics, **multiturn_metrics(batch)}, result.scores, result.components)
+
+
+def reward_unless_agent_scored(batch: Batch, reward_fn: Scorer) -> RewardResult:
+    """``reward_fn`` on the trajectories, except those whose agent loop gave the sample's reward
+    (``agent_scored``: a verl loop's ``reward_score``), which keep it, as verl's reward loop does;
+    the function's components are 0 for those."""
+    scored = batch["agent_scored"] if "agent_scored" in batch else torch.zeros(len(batch), dtype=torch.bool)
+    if not scored.any():
+        return reward_fn.score(with_num_turns(batch))
+    rest = (~scored).nonzero().flatten()
+    scores = batch["agent_rewards"].clone()
+    metrics, components = {}, {}
+    if len(rest):
+        part = reward_fn.score(with_num_turns(batch[rest]))
+        scores[rest] = part.scores
+        metrics = {k: v for k, v in part.metrics.items() if k not in ("reward/mean", "reward/max", "reward/min")}
+        for key, values in (part.components or {}).items():
+            components[key] = torch.zeros(len(batch), dtype=torch.float32).index_copy(0, rest, values.float())
+    metrics |= reward_figures(scores) | {"reward/agent_scored": float(scored.float().mean())}
+    return RewardResult(last_token_scores(scores, batch["response_mask"]), metrics, scores, components)
 
 
 def with_num_turns(batch: Batch) -> Batch:
