@@ -214,7 +214,7 @@ def test_what_is_not_a_verl_config_is_refused_with_the_reason(tmp_path, content,
 def test_a_hydra_file_whose_interpolations_name_unmerged_files_converts_what_it_gives(tmp_path):
     (tmp_path / "ppo.yaml").write_text(
         "defaults:\n  - actor@actor_rollout_ref.actor: ${model_engine}_actor\n  - _self_\n"
-        "actor_rollout_ref:\n  model: {path: /models/base}\n  actor: {strategy: '${model_engine}', optim: {lr: 2.0e-6}}\n"
+        "actor_rollout_ref:\n  model: {path: /models/base}\n  actor: {ppo_epochs: '${model_engine}', optim: {lr: 2.0e-6}}\n"
         "trainer: {total_training_steps: 7}\n"
     )
     out = trellis("config", "from-verl", "ppo.yaml", cwd=tmp_path)
@@ -222,8 +222,8 @@ def test_a_hydra_file_whose_interpolations_name_unmerged_files_converts_what_it_
     converted = yaml.safe_load(out.stdout)
     assert converted["model"]["path"] == "/models/base" and converted["actor"]["optim"]["lr"] == 2e-6
     assert converted["trainer"]["total_steps"] == 7
-    assert "defaults=[{'actor@actor_rollout_ref.actor': '${model_engine}_actor'}, '_self_']: hydra's defaults list is not read" in out.stderr
-    assert "actor_rollout_ref.actor.strategy='${model_engine}': its interpolation names a key that no given file or override sets" in out.stderr
+    assert "defaults=[{'actor@actor_rollout_ref.actor': '${model_engine}_actor'}, '_self_']: a YAML file given is read flat" in out.stderr
+    assert "actor_rollout_ref.actor.ppo_epochs='${model_engine}': its interpolation names a key that no given file or override sets" in out.stderr
 
 
 def test_multi_turn_converts_interactions_tools_limits_and_scoring_as_verl_runs_them(tmp_path):

@@ -22,14 +22,15 @@ from trellis_verl_compat.features import (
     ASYNC_RULES,
     DAPO_RULES,
     DISTILL_RULES,
-    DLOSS,
     LORA_RULES,
     MANAGER_KWARGS,
+    ROLLOUT_CORRECTION_RULES,
     critic_defaults,
     fully_async,
     sync_prompts,
 )
 from trellis_verl_compat.launch import MAIN_PPO, Launch, config_files, entry_of, read_script
+from trellis_verl_compat.reasons import READ_BY_OTHERS, REASONS, TRELLIS_BEHAVIOUR, feature_off
 from trellis_verl_compat.rule import ACTOR, AR, MODE, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, when
 
 
@@ -211,9 +212,13 @@ def _warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
 
 
 def _from_zero(prefix: str) -> Callable[[Any, Source], Any]:
-    """verl's warm-up (torch LambdaLR stepped after each update) runs its first step at lr 0."""
+    """verl's warm-up (torch LambdaLR stepped after each update) runs its first step at lr 0, but
+    for a cosine schedule with ``zero_indexed_step`` false (then at 1 / warm-up steps, as trellis)."""
 
     def convert(value: Any, src: Source) -> Any:
+        cosine = "cosine" in (src.get(prefix + "optim.lr_scheduler_type"), src.get(prefix + "optim.warmup_style"))
+        if cosine and src.get(prefix + "optim.zero_indexed_step") is False:
+            return SKIP
         steps = src.get(prefix + "optim.lr_warmup_steps") or -1
         ratio = src.get(prefix + "optim.lr_warmup_steps_ratio") or 0
         return True if steps > 0 or (steps <= 0 and ratio and int(float(ratio) * total_steps(src)) > 0) else SKIP
@@ -349,6 +354,7 @@ RULES: tuple[Rule, ...] = (
     *DAPO_RULES,
     *DISTILL_RULES,
     *ASYNC_RULES,
+    *ROLLOUT_CORRECTION_RULES,
     Rule(ROLLOUT + "val_kwargs.do_sample", "validation.temperature", lambda v, s: SKIP if v else 0, "false: greedy (temperature 0)"),
     Rule("data.gen_batch_size", "data.train_batch_prompts", _gen_batch, "fully async: one prompt a request in both"),
     Rule("rollout.total_rollout_steps", "trainer.total_steps", fully_async(lambda v, s: total_steps(s)), "// prompts per sync (fully async)"),
@@ -372,117 +378,11 @@ VERL_DEFAULTS: Source = {
     ROLLOUT + "multi_turn.max_tool_response_length": 256,
 }
 
-# read by another key's rule: not reported as unmapped
-READ_BY_OTHERS = {
-    ACTOR + "use_dynamic_bsz",
-    "critic.use_dynamic_bsz",
-    "trainer.resume_from_path",
-    "custom_reward_function.name",
-    "reward.custom_reward_function.name",
-    "reward_model.model.path",
-    ACTOR + "use_remove_padding",  # verl's interpolation of model.use_remove_padding
-    "data.tool_config_path",  # verl's interpolation of the rollout's
-    *(f"reward_model.overlong_buffer.{k}" for k in ("len", "penalty_factor")),
-    *(DLOSS + k for k in ("loss_mode", "topk", "use_task_rewards", "distillation_loss_coef", "loss_max_clamp", "log_prob_min_clamp")),
-    DLOSS + "use_policy_gradient",
-    "distillation.teacher_models.teacher_model.model_path",
-    "distillation.teacher_models.teacher_model.key",
-    "distillation.teacher_key",
-}
-FILTER_INFLIGHT = "algorithm.filter_groups.max_inflight_gen_batches"
-
 # dict values read whole (not key by key)
 WHOLE = ("custom_reward_function.reward_kwargs", "reward.custom_reward_function.reward_kwargs", *MANAGER_KWARGS)
 
 # verl's top-level sections: a file with none of them is not a verl config
 VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "reward", "reward_model", "trainer")
-
-# a value that is what trellis always does: accepted silently
-TRELLIS_BEHAVIOUR: Source = {
-    "data.prompt_key": "prompt",
-    "data.reward_fn_key": "data_source",
-    "data.filter_overlong_prompts": True,
-    "data.return_raw_chat": False,
-    "trainer.v1.trainer_mode": "sync",  # generate, then train: trellis's trainer.async_mode=off
-    ROLLOUT + "val_kwargs.top_p": 1.0,
-    ROLLOUT + "val_kwargs.top_k": -1,
-    "reward_model.reward_manager": "naive",
-    "trainer.balance_batch": True,
-}
-
-# why a key has no trellis counterpart (first matching pattern)
-REASONS: tuple[tuple[str, str], ...] = (
-    ("*_target_", ""),
-    ("*fsdp_config.*", "FSDP sharding and offload are the backend section's options (trellis config show)"),
-    ("*profiler*", "no profiler settings"),
-    ("*log_prob_*", "log-prob passes use the role's micro_batch_samples / max_tokens_per_micro_batch"),
-    ("*ulysses_sequence_parallel_size", "no sequence parallelism"),
-    (
-        AR + "model.lora_adapter_path",
-        "trellis starts a LoRA adapter at B = 0 (the base model); to start from a saved adapter, merge it into its base "
-        "(peft's merge_and_unload) and give the merged folder as actor_rollout_ref.model.path",
-    ),
-    (AR + "model.exclude_modules", "trellis's LoRA has no exclude list; give target_modules without those modules"),
-    (
-        AR + "model.lora.*",
-        "verl's Megatron-engine LoRA (Megatron module names); trellis's LoRA is lora_rank / lora_alpha / target_modules (actor.adapter)",
-    ),
-    ("critic.model.lora*", "trellis trains the critic's full weights; LoRA is the actor's (actor.adapter)"),
-    (FILTER_INFLIGHT, "trellis generates one dynamic-sampling round at a time"),
-    ("reward_model.overlong_buffer.log", ""),  # trellis always logs reward/overlong_penalty_mean
-    (
-        "distillation.teacher_models.*.inference.*",
-        "trellis's teacher is a frozen model in the trainer's processes (teacher.path), not an inference server",
-    ),
-    ("distillation.distillation_loss.*", "with use_policy_gradient, trellis's distillation advantage goes through actor.policy_loss"),
-    ("distillation.*", "the teacher shares the trainer's processes (no pool of its own) and is chosen per run, not per data_source"),
-    (AR + "model.*", "model loading knob; trellis loads model.path with the backend's options"),
-    ("critic.model.*", "model loading knob; trellis loads critic.model_path with the backend's options"),
-    ("*ppo_micro_batch_size", "global micro-batch (deprecated in verl); give ppo_micro_batch_size_per_gpu"),
-    ("data.filter_overlong_prompts", "trellis always drops prompts longer than max_prompt_length (with a warning)"),
-    ("data.truncation", "trellis drops prompts longer than max_prompt_length (with a warning) instead of truncating"),
-    ("data.prompt_key", "the prompt column is always 'prompt'"),
-    ("data.return_raw_chat", "trellis keeps every row's chat messages; the multi-turn loop reads them"),
-    (AR + "hybrid_engine", "trellis's engine shares the trainer's processes unless trainer.rollout_pool gives it its own"),
-    ("data.reward_fn_key", "rewards are picked by 'data_source' (reward.name: auto)"),
-    ("data.val_batch_size", "validation generates every held-out prompt at once; cap them with data.val_max_prompts"),
-    ("data.*", "no trellis data option"),
-    (
-        "reward_model.model.input_tokenizer",
-        "trellis compares the actor's tokenizer with the reward model's and re-tokenises samples when they differ",
-    ),
-    (
-        "reward_model.rollout.*",
-        "a generative reward model trellis starts is reward.judge (engine, model, options) for reward.name=judge, whose template and "
-        "parse rule replace a custom function that calls verl's router; not converted",
-    ),
-    ("reward_model.*", "the reward_model role (reward.model.path) takes the actor's micro-batching and the backend section's options"),
-    (
-        "trainer.v1.trainer_mode",
-        "verl's async trainers resume generations cut by a weight update and train from a replay buffer, with their own "
-        "placement; the nearest in trellis is trainer.async_mode=one_step, or fully_async with trainer.max_staleness (whole "
-        "steps) and trainer.partial_rollout: set them by hand",
-    ),
-    (
-        "trainer.v1.sampler.max_off_policy_threshold",
-        "the versions one trajectory may span in verl's async trainers (dropped or waited for); trellis bounds how many "
-        "versions a step's oldest token lags: trainer.max_staleness with trainer.async_mode=fully_async",
-    ),
-    ("trainer.v1.*", "verl's v1 async trainers (trainer_mode colocate_async / separate_async) have no trellis counterpart"),
-    ("async_training.*", "a knob of verl's fully-async rollouter's scheduling; trellis's fully-async mode has none"),
-    (
-        "rollout.*",
-        "the rollout GPUs of verl's one-step-off / fully-async recipes: trellis's engines apart from the trainer are "
-        "trainer.rollout_pool=N processes (Ray), each of rollout.tensor_parallel_size devices",
-    ),
-    (ROLLOUT + "agent.default_agent_loop", "rows without agent_name run multi_turn.agent_loop (trellis's own loops: tool_agent, openai_agent)"),
-    ("trainer.project_name", "a run is named by trainer.run_dir (default_local_dir)"),
-    ("trainer.experiment_name", "a run is named by trainer.run_dir (default_local_dir)"),
-    ("trainer.critic_warmup", "the critic and actor update from the first step"),
-    ("trainer.log_val_generations", "no logged generations"),
-    ("trainer.max_critic_ckpt_to_keep", "a checkpoint holds every role: trainer.keep_checkpoints"),
-    ("defaults", "hydra's defaults list is not read; give verl's flattened config (_generated_ppo_trainer.yaml) or the keys"),
-)
 
 # trellis sections that hold a registered component's options: (section, kind, trellis default name)
 COMPONENT_SECTIONS = (
@@ -503,6 +403,14 @@ class Conversion:
     notes: list[str] = field(default_factory=list)  # what the converter could not check here
     differences: dict[str, tuple[Any, str]] = field(default_factory=dict)  # verl key -> (value, how the run differs from verl's)
     origin: dict[str, str] = field(default_factory=dict)  # trellis key -> the verl key it came from
+
+
+def settled(key: str, value: Any, src: Source) -> bool:
+    """Whether verl key ``key`` needs no report: another rule reads it, its value is what trellis
+    does anyway, or its feature is off."""
+    if any(fnmatch(key, pattern) for pattern in READ_BY_OTHERS) or feature_off(key, value, src):
+        return True
+    return any(fnmatch(key, pattern) and expected == value for pattern, expected in TRELLIS_BEHAVIOUR.items())
 
 
 def read_verl(args: list[str], files: list[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -612,7 +520,7 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
         elif key in unresolved:
             why = next((why for pattern, why in REASONS if fnmatch(key, pattern) and why), None)
             out.unmapped.append((key, unresolved[key], why or "its interpolation names a key that no given file or override sets; give the value"))
-        elif value is None or key in mapped or key in READ_BY_OTHERS or TRELLIS_BEHAVIOUR.get(key, SKIP) == value:
+        elif value is None or key in mapped or settled(key, value, src):
             continue
         else:
             why = next((why for pattern, why in REASONS if fnmatch(key, pattern)), "no trellis counterpart")
@@ -689,10 +597,14 @@ def report(conversion: Conversion) -> str:
     return "\n".join(lines)
 
 
-def read_launch(args: list[str], entry: str | None = None, config_path: str | None = None, config_name: str | None = None):
+def read_launch(
+    args: list[str], entry: str | None = None, config_path: str | None = None, config_name: str | None = None, resolved: bool = False
+):
     """``(given keys, entry point, defaults entries not found)`` for the command line of
     ``from-verl``: a launch script (its command's entry point, hydra config and overrides, then the
-    arguments after it), or verl YAML files and overrides; the options win over the script's."""
+    arguments after it), or verl YAML files and overrides; the options win over the script's.
+    ``resolved``: under verl's own installed config for the entry point, every key of it given
+    (the parity table's input)."""
     launch, rest, base = Launch(), [], Path(".")
     for arg in args:
         if arg.endswith(".sh") and "=" not in arg:
@@ -707,4 +619,8 @@ def read_launch(args: list[str], entry: str | None = None, config_path: str | No
     launch.config_path = config_path or launch.config_path
     launch.config_name = config_name or launch.config_name
     files, missing = config_files(launch, base)
+    if resolved:
+        from trellis_verl_compat.parity import verl_base
+
+        files = [*verl_base(launch.entry), *files]
     return read_verl(rest, files), launch.entry, missing

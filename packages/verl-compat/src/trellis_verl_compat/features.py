@@ -27,8 +27,8 @@ LORA_RULES = (
     Rule(AR + "model.target_modules", "actor.adapter.target_modules", when(LORA, _lora_modules), "all-linear or a list"),
 )
 
-# the reward manager: verl 0.9.1's reward.reward_manager.name, or the older reward_model.reward_manager
-MANAGERS = ("reward.reward_manager.name", "reward_model.reward_manager")
+# the reward manager: the older reward_model.reward_manager where set (verl 0.9.1 moves it over its own), else reward.reward_manager.name
+MANAGERS = ("reward_model.reward_manager", "reward.reward_manager.name")
 # the reward manager's own options (verl 0.9.1's reward.reward_kwargs; reward_model.reward_kwargs before)
 MANAGER_KWARGS = ("reward.reward_kwargs", "reward_model.reward_kwargs")
 
@@ -283,4 +283,29 @@ ASYNC_RULES = (
         "mini x require_batches x trigger",
     ),
     Rule(ASYNC + "require_batches", "data.train_batch_prompts", fully_async(lambda v, s: sync_prompts(s)), "prompts per weight sync"),
+)
+
+RC = "algorithm.rollout_correction."
+
+
+def _rollout_log_probs(value: Any, src: Source) -> Any:
+    """verl's old log-probs taken from the engine: trellis's ``bypass_mode`` policy loss (PPO
+    against the rollout's log-probs) for the vanilla loss; another loss cannot take them."""
+    if not value:
+        return SKIP
+    if str(src.get(ACTOR + "policy_loss.loss_mode", "vanilla")) in ("vanilla", "bypass_mode"):
+        return "bypass_mode"
+    raise Unmapped("trellis takes the engine's log-probs as the old ones in its bypass_mode loss only (PPO's clip); this run's loss recomputes them")
+
+
+ROLLOUT_CORRECTION_RULES = (
+    Rule(RC + "rollout_is", "actor.policy_loss.rollout_is", note="token or sequence IS weights"),
+    Rule(RC + "rollout_is_threshold", "actor.policy_loss.rollout_is_threshold", when(RC + "rollout_is"), "with rollout_is"),
+    Rule(RC + "rollout_is_batch_normalize", "actor.policy_loss.rollout_is_batch_normalize", when(RC + "rollout_is"), "with rollout_is"),
+    Rule(RC + "rollout_rs", "actor.policy_loss.rollout_rs", lambda v, s: str(v), "rejection criteria"),
+    Rule(RC + "rollout_rs_threshold", "actor.policy_loss.rollout_rs_threshold", when(RC + "rollout_rs", lambda v, s: str(v)), "with rollout_rs"),
+    Rule(RC + "bypass_mode", "actor.policy_loss.name", lambda v, s: "bypass_mode" if v else SKIP, "true: the bypass_mode loss"),
+    Rule(RC + "loss_type", "actor.policy_loss.loss_type", when(RC + "bypass_mode"), "ppo_clip or reinforce, with bypass_mode"),
+    Rule(ACTOR + "use_rollout_log_probs", "actor.policy_loss.name", _rollout_log_probs, "true: the bypass_mode loss"),
+    *(Rule(ACTOR + key, "actor.policy_loss." + key, note="sapo") for key in ("tau_pos", "tau_neg")),
 )

@@ -29,14 +29,19 @@ def trellis_add_commands(commands):
     p.add_argument("--entry", help="the verl entry point the keys are for (default: the script's, else verl.trainer.main_ppo)")
     p.add_argument("--config-path", help="hydra's --config-path (overrides the script's)")
     p.add_argument("--config-name", help="hydra's --config-name (overrides the script's)")
+    p.add_argument(
+        "--parity", action="store_true", help="print every key of verl's resolved config (verl installed) as SAME, DIFF or NOT CONVERTED"
+    )
 
 
 def from_verl(args: argparse.Namespace) -> int:
     from trellis_verl_compat.convert import check_converted, convert, read_launch, report
 
     registry = args.plugins.registry
-    given, entry, missing = read_launch(args.verl, args.entry, args.config_path, args.config_name)
+    given, entry, missing = read_launch(args.verl, args.entry, args.config_path, args.config_name, resolved=args.parity)
     conversion = convert(given, registry, entry)
+    if args.parity:
+        return print_parity(conversion, given)
     conversion.unmapped += [("defaults", item, "not found under --config-path; its settings are not converted") for item in missing]
     check_converted(conversion, registry)
     print(f"# trellis rl config converted from verl ({entry}) by trellis config from-verl; check it with trellis config show")
@@ -44,3 +49,16 @@ def from_verl(args: argparse.Namespace) -> int:
     if report(conversion):
         print(report(conversion), file=sys.stderr)
     return 0
+
+
+def print_parity(conversion, given) -> int:
+    """The parity table on stdout (a markdown table, then one RESULT line); 1 when a key is SILENT."""
+    from trellis_verl_compat.parity import rows, summary
+
+    table = rows(conversion, given)
+    print("| verl key | verl value | status | trellis key or why |\n| --- | --- | --- | --- |")
+    for key, value, status, what in table:
+        print(f"| `{key}` | `{value!r}` | {status} | {what} |")
+    counts = summary(table)
+    print("RESULT " + " ".join(f"{part.rsplit(' ', 1)[0].lower().replace(' ', '_')}={part.rsplit(' ', 1)[1]}" for part in counts.split(", ")))
+    return 1 if "SILENT 0" not in counts else 0

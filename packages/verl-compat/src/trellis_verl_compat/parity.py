@@ -1,0 +1,74 @@
+"""verl's resolved config beside the converted one, setting by setting: every key of the config
+verl itself would run (its installed ``_generated_ppo_trainer.yaml``, the entry point's config and
+the launch's settings) is SAME (converted, or what trellis does anyway), DIFF (converted, the run
+differing as stated), NOT CONVERTED (with the reason) or SILENT (none of those: a defect)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trellis import DataError
+from trellis_verl_compat.launch import ENTRIES, entry_of
+
+GENERIC = "no trellis counterpart"
+
+
+def verl_config_dir() -> Path:
+    """The installed verl package's folder (verl itself is not imported)."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the parity table reads verl's own config: pip install --no-deps verl==0.9.1")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def verl_base(entry: str) -> list[dict[str, Any]]:
+    """The mappings verl merges before the user's for ``entry``: its generated PPO config, then the
+    entry's own config file (its keys above ppo_trainer), where verl ships it."""
+    root = verl_config_dir()
+    parts = [yaml.safe_load((root / "trainer" / "config" / "_generated_ppo_trainer.yaml").read_text())]
+    name = entry_of(entry).config_name
+    own = next(iter(root.glob(f"experimental/*/config/{name}.yaml")), None)
+    if own is not None:
+        data = yaml.safe_load(own.read_text()) or {}
+        parts.append({k: v for k, v in data.items() if k not in ("defaults", "hydra")})
+    else:
+        parts.append(_nested(ENTRIES[entry].defaults))
+    return parts
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def rows(conversion: Any, resolved: dict[str, Any]) -> list[tuple[str, Any, str, str]]:
+    """``(verl key, value, status, trellis key or why)`` for every key of verl's ``resolved`` config."""
+    reported = {key: why for key, _, why in conversion.unmapped}
+    set_by = {}
+    for trellis_key, verl_key in conversion.origin.items():
+        set_by.setdefault(verl_key, trellis_key)
+    out = []
+    for key, value in resolved.items():
+        if key in conversion.differences:
+            out.append((key, value, "DIFF", conversion.differences[key][1]))
+        elif key in reported:
+            out.append((key, value, "SILENT" if reported[key] == GENERIC else "NOT CONVERTED", reported[key]))
+        else:
+            out.append((key, value, "SAME", set_by.get(key, "trellis does the same")))
+    return out
+
+
+def summary(table: list[tuple[str, Any, str, str]]) -> str:
+    counts = Counter(status for _, _, status, _ in table)
+    return ", ".join(f"{status} {counts[status]}" for status in ("SAME", "DIFF", "NOT CONVERTED", "SILENT"))
