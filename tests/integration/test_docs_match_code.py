@@ -36,7 +36,6 @@ ALLOWED = {
     ("docs/coming-from-verl.md", "algorithm.gamma"): "a verl key, in from-verl's report",
     ("docs/coming-from-verl.md", "data.train_batch_size"): "a verl key, given a wrong value",
     ("docs/coming-from-verl.md", "data.max_response_length"): "a verl key, in from-verl's report",
-    ("docs/coming-from-verl.md", "trainer.v1.trainer_mode"): "a verl key, passed by from-verl when it says sync",
 }
 # words a config table may name that are no config field
 NOT_FIELDS = {"data_source": "a data column (reward auto picks by it)", "agent_name": "a data column (the agent loop a row runs)"}
