@@ -163,3 +163,23 @@ def test_the_default_multi_turn_token_budget_warns_that_it_counts_the_replies(tr
     assert "set multi_turn.max_response_tokens to 8 plus the tokens of the replies you expect" in out.stderr
     out = trellis_cli("--dry-run", *base, "multi_turn.max_response_tokens=40")
     assert out.returncode == 0 and "max_response_tokens" not in out.stderr
+
+
+def test_dry_run_names_what_the_config_needs_installed(tiny_model_path, data_files, tmp_path, monkeypatch):
+    """Ray for trainer.controller=ray and math-verify for auto's MATH rows stop --dry-run, as the
+    run itself would stop at its first Ray call or MATH sample (here: as if neither were installed)."""
+    import importlib.util
+
+    from trellis.recipes.train import train
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("ray", "math_verify") else real(name, *a))
+    base = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}", "data.train_batch_prompts=4", "sampling.n=2"]
+    with pytest.raises(Exception, match=r"'trainer.controller' is 'ray' but Ray is not installed: pip install trellis-core\[ray\]"):
+        train(None, ["recipe=rl", *base, "trainer.controller=ray"], dry_run=True)
+    rows = load_rows(data_files["train"])
+    for row in rows:
+        row["data_source"] = "lighteval/MATH"
+    math = write_rows(rows, tmp_path / "math.parquet")
+    with pytest.raises(Exception, match=r"data_source 'lighteval/MATH' \(in data.train_path\) with math-verify, not installed"):
+        train(None, ["recipe=rl", *base, f"data.train_path={math}", "reward.name=auto"], dry_run=True)

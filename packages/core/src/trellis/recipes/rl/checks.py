@@ -3,6 +3,7 @@ can fix, each naming the key and the fix."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 from omegaconf import DictConfig
@@ -15,12 +16,12 @@ from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.recipes.judge_engine import check_judge_engine
-from trellis.recipes.options import check_inputs
+from trellis.recipes.options import check_inputs, check_installed
 from trellis.recipes.reward_model import check_reward_model
 from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
 from trellis.recipes.teacher import TEACHER_NEED, check_teacher
 from trellis.registry import RegistryError
-from trellis.rewards import check_reward, unknown_sources
+from trellis.rewards import AUTO_SOURCES, check_reward, unknown_sources
 from trellis.runtime.harness import backend_mesh
 from trellis.runtime.plan import Plan
 from trellis.runtime.rollout_pool import check_rollout_pool
@@ -62,6 +63,7 @@ def check(cfg: DictConfig, registry) -> None:
     check_activation_memory(cfg, registry, "actor", seq_len, seq_len - cfg.data.max_prompt_length)
     if "groups" in declared and cfg.sampling.n < 2 and cfg.actor.distill.use_policy_loss:  # else the advantages are not used
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
+    check_installed(cfg)
 
 
 def check_batch_sizes(cfg: DictConfig, registry) -> int:
@@ -97,6 +99,12 @@ def check_auto_reward(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"config key 'reward.name' is auto, which has no reward for data_source {', '.join(map(repr, unknown))} "
                 f"(in data.{key} {cfg.data[key]!r}); name a reward, or give reward.path and reward.name of your own function"
+            )
+        math = sorted({str(row.get("data_source")) for row in rows if AUTO_SOURCES.get(row.get("data_source")) == "math"})
+        if math and importlib.util.find_spec("math_verify") is None:
+            raise ConfigError(
+                f"config key 'reward.name' is auto, which scores data_source {', '.join(map(repr, math))} (in data.{key}) with "
+                "math-verify, not installed: pip install trellis-core[math]"
             )
 
 
