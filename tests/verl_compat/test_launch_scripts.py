@@ -161,3 +161,25 @@ def test_entry_points_of_other_trainers_are_refused_naming_the_recipe(tmp_path):
     out = trellis("config", "from-verl", str(script), cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "verl entry point verl.trainer.fsdp_sft_trainer is an SFT run" in out.stderr
+
+
+def test_ppo_script_gives_the_critic_the_actors_batching():
+    cfg, err = converted("ppo_gae.sh")
+    assert cfg["algorithm"]["advantage"] == {"name": "gae"} and cfg["critic"]["model_path"] == "deepseek-ai/deepseek-llm-7b-chat"
+    assert (cfg["critic"]["mini_batch_samples"], cfg["critic"]["micro_batch_samples"]) == (256, 32)  # the actor's mini-batch, its own micro
+    assert cfg["critic"]["optim"]["lr"] == 1e-5 and "critic_warmup" not in err
+    assert "critic.model.enable_gradient_checkpointing=True: the backend section's activation_checkpointing holds for every role" in err
+
+
+def test_rollout_correction_script_keeps_its_importance_weights_and_bypass_loss():
+    cfg, err = converted("rollout_corr.sh")
+    loss = cfg["actor"]["policy_loss"]
+    assert loss == {
+        "name": "bypass_mode",
+        "loss_type": "reinforce",
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 2.0,
+        "rollout_is_batch_normalize": True,
+    }
+    assert cfg["algorithm"]["advantage"] == {"name": "rloo"}
+    assert "algorithm.gamma=1.0: advantage 'rloo' has no option gamma" in err

@@ -113,6 +113,7 @@ def test_distillation_script_moves_the_student(tiny_model_path, tiny_untied_mode
 def test_ppo_critic_updates_as_often_as_verls(tiny_model_path, data, tmp_path):
     """verl's critic takes the actor's mini-batch when its own is not given: 4 prompts in mini-batches
     of 2 is 2 optimizer steps for both roles, where trellis's own default would give the critic 1."""
-    cfg, steps, _ = run("lora.sh", tiny_model_path, data, tmp_path, "algorithm.adv_estimator=gae", "actor_rollout_ref.model.lora_rank=0")
+    critic = [f"critic.model.path={tiny_model_path}", "actor_rollout_ref.rollout.name=hf", "critic.ppo_micro_batch_size_per_gpu=4"]
+    cfg, steps, _ = run("ppo_gae.sh", tiny_model_path, data, tmp_path, *critic)
     assert cfg["critic"]["mini_batch_samples"] == 2 * 2
     assert all(s["critic/optimizer_steps"] == s["actor/optimizer_steps"] == 2 for s in steps)

@@ -21,7 +21,10 @@ def parity(script: str, cwd: Path = SCRIPTS) -> dict[str, tuple[str, str]]:
     return {cells[0].strip("|` "): (cells[2], cells[3].rstrip(" |")) for cells in rows}
 
 
-@pytest.mark.parametrize("script", ["lora.sh", "dapo.sh", "fully_async.sh", "one_step_off.sh", "distill.sh", "multiturn/run.sh"])
+SCRIPT_NAMES = ["lora.sh", "dapo.sh", "fully_async.sh", "one_step_off.sh", "distill.sh", "ppo_gae.sh", "rollout_corr.sh", "multiturn/run.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPT_NAMES)
 def test_every_key_of_verls_resolved_config_is_accounted_for(script):
     table = parity(Path(script).name, cwd=SCRIPTS / Path(script).parent)
     assert len(table) > 850  # the whole resolved config, not the script's keys alone

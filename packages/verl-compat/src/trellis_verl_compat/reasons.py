@@ -54,6 +54,7 @@ TRELLIS_BEHAVIOUR: Source = {
     "trainer.val_only": False,
     "trainer.use_v1": True,
     "trainer.del_local_ckpt_after_load": False,
+    "trainer.critic_warmup": 0,  # the critic and the actor update from the first step
 }
 
 
@@ -138,6 +139,10 @@ REASONS: tuple[tuple[str, str], ...] = (
     (ROLLOUT + "moe_load_balance_metrics_interval", "trellis trains dense models"),
     (ROLLOUT + "disaggregation.*", "no prefill/decode disaggregation"),
     (AR + "nccl_timeout", "trainer.ray_call_timeout_s bounds every call to the ranks"),
+    *(
+        (f"critic.model.{key}", f"the backend section's {what} holds for every role (converted from actor_rollout_ref.model.{key})")
+        for key, what in (("use_remove_padding", "padding_free"), ("enable_gradient_checkpointing", "activation_checkpointing"))
+    ),
     ("critic.fsdp.*", "FSDP sharding and offload are the backend section's options (trellis config show)"),
     ("reward.num_workers", "reward.max_concurrency: samples scored at once"),
     ("reward.sandbox_fusion.*", "a code reward's sandbox is trellis-sandbox's reward options (reward.kwargs)"),
@@ -151,6 +156,7 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("trainer.device", "trellis places roles on the devices torch sees (CUDA, else CPU)"),
     ("*fsdp_config.*", "FSDP sharding and offload are the backend section's options (trellis config show)"),
     ("*profiler*", "no profiler settings"),
+    ("*forward_micro_batch_size*", "forward passes use the role's micro_batch_samples / max_tokens_per_micro_batch"),
     ("*log_prob_*", "log-prob passes use the role's micro_batch_samples / max_tokens_per_micro_batch"),
     ("*ulysses_sequence_parallel_size", "no sequence parallelism"),
     (
