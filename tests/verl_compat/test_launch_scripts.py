@@ -152,6 +152,19 @@ def test_hydra_config_name_follows_its_defaults_and_the_engine_need_not_be_insta
     assert "rollout 'sglang' is not installed" in err
 
 
+def test_the_trainer_line_is_found_after_data_preparation_and_by_its_file(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k\n"
+        "python3 /src/verl/verl/experimental/one_step_off_policy/main_ppo.py trainer.total_training_steps=3\n"
+    )
+    launch = read_script(script)
+    assert (launch.entry, launch.overrides) == ("verl.experimental.one_step_off_policy.main_ppo", ["trainer.total_training_steps=3"])
+    script.write_text("python3 prepare.py\necho done\n")
+    with pytest.raises(Exception, match=r"has no 'python3 -m <verl entry point> ...' line \(its python commands run prepare.py\)"):
+        read_script(script)
+
+
 def test_entry_points_of_other_trainers_are_refused_naming_the_recipe(tmp_path):
     script = tmp_path / "sft.sh"
     script.write_text("torchrun --nproc_per_node=8 -m verl.trainer.fsdp_sft_trainer data.train_files=x\n")

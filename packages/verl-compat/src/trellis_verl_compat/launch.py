@@ -58,9 +58,18 @@ OTHER_ENTRIES = {
 VERL_BASES = {e.config_name for e in ENTRIES.values()} | {"ppo_megatron_trainer"}
 
 
+def module_of(name: str) -> str:
+    """The dotted module of an entry point given as a module or a path to its ``.py`` file (a
+    checkout's path ends in the module's: ``/src/verl/verl/trainer/main_ppo.py``)."""
+    if not name.endswith(".py"):
+        return name
+    dotted = name[:-3].replace("/", ".").strip(".")
+    return next((known for known in [*ENTRIES, *OTHER_ENTRIES] if dotted == known or dotted.endswith("." + known)), dotted)
+
+
 def entry_of(name: str) -> Entry:
     """The entry point ``name`` (a module, or a path to its ``.py`` file), or a refusal naming the known ones."""
-    module = name[:-3].strip("./").replace("/", ".") if name.endswith(".py") else name
+    module = module_of(name)
     if module in ENTRIES:
         return ENTRIES[module]
     if module in OTHER_ENTRIES:
@@ -87,6 +96,7 @@ def read_script(path: Path) -> Launch:
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"verl launch script {str(path)!r} cannot be read ({type(exc).__name__})") from None
     env: dict[str, Any] = {**os.environ, "0": str(path), "PWD": str(Path.cwd())}
+    others = []  # python commands of the script that run no verl trainer (data preparation...)
     for line in _statements(text):
         assigned = re.fullmatch(r"(?:export\s+|local\s+|readonly\s+)?(\w+)=(\(.*\)|.*)", line.strip(), re.S)
         if assigned and assigned.group(2).startswith("("):
@@ -97,9 +107,13 @@ def read_script(path: Path) -> Launch:
             env[assigned.group(1)] = words[0].split("=", 1)[1]
             continue
         launch = _command(words)
-        if launch is not None:
+        if launch is not None and module_of(launch.entry) in (*ENTRIES, *OTHER_ENTRIES):
+            launch.entry = module_of(launch.entry)
             return launch
-    raise DataError(f"verl launch script {str(path)!r} has no 'python3 -m <verl entry point> ...' line; give its keys instead")
+        if launch is not None:
+            others.append(launch.entry)
+    also = f" (its python commands run {', '.join(others)})" if others else ""
+    raise DataError(f"verl launch script {str(path)!r} has no 'python3 -m <verl entry point> ...' line{also}; give its keys instead")
 
 
 def _statements(text: str) -> list[str]:
