@@ -196,3 +196,15 @@ def test_rollout_correction_script_keeps_its_importance_weights_and_bypass_loss(
     }
     assert cfg["algorithm"]["advantage"] == {"name": "rloo"}
     assert "algorithm.gamma=1.0: advantage 'rloo' has no option gamma" in err
+
+
+def test_gspo_script_with_environment_setup_and_data_preparation_converts():
+    """eval, exports, a data-preparation python command inside an if, $(basename ...) and nested
+    $(((...))) are read as bash would; GSPO's clip range and the dapo manager's overlong buffer
+    (off, so no penalty) convert."""
+    cfg, err = converted("gspo.sh")
+    assert cfg["actor"]["policy_loss"] == {"name": "gspo", "clip_ratio_low": 0.0003, "clip_ratio_high": 0.0004}
+    assert (cfg["actor"]["loss_agg_mode"], cfg["actor"]["max_tokens_per_micro_batch"]) == ("seq-mean-token-mean", (2048 + 8192) * 2)
+    assert cfg["data"]["train_path"] == ["/data/gsm8k/train.parquet"] and "overlong" not in cfg["reward"]
+    assert cfg["actor"]["optim"]["warmup_steps"] == int(0.05 * 500) and cfg["actor"]["optim"]["grad_clip"] == 1.0
+    assert "trainer.experiment_name='gspo-Qwen2.5-3B-Instruct-RL'" in err  # $(basename $MODEL_PATH)

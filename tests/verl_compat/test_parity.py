@@ -21,7 +21,17 @@ def parity(script: str, cwd: Path = SCRIPTS) -> dict[str, tuple[str, str]]:
     return {cells[0].strip("|` "): (cells[2], cells[3].rstrip(" |")) for cells in rows}
 
 
-SCRIPT_NAMES = ["lora.sh", "dapo.sh", "fully_async.sh", "one_step_off.sh", "distill.sh", "ppo_gae.sh", "rollout_corr.sh", "multiturn/run.sh"]
+SCRIPT_NAMES = [
+    "lora.sh",
+    "dapo.sh",
+    "fully_async.sh",
+    "one_step_off.sh",
+    "distill.sh",
+    "ppo_gae.sh",
+    "rollout_corr.sh",
+    "gspo.sh",
+    "multiturn/run.sh",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPT_NAMES)

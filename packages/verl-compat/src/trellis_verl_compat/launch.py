@@ -95,7 +95,7 @@ def read_script(path: Path) -> Launch:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"verl launch script {str(path)!r} cannot be read ({type(exc).__name__})") from None
-    env: dict[str, Any] = {**os.environ, "0": str(path), "PWD": str(Path.cwd())}
+    env: dict[str, Any] = {**os.environ, "0": str(path), "BASH_SOURCE": [str(path)], "PWD": str(Path.cwd())}
     others = []  # python commands of the script that run no verl trainer (data preparation...)
     for line in _statements(text):
         assigned = re.fullmatch(r"(?:export\s+|local\s+|readonly\s+)?(\w+)=(\(.*\)|.*)", line.strip(), re.S)
@@ -177,12 +177,21 @@ def _expand(text: str, env: dict[str, Any]) -> str:
 
 
 def _substitution(command: str, env: dict[str, Any]) -> str:
-    """``$(command)`` for the commands launch scripts use to find folders (``pwd``, ``dirname $0``,
-    ``cd ... && pwd``), answered without running anything; any other is kept as written."""
-    if command.strip() == "pwd":
+    """``$(command)`` for the commands launch scripts use to name folders and runs (``pwd``,
+    ``basename P``, ``dirname P``, ``cd D && pwd``), answered without running anything; any
+    other is kept as written."""
+    try:
+        words = shlex.split(_expand(command, env))
+    except ValueError:
+        return f"$({command})"
+    if words == ["pwd"]:
         return str(env.get("PWD") or Path.cwd())
-    if "dirname" in command and ("$0" in command or "BASH_SOURCE" in command):
-        return str(Path(env["0"]).resolve().parent)
+    if len(words) in (2, 3) and words[0] == "basename":
+        return Path(words[1]).name.removesuffix(words[2] if len(words) == 3 else "")
+    if len(words) == 2 and words[0] == "dirname":
+        return str(Path(words[1]).parent)
+    if len(words) == 4 and words[0] == "cd" and words[2:] == ["&&", "pwd"]:
+        return str((Path(str(env.get("PWD") or Path.cwd())) / words[1]).resolve())
     return f"$({command})"
 
 

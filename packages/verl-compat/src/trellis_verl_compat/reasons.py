@@ -120,6 +120,7 @@ REASONS: tuple[tuple[str, str], ...] = (
         "trellis's engines return the log-probs of the sampled tokens under the processed distribution (temperature applied), "
         "verl's processed_logprobs",
     ),
+    (ROLLOUT + "val_kwargs.*", "validation samples at validation.temperature with sampling's top_p and top_k (no held-out ones of its own)"),
     (ROLLOUT + "dtype", "the engine holds the trainer's weights at the backend's dtype"),
     (ROLLOUT + "seed", "the engines sample from generators seeded by the run's seed (sampling.seed for per-request seeds)"),
     (ROLLOUT + "full_determinism", "trellis's engines sample from seeded generators; bitwise determinism is not promised"),
