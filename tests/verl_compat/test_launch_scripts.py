@@ -208,3 +208,11 @@ def test_gspo_script_with_environment_setup_and_data_preparation_converts():
     assert cfg["data"]["train_path"] == ["/data/gsm8k/train.parquet"] and "overlong" not in cfg["reward"]
     assert cfg["actor"]["optim"]["warmup_steps"] == int(0.05 * 500) and cfg["actor"]["optim"]["grad_clip"] == 1.0
     assert "trainer.experiment_name='gspo-Qwen2.5-3B-Instruct-RL'" in err  # $(basename $MODEL_PATH)
+
+
+def test_genrm_remote_script_scores_whole_batches_with_its_function():
+    """verl's batch reward manager calls compute_score_batch(data_sources, solution_strs,
+    ground_truths, extra_infos): trellis's batched reward, the same call."""
+    cfg, err = converted("genrm_remote.sh")
+    assert cfg["reward"] == {"name": "compute_score_batch", "path": "recipe/genrm_remote/reward_function.py", "batched": True}
+    assert "reward_manager" not in err and cfg["actor"]["kl_loss_type"] == "low_var_kl"

@@ -30,6 +30,7 @@ SCRIPT_NAMES = [
     "ppo_gae.sh",
     "rollout_corr.sh",
     "gspo.sh",
+    "genrm_remote.sh",
     "multiturn/run.sh",
 ]
 
