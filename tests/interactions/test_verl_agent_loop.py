@@ -26,6 +26,7 @@ from trellis.interfaces.rollout import Generation  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
 
 CHECK = "Check your answer."
+SEEN_FIELDS: list[set[str]] = []  # the keyword arguments each run got
 
 
 @register("check_again_agent")
@@ -34,6 +35,7 @@ class CheckAgainAgentLoop(AgentLoopBase):
     answer, the model answers again; the reward is a tenth of the last reply's length in characters."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        SEEN_FIELDS.append(set(kwargs))
         messages = list(kwargs["raw_prompt"])
         metrics: dict[str, Any] = {}
         request_id = uuid4().hex
@@ -122,6 +124,9 @@ def test_a_verl_agent_loop_trains_on_what_the_engine_sampled(tiny_model_path, da
             assert batch["agent_rewards"][i].item() == pytest.approx(len(reply) / 10) and batch["agent_scored"][i]
         assert not mine
         assert steps[step]["reward/mean"] == pytest.approx(batch["agent_rewards"].mean().item(), abs=1e-6)
+    # every column of the row reaches the loop, as verl passes them (a loop reads reward_model, data_source...)
+    columns = {"raw_prompt", "extra_info", "data_source", "reward_model", "agent_name", "tools_kwargs", "interaction_kwargs", "index"}
+    assert SEEN_FIELDS and all(columns - {"agent_name"} <= seen for seen in SEEN_FIELDS), SEEN_FIELDS[0]
 
 
 def test_a_verl_loop_is_configured_by_name_and_checked_before_any_model_is_built(tiny_model_path, data, tmp_path):

@@ -59,9 +59,12 @@ def load_verl_loop(path: str) -> type:
 
 class VerlAgentLoop(AgentLoop):
     """Each sample: the verl class built with verl's constructor arguments, ``run(sampling_params,
-    raw_prompt=..., extra_info=..., tools_kwargs=..., ...)`` awaited, its output checked (its prompt
-    is the row's prompt as trellis rendered it; every model turn was sampled after the very ids the
-    trajectory holds before it) and returned as the sample's ``Trajectory``."""
+    **row)`` awaited with the row's columns that trellis's data keeps (``raw_prompt``,
+    ``data_source``, ``reward_model`` with its ``ground_truth``, ``ability``, ``extra_info``...) plus
+    ``tools_kwargs``, ``interaction_kwargs`` and ``index`` from ``extra_info``, as verl calls it;
+    its output checked (its prompt is the row's prompt as trellis rendered it; every model turn was
+    sampled after the very ids the trajectory holds before it) and returned as the sample's
+    ``Trajectory``."""
 
     def __init__(self, engine: Any, spec: Any, env: Any, options: VerlAgentLoopOptions) -> None:
         super().__init__(engine, spec, env)
@@ -70,7 +73,11 @@ class VerlAgentLoop(AgentLoop):
         self.verl_tools = [make().inner for make, tcfg in spec.tools if tcfg.verl_class]
         self.model_type = model_type(self.tokenizer)
 
-    async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
+    row_fields = True  # verl calls a loop's run with every column of the row
+
+    async def sample(
+        self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams, fields: dict[str, Any]
+    ) -> Trajectory:
         from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
         from verl.utils.dataset.rl_dataset import RLHFDataset
 
@@ -94,8 +101,10 @@ class VerlAgentLoop(AgentLoop):
             tools=ToolListWrap(self.verl_tools),
             **self.options.kwargs,
         )
-        # the fields verl's dataset gives every row (tools_kwargs, interaction_kwargs and index come from extra_info)
+        # every column of the row, as verl passes them, and the fields verl's dataset adds from extra_info
         row = {
+            **fields,
+            "reward_model": {"ground_truth": fields.get("ground_truth")},  # the column trellis's data keeps its ground truth from
             "raw_prompt": raw_prompt,
             "extra_info": extra_info,
             "tools_kwargs": extra_info.get("tools_kwargs", {}),

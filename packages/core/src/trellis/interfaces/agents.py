@@ -117,10 +117,14 @@ class AgentLoop:
 
     ``runs_tools``: the loop runs the model's tool calls itself from ``env.tools``, so it cannot
     serve a ``multi_turn.tools`` entry that gives only a schema (a tool the agent runs; refused
-    before any model is built).
+    before any model is built). ``row_fields``: ``sample`` takes a keyword ``fields`` with the
+    row's other columns (the engines are then shipped every column of the prompts).
     """
 
     runs_tools = False
+    # True: ``sample`` also gets ``fields``, the row's other columns (``data_source``,
+    # ``reward_model``, ...), as verl hands its loops every column of the row
+    row_fields = False
 
     def __init__(self, engine: RolloutEngine, spec: Any, env: Any) -> None:
         self.engine = engine

@@ -37,7 +37,14 @@ class AgentRollout:
     spec: AgentSpec
     loops: dict[str, type[AgentLoop]]
     options: dict[str, Any] = field(default_factory=dict)
-    inputs = (*MODEL_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
+
+    @property
+    def inputs(self) -> tuple[str, ...] | None:
+        """The prompt fields the engines get: the token ids, chat messages, ``extra_info`` and
+        ``agent_name``, or every field (None) when a loop takes the row's other columns."""
+        if any(cls.row_fields for cls in self.loops.values()):
+            return None
+        return (*MODEL_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
 
     async def __call__(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` conversations per prompt, every loop's samples in flight together (up to
@@ -55,10 +62,10 @@ class AgentRollout:
         names = self.loop_names(prompts)
         limit = asyncio.Semaphore(self.spec.settings.max_concurrent_samples)
 
-        async def one(name: str, *args: Any) -> Trajectory:
+        async def one(name: str, *args: Any, fields: dict[str, Any]) -> Trajectory:
             async with limit:
                 turns = recording()  # this sample's task's own record
-                traj = await built[name].sample(*args)
+                traj = await built[name].sample(*args, **({"fields": fields} if self.loops[name].row_fields else {}))
                 check_sampled(traj, turns, name, self.spec.tokenizer)
                 return traj
 
@@ -68,7 +75,7 @@ class AgentRollout:
             for j in range(params.n):
                 single = dataclasses.replace(params, n=1, seed=params.sample_seed(i * params.n + j))
                 args = (ids, prompts["raw_prompt"][i], prompts["extra_info"][i] or {}, single)
-                jobs.append(one(names[i], *args))
+                jobs.append(one(names[i], *args, fields=row_fields(prompts, i)))
         try:
             trajectories = await asyncio.gather(*jobs)
         finally:
@@ -88,6 +95,11 @@ class AgentRollout:
         """Each prompt's loop: its ``agent_name``, or ``multi_turn.agent_loop`` where it has none."""
         given = prompts[AGENT_COLUMN] if AGENT_COLUMN in prompts else [None] * len(prompts)
         return [self.spec.settings.agent_loop if name is None else name for name in given]
+
+
+def row_fields(prompts: Batch, i: int) -> dict[str, Any]:
+    """Prompt ``i``'s columns besides those every loop gets (its messages, ``extra_info``, ``agent_name``)."""
+    return {k: v[i] for k, v in prompts.non_tensors.items() if k not in ("raw_prompt", "extra_info", AGENT_COLUMN)}
 
 
 def agent_rollout(spec: AgentSpec, registry: Registry, data: Mapping[str, Iterable[tuple[int, Any]]] | None = None) -> AgentRollout:

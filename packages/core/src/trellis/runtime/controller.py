@@ -165,8 +165,8 @@ class RolloutGroup:
     def rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
         """``fn(engine, prompts, params)`` next to each engine, on the engine's share of the
         prompts (the Ray controller pickles ``fn`` to every rank; an async ``fn`` runs on the
-        engine's event loop). The engines get the fields ``fn.inputs`` names; the others stay
-        here and are repeated onto each prompt's samples, as for ``generate``."""
+        engine's event loop). The engines get the fields ``fn.inputs`` names (None: every field);
+        the others stay here and are repeated onto each prompt's samples, as for ``generate``."""
         return self._sample(prompts, params, fn.inputs, functools.partial(self._rollout, fn=fn))
 
     def stream(self, prompts: Batch, params: SamplingParams, size: int) -> Iterator[Batch]:
@@ -176,8 +176,10 @@ class RolloutGroup:
         for start in range(0, len(prompts), size):
             yield self.generate(prompts[start : start + size], params.skip(start * params.n))
 
-    def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...], run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
-        shipped = prompts.select(*[k for k in inputs if k in prompts])
+    def _sample(
+        self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...] | None, run: Callable[[Batch, SamplingParams], Batch]
+    ) -> Batch:
+        shipped = prompts if inputs is None else prompts.select(*[k for k in inputs if k in prompts])
         with self.lock:
             out = run(shipped, params)
             version = self.version
