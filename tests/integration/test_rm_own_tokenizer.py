@@ -145,3 +145,31 @@ def test_a_reward_model_of_another_tokenizer_without_a_chat_template_is_refused(
         train(None, ["recipe=rl", *base], dry_run=True)
     message = str(caught.value)
     assert "'reward.model.path'" in message and str(folder) in message and "vocabularies" in message and "chat template" in message
+
+
+def test_conversation_layout_scores_the_whole_rendered_conversation_as_verl_does(tiny_model_path, other_rm):
+    """``reward.model.layout: conversation`` (what from-verl sets): the messages and the answer as
+    an assistant message, rendered by the reward model's template without a generation prompt and
+    scored at its last token, as verl's reward loop sends them to its reward model; with the
+    policy's own ChatML that is the newline after <|im_end|>, one token past where ``sampled`` reads."""
+    policy = AutoTokenizer.from_pretrained(tiny_model_path)
+    eos = policy.eos_token_id
+    answers = [policy.encode("#### 7") + [eos], policy.encode("#### 9"), policy.encode("42") + [eos], []]
+    batch = rollout(policy, answers)
+    own = RewardInputs(policy, policy, 512, conversation=True)(batch)
+    for i in range(len(batch)):
+        ids = own["input_ids"][i][own["attention_mask"][i].bool()].tolist()
+        assert policy.decode(ids[-2:]) == "<|im_end|>\n"  # the template's end, not the sample's eos
+    reward_tok = AutoTokenizer.from_pretrained(other_rm)
+    role = build_worker(load_plugins().registry, "fsdp", "reward_model", other_rm, None, head="reward")
+    scored = ModelReward(role, 1.0, "reward_model", None, RewardInputs(policy, reward_tok, CONTEXT, conversation=True)).score(batch)
+    first = [{"role": "user", "content": "3+4="}]
+    second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+30="}]
+    model = AutoModelForSequenceClassification.from_pretrained(other_rm)
+    direct = []
+    for messages, answer in zip([first, first, second, second], ["#### 7", "#### 9", "42", ""]):
+        text = reward_tok.apply_chat_template([*messages, {"role": "assistant", "content": answer}], tokenize=False, add_generation_prompt=False)
+        ids = reward_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, -CONTEXT:]
+        with torch.no_grad():
+            direct.append(float(model(input_ids=ids).logits[0, 0]))
+    torch.testing.assert_close(scored.components["reward_model"], torch.tensor(direct), atol=1e-5, rtol=0)

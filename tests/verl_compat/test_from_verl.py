@@ -290,16 +290,20 @@ def test_a_reward_model_converts_to_the_reward_model_role():
         return conversion.config["reward"], {key: reason for key, _, reason in conversion.unmapped}
 
     reward, why = converted(
-        "reward_model.enable=True", "reward_model.model.path=/models/rm", "reward_model.model.input_tokenizer=/models/other",
+        "reward_model.enable=True",
+        "reward_model.model.path=/models/rm",
+        "reward_model.model.input_tokenizer=/models/other",
         "reward_model.micro_batch_size_per_gpu=4",
     )
-    assert reward == {"model": {"path": "/models/rm"}}  # verl's reward model alone is the reward
+    assert reward == {"model": {"path": "/models/rm", "layout": "conversation"}}  # alone the reward, read as verl's reward loop renders it
     assert "re-tokenises" in why["reward_model.model.input_tokenizer"] and "micro-batching" in why["reward_model.micro_batch_size_per_gpu"]
     assert "reward_model.enable" not in why and "reward_model.model.path" not in why
     reward, why = converted("reward_model.enable=False", "reward_model.model.path=/models/rm")
     assert reward == {"name": "verl_default"} and not [k for k in why if k.startswith("reward_model")]  # off: verl ignores the path too
     _, why = converted("reward_model.enable=True")
     assert "reward_model.model.path is not given" in why["reward_model.enable"]
+    reward, _ = converted("reward.reward_model.enable=True", "reward.reward_model.model_path=/models/rm")  # verl 0.9.1's keys
+    assert reward == {"model": {"path": "/models/rm", "layout": "conversation"}}
 
 
 def test_verl_agent_loop_config_file_becomes_agent_loop_entries(tmp_path):

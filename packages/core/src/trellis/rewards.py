@@ -172,11 +172,19 @@ class RewardModelConfig:
     a sequence-classification folder with one label (the ``rm`` recipe's ``hf_model``) and the
     actor's tokenizer (empty: none). Its score at each sample's last token, times ``weight``, is
     the sample's reward, added to the sum of ``reward.terms`` when they are given; its unweighted
-    score is the metric and component ``key``: ``reward/<key>``."""
+    score is the metric and component ``key``: ``reward/<key>``.
+
+    layout: what the reward model reads. ``sampled``: the sample as the ``rm`` recipe trains on it
+    (the policy's token ids when the tokenizers and chat templates match, else the prompt rendered
+    with the generation prompt, the response's text and eos), scored at its last token.
+    ``conversation``: the prompt's messages and the response's text as an assistant message,
+    rendered with the reward model's chat template without a generation prompt and scored at its
+    last token, as verl's reward loop (and TRL's reward trainer) lay it out."""
 
     path: str = ""
     weight: float = ranged(1.0, ge=-1e6, le=1e6)
     key: str = "reward_model"
+    layout: str = choice("sampled", ("sampled", "conversation"))
 
 
 @dataclass

@@ -99,14 +99,18 @@ def _custom_reward(prefix: str) -> Callable[[Any, Source], str]:
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def _reward_model(value: Any, src: Source) -> Any:
-    """``reward_model.enable``: the folder ``reward_model.model.path`` names becomes ``reward.model.path``."""
-    if not value:
-        return SKIP
-    path = src.get("reward_model.model.path")
-    if path is None:
-        raise Unmapped("reward_model.enable is true but reward_model.model.path is not given; give the reward model's folder")
-    return path
+def _reward_model(path_key: str) -> Callable[[Any, Source], Any]:
+    """``reward_model.enable`` (verl 0.9.1: ``reward.reward_model.enable``): the folder ``path_key``
+    names becomes ``reward.model.path``."""
+
+    def convert(value: Any, src: Source) -> Any:
+        if not value:
+            return SKIP
+        if src.get(path_key) is None:
+            raise Unmapped(f"the reward model is enabled but {path_key} is not given; give the reward model's folder")
+        return src[path_key]
+
+    return convert
 
 
 def _dtype(value: Any, src: Source) -> str:
@@ -337,7 +341,14 @@ RULES: tuple[Rule, ...] = (
             Rule(prefix + "custom_reward_function.reward_kwargs", "reward.kwargs"),
         )
     ),
-    Rule("reward_model.enable", "reward.model.path", _reward_model, "reward_model.model.path, when enable is true"),
+    *(
+        rule
+        for enable, path in (("reward_model.enable", "reward_model.model.path"), ("reward.reward_model.enable", "reward.reward_model.model_path"))
+        for rule in (
+            Rule(enable, "reward.model.path", _reward_model(path), f"{path}, when enable is true"),
+            Rule(enable, "reward.model.layout", when(enable, lambda v, s: "conversation"), "verl's reward loop renders the conversation"),
+        )
+    ),
     Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
     Rule("trainer.total_epochs", "trainer.total_steps", _epochs, "epochs x (training rows // train_batch_size)"),
     Rule("trainer.nnodes", "trainer.nnodes"),

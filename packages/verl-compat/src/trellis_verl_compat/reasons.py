@@ -14,6 +14,7 @@ READ_BY_OTHERS = {
     "custom_reward_function.name",
     "reward.custom_reward_function.name",
     "reward_model.model.path",
+    "reward.reward_model.model_path",
     ACTOR + "use_remove_padding",  # verl's interpolation of model.use_remove_padding
     "data.tool_config_path",  # verl's interpolation of the rollout's
     *(f"reward_model.overlong_buffer.{k}" for k in ("len", "penalty_factor")),

@@ -39,15 +39,18 @@ class RewardInputs:
     ``max_length`` (the prompt's start is cut, never the answer's end), with one warning that
     counts them per batch."""
 
-    def __init__(self, policy: Any, reward: Any, max_length: int) -> None:
-        self.policy, self.reward, self.max_length = policy, reward, max_length
+    def __init__(self, policy: Any, reward: Any, max_length: int, conversation: bool = False) -> None:
+        self.policy, self.reward, self.max_length, self.conversation = policy, reward, max_length, conversation
         self.pad = require_pad_id(reward)
 
     def sample(self, messages: list[dict[str, Any]], response: list[int]) -> list[int]:
-        """One sample's token ids for the reward model (uncut)."""
+        """One sample's token ids for the reward model (uncut); with ``conversation``, the messages
+        and the response as an assistant message, rendered whole (``reward.model.layout``)."""
+        text = self.policy.decode(response, skip_special_tokens=True)
+        if self.conversation:
+            return encode_text(self.reward, render_chat(self.reward, [*messages, {"role": "assistant", "content": text}], False, {}))
         prompt = encode_text(self.reward, render_chat(self.reward, list(messages), True, {}))
         finished = bool(response) and response[-1] == self.policy.eos_token_id
-        text = self.policy.decode(response, skip_special_tokens=True)
         return prompt + (encode_response(self.reward, text) if finished else encode_text(self.reward, text))
 
     def __call__(self, batch: Batch) -> Batch:

@@ -58,18 +58,19 @@ def check_reward_model(cfg: DictConfig) -> None:
 
 def reward_inputs(cfg: DictConfig, policy) -> RewardInputs | None:
     """The re-tokenisation of rollouts for ``reward.model.path`` when its tokenizer differs from
-    the policy's (``retokenize_reason``), its samples cut to the model's context
-    (``max_position_embeddings``, or the tokenizer's ``model_max_length`` when smaller); None
-    when the reward model scores the policy's token ids as they are."""
-    path = cfg.reward.model.path
+    the policy's (``retokenize_reason``) or ``reward.model.layout`` is ``conversation``, its
+    samples cut to the model's context (``max_position_embeddings``, or the tokenizer's
+    ``model_max_length`` when smaller); None when the reward model scores the policy's token ids
+    as they are."""
+    path, conversation = cfg.reward.model.path, cfg.reward.model.layout == "conversation"
     reward = load_tokenizer(path, "reward.model.path")
-    why = retokenize_reason(policy, reward)
+    why = "reward.model.layout is conversation" if conversation else retokenize_reason(policy, reward)
     if not why:
         return None
     if not getattr(reward, "chat_template", None):
         raise ConfigError(
-            f"config key 'reward.model.path' is {path!r}, whose tokenizer differs from the actor's ({why}), so samples are "
-            "re-rendered with its chat template, but it has none; give the folder one (chat_template.jinja)"
+            f"config key 'reward.model.path' is {path!r}: samples are re-rendered with its chat template ({why}), but it has "
+            "none; give the folder one (chat_template.jinja)"
         )
     config = AutoConfig.from_pretrained(path)
     limits = [n for n in (getattr(config, "max_position_embeddings", None), reward.model_max_length) if n and n < 10**9]
@@ -78,7 +79,7 @@ def reward_inputs(cfg: DictConfig, policy) -> RewardInputs | None:
             f"config key 'reward.model.path' is {path!r}, whose config and tokenizer give no maximum length "
             "(max_position_embeddings, model_max_length); set tokenizer_config.json's model_max_length"
         )
-    return RewardInputs(policy, reward, min(limits))
+    return RewardInputs(policy, reward, min(limits), conversation)
 
 
 class ModelReward:
