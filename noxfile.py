@@ -93,7 +93,14 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     # the converted multi-turn example trains with trellis-interactions' gsm8k interaction; [lora]: a converted LoRA
     # script trains; [scoring] and verl itself (see _install_with_verl): the verl_default reward calls verl's own scoring
     "verl_compat": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "packages/interactions", "packages/verl-compat[scoring]"],
+        [
+            "packages/core",
+            "packages/algos",
+            "packages/backend-fsdp[lora]",
+            "packages/rollout-hf",
+            "packages/interactions",
+            "packages/verl-compat[scoring]",
+        ],
         [],
         "tests/verl_compat",
     ),
