@@ -375,7 +375,12 @@ def test_ctrl_c_prints_one_line_with_the_command_that_resumes(rl_overrides, tmp_
     args = [*rl_overrides[1:], "trainer.total_steps=40", "trainer.save_every_steps=1", f"trainer.run_dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "trellis.cli", "train", str(config), *args]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT's default action in the child: a suite started in the background (`... &` without job control)
+    # runs with SIGINT ignored, which Python inherits and then never turns into KeyboardInterrupt
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
