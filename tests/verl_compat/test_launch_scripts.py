@@ -216,3 +216,13 @@ def test_genrm_remote_script_scores_whole_batches_with_its_function():
     cfg, err = converted("genrm_remote.sh")
     assert cfg["reward"] == {"name": "compute_score_batch", "path": "recipe/genrm_remote/reward_function.py", "batched": True}
     assert "reward_manager" not in err and cfg["actor"]["kl_loss_type"] == "low_var_kl"
+
+
+def test_reinforce_and_sapo_scripts_keep_their_estimator_and_loss():
+    cfg, _ = converted("reinforce_pp.sh")
+    assert cfg["algorithm"]["advantage"] == {"name": "reinforce_plus_plus_baseline"}
+    assert (cfg["algorithm"]["use_kl_in_reward"], cfg["algorithm"]["kl_penalty"], cfg["algorithm"]["kl_coef"]) == (True, "kl", 0.001)
+    home = str(Path.home())
+    assert cfg["data"]["train_path"] == [f"{home}/data/gsm8k/train.parquet", f"{home}/data/math/train.parquet"]
+    cfg, _ = converted("sapo.sh")
+    assert cfg["actor"]["policy_loss"] == {"name": "sapo", "tau_pos": 1.0, "tau_neg": 1.05}

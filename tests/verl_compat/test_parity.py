@@ -31,6 +31,8 @@ SCRIPT_NAMES = [
     "rollout_corr.sh",
     "gspo.sh",
     "genrm_remote.sh",
+    "reinforce_pp.sh",
+    "sapo.sh",
     "multiturn/run.sh",
 ]
 
