@@ -33,7 +33,6 @@ from trellis import (
     SamplingParams,
     TrainerConfig,
     check_inputs,
-    check_installed,
     check_reward,
     choice,
     component,
@@ -67,7 +66,6 @@ class SPINConfig(RecipeConfig):
 def check(cfg: DictConfig, registry: Any) -> None:
     """What a user can fix, before anything is written or built."""
     check_inputs(cfg)
-    check_installed(cfg)
     if cfg.pairs == "ranked" and cfg.sampling.n < 2:
         raise ConfigError(f"config key 'sampling.n' is {cfg.sampling.n}; pairs: ranked compares samples of a prompt, so it needs at least 2")
     check_reward(cfg.reward, registry, cfg.recipe)

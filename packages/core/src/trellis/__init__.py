@@ -107,7 +107,6 @@ _API = {
     "PreferenceTrainConfig": "trellis.recipes.options",
     "backend_field": "trellis.recipes.options",
     "check_inputs": "trellis.recipes.options",
-    "check_installed": "trellis.recipes.options",
     "without_adapter": "trellis.recipes.options",
     "save_hf_folder": "trellis.export",
 }

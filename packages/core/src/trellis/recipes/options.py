@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,13 +87,6 @@ def data_files(value: Any) -> list[str]:
     if value is None:
         return []
     return [str(value)] if isinstance(value, str) else [str(p) for p in value]
-
-
-def check_installed(cfg: DictConfig) -> None:
-    """What the config asks for is installed: Ray for ``trainer.controller=ray`` (checked before
-    building, ``--dry-run`` included, where the run itself would stop at its first Ray call)."""
-    if cfg.trainer.controller == "ray" and importlib.util.find_spec("ray") is None:
-        raise ConfigError("config key 'trainer.controller' is 'ray' but Ray is not installed: pip install trellis-core[ray]")
 
 
 def check_inputs(cfg: DictConfig) -> None:

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from trellis.config import ranged
 from trellis.data import load_rows
 from trellis.export import save_hf_folder
-from trellis.recipes.options import OptimConfig, RecipeConfig, TrainerConfig, check_inputs, check_installed
+from trellis.recipes.options import OptimConfig, RecipeConfig, TrainerConfig, check_inputs
 from trellis.recipes.pairs import SIDES, PairDataset, PairLoader
 from trellis.runtime.harness import Run, RunContext
 
@@ -50,7 +50,6 @@ class RMConfig(RecipeConfig):
 
 def check(cfg: DictConfig, registry) -> None:
     check_inputs(cfg)
-    check_installed(cfg)
 
 
 def load_data(cfg: DictConfig, tokenizer) -> tuple[PairLoader, PairDataset | None]:

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from trellis.config import ranged
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.export import save_hf_folder
-from trellis.recipes.options import RecipeConfig, SFTTrainConfig, TrainerConfig, check_inputs, check_installed
+from trellis.recipes.options import RecipeConfig, SFTTrainConfig, TrainerConfig, check_inputs
 from trellis.runtime.harness import Run, RunContext
 
 
@@ -39,7 +39,6 @@ class SFTConfig(RecipeConfig):
 
 def check(cfg: DictConfig, registry) -> None:
     check_inputs(cfg)
-    check_installed(cfg)
 
 
 def load_data(cfg: DictConfig, tokenizer) -> tuple[SFTLoader, SFTDataset | None]:

@@ -16,7 +16,7 @@ from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.recipes.judge_engine import check_judge_engine
-from trellis.recipes.options import check_inputs, check_installed
+from trellis.recipes.options import check_inputs
 from trellis.recipes.reward_model import check_reward_model
 from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
 from trellis.recipes.teacher import TEACHER_NEED, check_teacher
@@ -63,7 +63,6 @@ def check(cfg: DictConfig, registry) -> None:
     check_activation_memory(cfg, registry, "actor", seq_len, seq_len - cfg.data.max_prompt_length)
     if "groups" in declared and cfg.sampling.n < 2 and cfg.actor.distill.use_policy_loss:  # else the advantages are not used
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
-    check_installed(cfg)
 
 
 def check_batch_sizes(cfg: DictConfig, registry) -> int:
