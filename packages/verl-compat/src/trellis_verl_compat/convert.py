@@ -31,7 +31,7 @@ from trellis_verl_compat.features import (
 )
 from trellis_verl_compat.launch import MAIN_PPO, Launch, config_files, entry_of, read_script
 from trellis_verl_compat.reasons import READ_BY_OTHERS, REASONS, TRELLIS_BEHAVIOUR, feature_off
-from trellis_verl_compat.rule import ACTOR, AR, MODE, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, when
+from trellis_verl_compat.rule import ACTOR, AR, MODE, MULTI_TURN, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, set_dotted, when
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,6 @@ def _schedule(value: Any, src: Source) -> str:
     if value not in ("constant", "cosine"):
         raise Unmapped(f"trellis schedules are constant and cosine, not {value!r}")
     return value
-
-
-def _dynamic(prefix: str) -> Callable[[Any, Source], Any]:
-    return lambda value, src: value if src.get(prefix + "use_dynamic_bsz") else SKIP
 
 
 def _controller(value: Any, src: Source) -> Any:
@@ -120,7 +116,7 @@ def _dtype(value: Any, src: Source) -> str:
 
 
 def _when_multi_turn(convert: Callable[[Any, Source], Any]) -> Callable[[Any, Source], Any]:
-    return when(ROLLOUT + "multi_turn.enable", convert)
+    return when(MULTI_TURN, convert)
 
 
 def _turns(value: Any, src: Source) -> Any:
@@ -184,12 +180,20 @@ def total_steps(src: Source) -> int:
         raise Unmapped("data.train_batch_size is 0; give it (prompts per step) or trainer.total_training_steps")
     files = _files(src.get("data.train_files"), src)
     try:
-        rows = len(load_rows(files, required=())) if files else 0
+        paths = [str(files)] if isinstance(files, str) else [str(f) for f in files or ()]
+        rows = _row_count(tuple((p, Path(p).stat().st_mtime_ns if Path(p).is_file() else None) for p in paths))
     except DataError as exc:
         raise Unmapped(f"steps per epoch need the training rows ({exc}); set trainer.total_steps = epochs x (rows // train_batch_size)") from None
     if not rows:
         raise Unmapped("steps per epoch need data.train_files; set trainer.total_steps = epochs x (rows // train_batch_size)")
     return int(src["trainer.total_epochs"]) * (rows // int(src["data.train_batch_size"]))
+
+
+@functools.lru_cache(maxsize=8)
+def _row_count(files: tuple[tuple[str, int | None], ...]) -> int:
+    """The rows of the training files ``(path, modification time)``, read once while unchanged:
+    several rules need the step count."""
+    return len(load_rows([path for path, _ in files], required=())) if files else 0
 
 
 def _steps(value: Any, src: Source) -> Any:
@@ -253,7 +257,12 @@ def _batching(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
     return [
         Rule(verl_prefix + "ppo_mini_batch_size", trellis_prefix + "mini_batch_samples", _times_n, "prompts x rollout.n = samples"),
         Rule(verl_prefix + "ppo_micro_batch_size_per_gpu", trellis_prefix + "micro_batch_samples", note="per rank"),
-        Rule(verl_prefix + "ppo_max_token_len_per_gpu", trellis_prefix + "max_tokens_per_micro_batch", _dynamic(verl_prefix), "with use_dynamic_bsz"),
+        Rule(
+            verl_prefix + "ppo_max_token_len_per_gpu",
+            trellis_prefix + "max_tokens_per_micro_batch",
+            when(verl_prefix + "use_dynamic_bsz"),
+            "with use_dynamic_bsz",
+        ),
         Rule(verl_prefix + "ppo_epochs", trellis_prefix + "ppo_epochs"),
         Rule(verl_prefix + "shuffle", trellis_prefix + "shuffle"),
         Rule(verl_prefix + "loss_agg_mode", trellis_prefix + "loss_agg_mode"),
@@ -485,18 +494,19 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
     unresolved = {k: v.text for k, v in given.items() if isinstance(v, Unresolved)}
     given = {k: None if k in unresolved else v for k, v in given.items()}
     launched = entry_of(entry)
-    src = {**VERL_DEFAULTS, **launched.defaults, **{k: v for k, v in given.items() if v is not None}, MODE: launched.mode}
-    if src.get(ROLLOUT + "multi_turn.enable"):  # verl's null turn limits mean "no limit": converted, not skipped
+    values = {k: v for k, v in given.items() if v is not None}
+    defaults = {**VERL_DEFAULTS, **launched.defaults}
+    src = {**defaults, **values, MODE: launched.mode}
+    if src.get("algorithm.adv_estimator") == "gae":  # verl's critic takes the actor's batching where its own is not given
+        defaults |= critic_defaults(src)
+        src = {**defaults, **values, MODE: launched.mode}
+    if src.get(MULTI_TURN):  # verl's null turn limits mean "no limit": converted, not skipped
         src.update(
             {ROLLOUT + "multi_turn." + k: None for k in ("max_assistant_turns", "max_user_turns") if given.get(ROLLOUT + "multi_turn." + k) is None}
         )
-    defaults = {**VERL_DEFAULTS, **launched.defaults}
-    if src.get("algorithm.adv_estimator") == "gae":  # verl's critic takes the actor's batching where its own is not given
-        defaults.update({k: v for k, v in critic_defaults(src).items() if given.get(k) is None})
-        src.update(defaults)
-        src.update({k: v for k, v in given.items() if v is not None})
-    out = Conversion({"recipe": "rl", "reward": {"name": "verl_default" if scoring.available() else "auto"}})
-    if not scoring.available():
+    verl_scores = scoring.available()
+    out = Conversion({"recipe": "rl", "reward": {"name": "verl_default" if verl_scores else "auto"}})
+    if not verl_scores:
         out.notes.append(
             "reward.name: auto (trellis's scoring by data_source) where verl's default_compute_score differs for MATH (math-verify "
             f"takes an unboxed answer) and math/aime (0/1, not -1/+1); to score as verl: {scoring.INSTALL}, then convert again"
@@ -517,7 +527,7 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
             out.differences.setdefault(rule.verl, (src[rule.verl], value.why))
             value = value.value
         if value is not SKIP:
-            _set(out.config, rule.trellis, value)
+            set_dotted(out.config, rule.trellis, value)
             origin[rule.trellis] = rule.verl
     used = {*origin.values(), *failed, *out.differences}
     out.defaults_used = [f"{k}={v}" for k, v in defaults.items() if given.get(k) is None and k in used]
@@ -562,13 +572,6 @@ def check_converted(conversion: Conversion, registry: Registry) -> None:
         key = re.search(r"config key '([^']+)'", str(exc))
         verl = conversion.origin.get(key.group(1)) if key else None
         raise DataError(f"the verl config does not convert{f' (from verl key {verl!r})' if verl else ''}: {exc}") from None
-
-
-def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[last] = value
 
 
 def _foreign_options(config: dict[str, Any], registry: Registry) -> list[tuple[str, str]]:

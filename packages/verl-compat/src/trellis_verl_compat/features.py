@@ -218,17 +218,14 @@ DISTILL_KEYS = (
 )
 DISTILL_RULES = tuple(Rule(DISTILL + "enabled", key, _distill(key), "distillation_loss and teacher_models") for key in DISTILL_KEYS)
 
-# verl's critic options interpolated from the actor's (oc.select with these fallbacks) when not given
-CRITIC_FROM_ACTOR = {"ppo_mini_batch_size": 256, "ppo_epochs": 1, "shuffle": False, "loss_agg_mode": "token-mean"}
+# verl's critic options interpolated from the actor's (oc.select) when not given; where neither is
+# given, trellis's defaults are verl's (1 epoch, no shuffle, token-mean)
+CRITIC_FROM_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "shuffle", "loss_agg_mode")
 
 
-def critic_defaults(given: Source) -> Source:
+def critic_defaults(src: Source) -> Source:
     """The critic's options verl takes from the actor's when the critic's are not given."""
-    return {
-        "critic." + key: given.get(ACTOR + key, fallback)
-        for key, fallback in CRITIC_FROM_ACTOR.items()
-        if given.get("critic." + key) is None and given.get(ACTOR + key) is not None
-    }
+    return {"critic." + key: src[ACTOR + key] for key in CRITIC_FROM_ACTOR if src.get("critic." + key) is None and src.get(ACTOR + key) is not None}
 
 
 ASYNC = "async_training."

@@ -14,6 +14,7 @@ import yaml
 
 from trellis import DataError
 from trellis_verl_compat.launch import ENTRIES, entry_of
+from trellis_verl_compat.rule import set_dotted
 
 GENERIC = "no trellis counterpart"
 
@@ -37,19 +38,11 @@ def verl_base(entry: str) -> list[dict[str, Any]]:
         data = yaml.safe_load(own.read_text()) or {}
         parts.append({k: v for k, v in data.items() if k not in ("defaults", "hydra")})
     else:
-        parts.append(_nested(ENTRIES[entry].defaults))
+        nested: dict[str, Any] = {}
+        for key, value in ENTRIES[entry].defaults.items():
+            set_dotted(nested, key, value)
+        parts.append(nested)
     return parts
-
-
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, last = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return out
 
 
 def rows(conversion: Any, resolved: dict[str, Any]) -> list[tuple[str, Any, str, str]]:
@@ -69,6 +62,10 @@ def rows(conversion: Any, resolved: dict[str, Any]) -> list[tuple[str, Any, str,
     return out
 
 
-def summary(table: list[tuple[str, Any, str, str]]) -> str:
-    counts = Counter(status for _, _, status, _ in table)
-    return ", ".join(f"{status} {counts[status]}" for status in ("SAME", "DIFF", "NOT CONVERTED", "SILENT"))
+STATUSES = ("SAME", "DIFF", "NOT CONVERTED", "SILENT")
+
+
+def counts(table: list[tuple[str, Any, str, str]]) -> dict[str, int]:
+    """How many keys have each status, in ``STATUSES`` order."""
+    found = Counter(status for _, _, status, _ in table)
+    return {status: found[status] for status in STATUSES}

@@ -53,12 +53,12 @@ def from_verl(args: argparse.Namespace) -> int:
 
 def print_parity(conversion, given) -> int:
     """The parity table on stdout (a markdown table, then one RESULT line); 1 when a key is SILENT."""
-    from trellis_verl_compat.parity import rows, summary
+    from trellis_verl_compat.parity import counts, rows
 
     table = rows(conversion, given)
     print("| verl key | verl value | status | trellis key or why |\n| --- | --- | --- | --- |")
     for key, value, status, what in table:
         print(f"| `{key}` | `{value!r}` | {status} | {what} |")
-    counts = summary(table)
-    print("RESULT " + " ".join(f"{part.rsplit(' ', 1)[0].lower().replace(' ', '_')}={part.rsplit(' ', 1)[1]}" for part in counts.split(", ")))
-    return 1 if "SILENT 0" not in counts else 0
+    found = counts(table)
+    print("RESULT " + " ".join(f"{status.lower().replace(' ', '_')}={n}" for status, n in found.items()))
+    return 1 if found["SILENT"] else 0

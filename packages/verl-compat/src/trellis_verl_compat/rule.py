@@ -9,6 +9,7 @@ from typing import Any
 AR = "actor_rollout_ref."
 ACTOR = AR + "actor."
 ROLLOUT = AR + "rollout."
+MULTI_TURN = ROLLOUT + "multi_turn.enable"
 SKIP = object()  # a converter's answer when the value needs nothing in trellis (verl's "unset")
 
 Source = dict[str, Any]  # dotted verl key -> value (verl's defaults under what the user gave)
@@ -35,6 +36,14 @@ class Rule:
     trellis: str
     convert: Callable[[Any, Source], Any] = lambda value, src: value
     note: str = ""
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``tree[a][b][c] = value`` for ``dotted`` ``a.b.c``, making the sections on the way."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
 
 
 def when(key: str, convert: Callable[[Any, Source], Any] = lambda value, src: value) -> Callable[[Any, Source], Any]:
