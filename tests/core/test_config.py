@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from omegaconf import OmegaConf
 
+from trellis import TrainerConfig
 from trellis.config import ConfigError, compose, validate
 from trellis.plugins import load_plugins
 
@@ -96,6 +97,25 @@ def test_unknown_component_name_gives_install_command(registry, yaml_file, monke
     msg = str(err.value)
     assert "config key 'advantage.name'" in msg and "pip install trellis-algos" in msg
     assert "installed advantage names: example_scaled" in msg
+
+
+@dataclass
+class WithTrainer:
+    recipe: str = "placed"
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def test_the_ray_controller_without_its_package_names_the_install_command(yaml_file, monkeypatch):
+    """trainer.controller names a registered controller: core has 'local'; 'ray' comes with trellis-ray."""
+    registry = load_plugins(entry_points=False).registry
+    registry.add("recipe", "placed", object(), options=WithTrainer)
+    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
+    with pytest.raises(ConfigError) as err:
+        compose(yaml_file("recipe: placed\n"), ["trainer.controller=ray"], registry)
+    msg = str(err.value)
+    assert "config key 'trainer.controller' is 'ray'" in msg and "pip install trellis-ray" in msg
+    assert "installed controller names: local" in msg
+    assert compose(yaml_file("recipe: placed\n"), [], registry).trainer.controller == "local"
 
 
 def test_missing_required_value(registry, yaml_file):

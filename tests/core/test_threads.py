@@ -32,8 +32,10 @@ def test_parse_threads_and_the_error_that_names_the_key() -> None:
 def test_a_bad_setting_is_a_config_error_before_the_run() -> None:
     from omegaconf import OmegaConf
 
+    from trellis.plugins import load_plugins
+
     with pytest.raises(ConfigError, match="trainer.threads"):
-        make_threads(OmegaConf.create({"threads": "-1", "controller": "local", "procs_per_node": 1}))
+        make_threads(load_plugins(entry_points=False).registry, OmegaConf.create({"threads": "-1", "controller": "local"}))
 
 
 def test_a_child_process_counts_as_ours_not_as_a_neighbour() -> None:

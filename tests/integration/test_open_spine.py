@@ -156,3 +156,19 @@ def _rows(run_dir: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_plugin_controller_places_the_roles_and_trains_as_local_does(run_rl, tmp_path):
+    """trainer.controller names a registered controller (kind ``controller``): the example plugin's
+    builds the run's roles (core's local controller underneath), and the step's figures equal local's."""
+    from trellis_example.plugin import CountingController
+
+    CountingController.spawned.clear()
+    _, counted = run_rl("trainer.controller=example_counting", "trainer.total_steps=1", run_dir=tmp_path / "counted")
+    assert CountingController.spawned and CountingController.spawned[0] == "actor", CountingController.spawned
+    _, local = run_rl("trainer.total_steps=1", run_dir=tmp_path / "local")
+    step = [r for r in counted if r.get("step") == 1][0]
+    assert len(step) > 10 and "reward/mean" in step, sorted(step)
+    assert {k: v for k, v in step.items() if not k.startswith(("timing/", "perf/"))} == {
+        k: v for k, v in [r for r in local if r.get("step") == 1][0].items() if not k.startswith(("timing/", "perf/"))
+    }

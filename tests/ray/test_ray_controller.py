@@ -35,7 +35,7 @@ def ray_cluster():
 
 
 def controller(procs: int = 2, timeout: float = 60.0):
-    from trellis.runtime.ray_controller import RayController
+    from trellis_ray.controller import RayController
 
     return RayController(nnodes=1, procs_per_node=procs, timeout_s=timeout, call_timeout_s=120.0)
 
@@ -131,14 +131,6 @@ def test_dead_rank_fails_the_step_with_role_rank_and_node(ray_cluster):
         assert "resumed from its last checkpoint" in str(err.value)
     finally:
         ctrl.shutdown()
-
-
-def test_ray_not_installed_names_the_pip_command(monkeypatch):
-    from trellis.runtime.ray_controller import import_ray
-
-    monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(ConfigError, match=r"pip install trellis-core\[ray\]"):
-        import_ray()
 
 
 def test_copy_weights_and_agenerate_reach_the_ranks(ray_cluster, tiny_model_path):
@@ -243,7 +235,7 @@ def test_ray_address_joins_an_existing_cluster_and_leaves_it_running(ray_cluster
 
     script = tmp_path / "join.py"
     script.write_text(
-        "from trellis.runtime.ray_controller import RayController\n"
+        "from trellis_ray.controller import RayController\n"
         "c = RayController(nnodes=1, procs_per_node=1, timeout_s=30, call_timeout_s=60)\n"
         "pool = c._pool('actor')\n"
         "print('joined', c.started_cluster, c.ray.get_runtime_context().gcs_address, len(pool.nodes))\n"
@@ -271,7 +263,7 @@ def test_ranks_are_packed_one_placement_group_per_node(tmp_path):
     script.write_text(
         "import ray\n"
         "from ray.cluster_utils import Cluster\n"
-        "from trellis.runtime.ray_controller import RayController\n"
+        "from trellis_ray.controller import RayController\n"
         "cluster = Cluster(initialize_head=True, head_node_args={'num_cpus': 2})\n"
         "cluster.add_node(num_cpus=2)\n"
         "ray.init(address=cluster.address)\n"

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trellis.config import ConfigError
-from trellis.runtime.rollout_pool import spawn_pool
+from trellis_ray.pool import spawn_pool
 
 ray = pytest.importorskip("ray")
 
@@ -47,7 +47,7 @@ def make_skipping_engine(spec):
 
 
 def pool_controller(transport: str = "object_store"):
-    from trellis.runtime.ray_controller import RayController
+    from trellis_ray.controller import RayController
 
     return RayController(nnodes=1, procs_per_node=1, timeout_s=60.0, call_timeout_s=120.0, rollout_pool=1, transport=transport)
 
@@ -155,12 +155,13 @@ def test_generate_in_a_background_thread_while_the_actor_trains(ray_cluster, tin
 
 
 def test_rollout_pool_needs_ray_and_lifts_the_tensor_parallel_refusal():
-    from trellis.runtime.rollout_pool import check_rollout_pool
+    from trellis.runtime.controller import LocalController
+    from trellis_ray.controller import RayController
 
     local = OmegaConf.create({"controller": "local", "rollout_pool": 2})
-    with pytest.raises(ConfigError, match=r"'trainer.rollout_pool' is 2 with trainer.controller=local: .* set trainer.controller=ray"):
-        check_rollout_pool(local, 1)
+    with pytest.raises(ConfigError, match=r"'trainer.rollout_pool' is 2 with trainer.controller=local, .* set trainer.controller=ray \(pip install"):
+        LocalController.check(local, 1)
     colocated = OmegaConf.create({"controller": "ray", "rollout_pool": 0})
     with pytest.raises(ConfigError, match=r"'rollout.tensor_parallel_size' is 2 .* set trainer.rollout_pool=N"):
-        check_rollout_pool(colocated, 2)
-    check_rollout_pool(OmegaConf.create({"controller": "ray", "rollout_pool": 1}), 2)  # an engine process spans its devices
+        RayController.check(colocated, 2)
+    RayController.check(OmegaConf.create({"controller": "ray", "rollout_pool": 1}), 2)  # an engine process spans its devices

@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray")
 HEAD = textwrap.dedent(
     """
     import os, stat, sys
-    from trellis.runtime.ray_controller import RayController
+    from trellis_ray.controller import RayController
     c = RayController(nnodes=1, procs_per_node=1, timeout_s=60, call_timeout_s=60)
     token = os.environ["RAY_AUTH_TOKEN_PATH"]
     print(c.ray.get_runtime_context().gcs_address, token, oct(stat.S_IMODE(os.stat(token).st_mode)), flush=True)
@@ -83,7 +83,7 @@ def test_the_private_cluster_refuses_clients_without_its_token(tmp_path):
 
 
 def test_joining_a_cluster_that_refuses_says_how_to_pass_the_token(tmp_path):
-    script = "from trellis.runtime.ray_controller import RayController\nRayController(1, 1, 30, 30)\n"
+    script = "from trellis_ray.controller import RayController\nRayController(1, 1, 30, 30)\n"
     head = subprocess.Popen(
         [sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=clean_env(tmp_path / "head"),
@@ -121,7 +121,7 @@ def test_what_trellis_opens_listens_on_loopback_only(tiny_model_path):
     """A 2-rank training step on a private cluster: every socket that appears once the ranks form
     their process group (rendezvous, gloo) is on loopback, in the ranks and in the driver. The
     sockets Ray itself opens are listed, not judged (docs/security.md)."""
-    from trellis.runtime.ray_controller import RayController
+    from trellis_ray.controller import RayController
 
     registry = load_plugins().registry
     options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 4}), ActorConfig, registry)

@@ -12,7 +12,7 @@ from cli_runs import run_cli as trellis
 
 from trellis.config import compose
 from trellis.plugins import load_plugins
-from trellis_verl_compat.convert import RULES, convert, read_verl
+from trellis_verl_compat.convert import RULES, check_converted, convert, read_verl
 from trellis_verl_compat.rule import MODE
 
 GRPO_COMMAND = [
@@ -75,6 +75,18 @@ def test_grpo_command_line_composes_with_verls_settings(train_file, tmp_path):
     assert (cfg.trainer.nnodes, cfg.trainer.procs_per_node, cfg.trainer.controller) == (1, 8, "ray")
     assert (cfg.trainer.val_every_steps, cfg.trainer.save_every_steps) == (5, 0)
     assert list(cfg.trainer.trackers) == ["console", "wandb", "jsonl"]
+
+
+def test_a_multi_gpu_launch_converts_where_trellis_ray_is_not_installed(train_file):
+    """verl's 8 GPUs become trainer.controller=ray; without trellis-ray here the conversion still
+    completes and says where the controller is checked (the machine that trains has it)."""
+    registry = load_plugins().registry
+    registry.remove_plugin("ray")
+    conversion = convert(read_verl([*GRPO_COMMAND, f"data.train_files={train_file}"]), registry)
+    check_converted(conversion, registry)
+    assert conversion.config["trainer"]["controller"] == "ray"
+    notes = [n for n in conversion.notes if n.startswith("trainer.controller:")]
+    assert len(notes) == 1 and "controller 'ray' is not installed" in notes[0] and "checked there" in notes[0], conversion.notes
 
 
 def test_verl_yaml_with_overrides_on_top(tmp_path):

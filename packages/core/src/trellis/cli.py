@@ -76,15 +76,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     import shlex
 
     from trellis.recipes.train import Interrupted, train
-    from trellis.runtime import netns
+    from trellis.runtime.harness import controller_class
 
-    plugins = args.plugins  # once: the namespace decision and the run share it
-    if netns.inside():
-        netns.loopback_up()
-    elif not args.dry_run:  # a single-machine Ray run goes into a loopback-only network namespace
-        command = netns.relaunch_command(config_mod.compose(args.config, args.overrides, plugins.registry), args.argv)
-        if command:
-            return netns.run(command)
+    plugins = args.plugins  # once: the controller's decision and the run share it
+    if not args.dry_run:  # the controller may run the command elsewhere (Ray: in a loopback-only network namespace)
+        cfg = config_mod.compose(args.config, args.overrides, plugins.registry)
+        status = controller_class(plugins.registry, cfg.get("trainer") or {}).enter(cfg, args.argv)
+        if status is not None:
+            return status
     try:
         result = train(args.config, args.overrides, plugins=plugins, dry_run=args.dry_run)
     except Interrupted as stop:

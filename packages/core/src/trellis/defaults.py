@@ -12,6 +12,7 @@ from trellis.recipes.rl.dynamic_sampling import group_has_signal
 from trellis.recipes.rm import RMRecipe
 from trellis.recipes.sft import SFTRecipe
 from trellis.rewards import auto_score, gsm8k_score, math_score
+from trellis.runtime.controller import LocalController
 from trellis.runtime.trackers import ConsoleTracker, JsonlTracker, MlflowTracker, TensorBoardTracker, WandbTracker
 
 
@@ -30,6 +31,7 @@ def trellis_register(registry):
     registry.add("agent_loop", "tool_agent", ToolAgentLoop)
     registry.add("agent_loop", "openai_agent", OpenAIAgentLoop)
     registry.add("group_filter", "zero_variance", group_has_signal)
+    registry.add("controller", "local", LocalController)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
     registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)
     registry.add("recipe", "rm", RMRecipe(), options=RMRecipe.Config)

@@ -28,6 +28,7 @@ KINDS = (
     "tracker",
     "recipe",
     "dataset",
+    "controller",
 )
 
 # Names that Trellis's own packages provide, so that a missing one can be met with the install
@@ -50,6 +51,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("tool", "code_interpreter"): "trellis-sandbox",
     ("interaction", "*"): "trellis-interactions",
     ("agent_loop", "verl"): "trellis-interactions",
+    ("controller", "ray"): "trellis-ray",
 }
 
 

@@ -566,6 +566,12 @@ def check_converted(conversion: Conversion, registry: Registry) -> None:
         except RegistryError as exc:
             node.pop(last, None)
             conversion.notes.append(f"{section}: {exc}; its options are checked when trellis train runs where it is installed")
+    trainer = config.get("trainer", {})
+    try:  # trainer.controller=ray: trellis-ray, installed where the run is
+        registry.get("controller", trainer.get("controller", "local"))
+    except RegistryError as exc:
+        del trainer["controller"]
+        conversion.notes.append(f"trainer.controller: {exc}; installed where trellis train runs, it is checked there")
     try:
         validate_recipe_config(OmegaConf.create(config), registry)
     except ConfigError as exc:

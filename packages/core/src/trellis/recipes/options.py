@@ -26,7 +26,7 @@ class TrainerConfig:
     """total_steps: optimizer-driving steps of the recipe. threads: torch threads in this process:
     ``auto`` (the cores other processes leave free when the run starts, kept for the run and its
     resumes), ``follow`` (re-checked every step; the figures may then depend on the load), 0 (every
-    core this process may use) or a count. controller: where roles run (``local``: this process)."""
+    core this process may use) or a count. controller: where roles run (``local``: this process; ``ray``: trellis-ray)."""
 
     total_steps: int = ranged(10, ge=0)
     run_dir: str | None = None
@@ -34,7 +34,7 @@ class TrainerConfig:
     val_every_steps: int = ranged(0, ge=0)  # 0: validate only before and after training
     log_samples: int = ranged(0, ge=0)  # decoded prompt/response/reward rows per step in <run_dir>/samples.jsonl
     threads: str = "auto"
-    controller: str = choice("local", ("local", "ray"))
+    controller: str = choice("local", kind="controller")
     nnodes: int = ranged(1, ge=1)  # ray: nodes
     procs_per_node: int = ranged(1, ge=1)  # ray: ranks per node (GPUs, or CPU processes)
     separate_pools: list[str] = choice(values=("critic", "reward_model"), default_factory=list)  # ray: roles on pools of their own

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import importlib
-import importlib.util
 import logging
 import signal
 import threading
@@ -102,19 +101,16 @@ def run_dir_for(cfg: DictConfig) -> Path:
 
 def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Path | None:
     """Everything that needs no model: ``trainer.threads``, the trackers ``trainer.trackers`` names
-    (installed, their library imports), the recipe's own checks, Ray for ``trainer.controller=ray``
-    (the run would stop at its first Ray call), then the checkpoint to resume from (checked against
-    the config). Returns that checkpoint, or None for a fresh run."""
+    (installed, their library imports), the recipe's own checks, then the checkpoint to resume from
+    (checked against the config). Returns that checkpoint, or None for a fresh run."""
     if "threads" in (cfg.get("trainer") or {}):
-        make_threads(cfg.trainer)
+        make_threads(registry, cfg.trainer)
     if "trackers" in (cfg.get("trainer") or {}):
         Trackers.check(cfg.trainer.trackers, registry)
     check_adapters(cfg, registry)
     recipe_check = getattr(recipe, "check", None)
     if recipe_check is not None:
         recipe_check(cfg, registry)
-    if (cfg.get("trainer") or {}).get("controller") == "ray" and importlib.util.find_spec("ray") is None:
-        raise config_mod.ConfigError("config key 'trainer.controller' is 'ray' but Ray is not installed: pip install trellis-core[ray]")
     if "resume" not in (cfg.get("trainer") or {}):
         return None
     return find_resume(cfg, run_dir, tuple(getattr(recipe, "resume_safe_keys", ())))

@@ -1,6 +1,7 @@
-"""Controllers run role workers and route calls to them. ``LocalController``: every role in this
-process, world size 1 (the default; no Ray needed). The Ray controller (``ray_controller.py``)
-runs N ranks per role with the same groups."""
+"""Controllers run role workers and route calls to them; a controller is a component (kind
+``controller``) that ``trainer.controller`` names. ``LocalController`` (``local``, the default):
+every role in this process, world size 1. trellis-ray's (``ray``) runs N ranks per role with the
+same groups."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from itertools import chain
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 from trellis.batch import Batch
+from trellis.config import ConfigError
 from trellis.interfaces.backend import MODEL_INPUTS, DistInfo
 from trellis.interfaces.dispatch import Mesh, Route, batch_position
 from trellis.interfaces.rollout import (
@@ -244,7 +247,38 @@ class RolloutGroup:
 
 
 class Controller:
-    """Creates worker groups for roles. Subclasses decide where ranks run."""
+    """Creates worker groups for roles. Subclasses decide where ranks run; the class methods read
+    the ``trainer`` section before anything is built."""
+
+    engine_pools: bool = False  # can place rollout engines in processes of their own (trainer.rollout_pool > 0)
+
+    @classmethod
+    def from_trainer(cls, trainer: DictConfig) -> Controller:
+        """The controller the ``trainer`` section's placement keys ask for."""
+        return cls()
+
+    @staticmethod
+    def ranks(trainer: DictConfig) -> tuple[int, int]:
+        """``(ranks per role, ranks on each machine)`` the ``trainer`` section asks for."""
+        return 1, 1
+
+    @classmethod
+    def check(cls, trainer: DictConfig, engine_devices: int) -> None:
+        """Refuse a placement this controller cannot make, naming the key and the fix;
+        ``engine_devices``: the devices one rollout engine spans (its tensor-parallel size)."""
+        if trainer.get("rollout_pool") and not cls.engine_pools:
+            raise ConfigError(
+                f"config key 'trainer.rollout_pool' is {trainer.rollout_pool} with trainer.controller={trainer.controller}, which "
+                "places no engine processes of their own; set trainer.controller=ray (pip install trellis-ray), or "
+                "trainer.rollout_pool=0 (the engine beside the actor in this process)"
+            )
+
+    @classmethod
+    def enter(cls, cfg: DictConfig, argv: list[str]) -> int | None:
+        """Called by ``trellis train`` before the run, in its own process: the exit status where the
+        controller ran the command elsewhere itself (Ray's loopback-only network namespace), None
+        to run here."""
+        return None
 
     def world_size(self) -> int:
         """Ranks per role."""
@@ -255,12 +289,18 @@ class Controller:
         raise NotImplementedError
 
     def spawn_rollout(
-        self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None, own_weights: bool = False
+        self,
+        make_engine: Callable[[], RolloutEngine],
+        actor: WorkerGroup,
+        mesh: Mesh | None = None,
+        own_weights: bool = False,
+        engine_devices: int = 1,
     ) -> RolloutGroup:
         """A rollout engine in each process of ``actor``'s ranks; ``mesh`` lays the engines out
         (tp ranks of a group serve one engine; default: one engine per rank). ``own_weights``: the
         engines keep a copy of their own even where they could generate from the actor's model
-        (generation overlapping training must not see the weights change under it)."""
+        (generation overlapping training must not see the weights change under it).
+        ``engine_devices``: the devices one engine spans where it has processes of its own."""
         raise NotImplementedError
 
     def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:
@@ -336,9 +376,7 @@ class LocalController(Controller):
         self.workers.append(worker)
         return LocalWorkerGroup(role, worker)
 
-    def spawn_rollout(
-        self, make_engine: Callable[[], RolloutEngine], actor: WorkerGroup, mesh: Mesh | None = None, own_weights: bool = False
-    ) -> RolloutGroup:
+    def spawn_rollout(self, make_engine, actor, mesh=None, own_weights=False, engine_devices=1) -> RolloutGroup:  # types: Controller's
         self.engines.append(make_engine())
         return LocalRollout(self.engines[-1], actor, adopt=not own_weights)
 

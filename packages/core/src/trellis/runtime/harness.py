@@ -48,7 +48,7 @@ from trellis.plugins import Plugins
 from trellis.registry import Registry
 from trellis.runtime import provenance
 from trellis.runtime.checkpoint import Checkpointer
-from trellis.runtime.controller import Controller, LocalController, RolloutGroup, WorkerGroup
+from trellis.runtime.controller import Controller, RolloutGroup, WorkerGroup
 from trellis.runtime.signals import SignalWatch
 from trellis.runtime.threads import Threads
 from trellis.runtime.trackers import StepRows, Trackers
@@ -88,41 +88,24 @@ class RunContext:
         return self.plugins.hook
 
 
-def make_threads(trainer: DictConfig) -> Threads:
+def controller_class(registry: Registry, trainer: DictConfig) -> type[Controller]:
+    """The controller ``trainer.controller`` names (checked when the config was composed); a recipe
+    whose trainer section has no such key runs locally."""
+    return registry.get("controller", trainer.get("controller", "local")).obj
+
+
+def make_threads(registry: Registry, trainer: DictConfig) -> Threads:
     """``trainer.threads`` for this process, the usable cores shared by the ranks this machine runs."""
     try:
-        return Threads(trainer.threads, trainer.procs_per_node if trainer.controller == "ray" else 1)
+        return Threads(trainer.threads, controller_class(registry, trainer).ranks(trainer)[1])
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def make_controller(trainer: DictConfig) -> Controller:
-    """The controller ``trainer.controller`` names (``local`` or ``ray``, checked when the config
-    was composed), with its placement options."""
-    if trainer.controller == "local":
-        return LocalController()
-    from trellis.runtime.ray_controller import RayController
-
-    return RayController(
-        trainer.nnodes,
-        trainer.procs_per_node,
-        trainer.ray_timeout_s,
-        trainer.ray_call_timeout_s,
-        list(trainer.separate_pools),
-        rollout_pool=trainer.rollout_pool,
-        transport=trainer.weight_transport,
-        bucket_mb=trainer.transport_bucket_mb,
-    )
-
-
-def world_size(trainer: DictConfig) -> int:
-    return 1 if trainer.controller == "local" else trainer.nnodes * trainer.procs_per_node
 
 
 def backend_mesh(cfg: DictConfig, registry: Registry) -> Mesh:
     """The mesh the run's backend lays its ranks out in (for checks made before anything is built)."""
     _, options = resolve_component(registry, "backend", cfg.backend)
-    return Mesh.for_options(options, world_size(cfg.trainer))
+    return Mesh.for_options(options, controller_class(registry, cfg.trainer).ranks(cfg.trainer)[0])
 
 
 def policy_section(cfg: DictConfig) -> DictConfig | None:
@@ -216,7 +199,7 @@ class Run:
         self._trackers: Trackers | None = None
         self._samples: StepRows | None = None
         self._step_start = 0.0
-        self.threads = make_threads(cfg.trainer)
+        self.threads = make_threads(self.registry, cfg.trainer)
         self.summary: dict[str, Any] = {}  # what the recipe returns: val_before / val_after, ...
         self._validating_step = 0  # the step the validation running now belongs to
         self.signals = SignalWatch()
@@ -243,7 +226,7 @@ class Run:
     @property
     def controller(self) -> Controller:
         if self._controller is None:
-            self._controller = make_controller(self.cfg.trainer)
+            self._controller = controller_class(self.registry, self.cfg.trainer).from_trainer(self.cfg.trainer)
         return self._controller
 
     def spawn(self, role: str, model_path: str, role_options: Any, *, head: str = "lm", objectives: dict[str, str] | None = None) -> WorkerGroup:
@@ -261,7 +244,7 @@ class Run:
 
     def spawn_rollout(self, actor: WorkerGroup, tokenizer: Any, max_len: int = 0, own_weights: bool = False) -> RolloutGroup:
         """The engine ``cfg.rollout`` names, in the actor's processes, laid out as its options' mesh,
-        or in ``trainer.rollout_pool`` processes of their own (Ray), each spanning the engine's
+        or in ``trainer.rollout_pool`` processes of their own (a controller with engine pools: Ray), each spanning the engine's
         ``tensor_parallel_size`` devices; ``max_len``: the longest prompt + response the recipe
         asks for (the engine's context); ``own_weights``: the engine never generates from the
         actor's own model (see :meth:`Controller.spawn_rollout`)."""
@@ -270,11 +253,7 @@ class Run:
         spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len, adapter_rank=adapter.get("rank", 0))
         mesh = Mesh.for_options(options, self.controller.world_size())
         make = functools.partial(make_engine, spec)
-        if self.cfg.trainer.rollout_pool:
-            from trellis.runtime.rollout_pool import spawn_pool
-
-            return spawn_pool(self.controller, make, actor, getattr(options, "tensor_parallel_size", 1))
-        return self.controller.spawn_rollout(make, actor, mesh, own_weights)
+        return self.controller.spawn_rollout(make, actor, mesh, own_weights, engine_devices=getattr(options, "tensor_parallel_size", 1))
 
     def start(
         self,

@@ -10,6 +10,7 @@ from omegaconf import MISSING
 
 import trellis
 from trellis import Aggregation, Backend, Batch, Interaction, InteractionTurn, RolloutEngine, Tool, ToolResult, Tracker, component
+from trellis.kit.controller import LocalController
 
 
 @dataclass
@@ -190,6 +191,16 @@ class EchoRecipe:
         return {"steps": cfg.trainer.total_steps}
 
 
+class CountingController(LocalController):
+    """The local controller that counts the roles it builds (a controller is a component like any other)."""
+
+    spawned: list[str] = []
+
+    def spawn(self, role, make_worker, mesh=None):
+        CountingController.spawned.append(role)
+        return super().spawn(role, make_worker, mesh)
+
+
 def json_lines_dataset(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -213,6 +224,7 @@ def trellis_register(registry):
     registry.add("agent_loop", "example_one_turn", OneTurnLoop)
     registry.add("group_filter", "example_some_right", some_right)
     registry.add("tracker", "example_list", ListTracker)
+    registry.add("controller", "example_counting", CountingController)
     registry.add("recipe", "example_echo", EchoRecipe(), options=EchoConfig)
     registry.add("dataset", "example_jsonl", json_lines_dataset)
 

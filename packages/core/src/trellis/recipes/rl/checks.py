@@ -22,9 +22,8 @@ from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
 from trellis.recipes.teacher import TEACHER_NEED, check_teacher
 from trellis.registry import RegistryError
 from trellis.rewards import AUTO_SOURCES, check_reward, unknown_sources
-from trellis.runtime.harness import backend_mesh
+from trellis.runtime.harness import backend_mesh, controller_class
 from trellis.runtime.plan import Plan
-from trellis.runtime.rollout_pool import check_rollout_pool
 
 log = logging.getLogger("trellis")
 
@@ -153,10 +152,10 @@ def check_length_shaping(cfg: DictConfig) -> None:
 
 
 def check_rollout_placement(cfg: DictConfig, registry) -> None:
-    """Where the engines go: ``trainer.rollout_pool`` needs Ray, and a colocated engine under Ray
-    cannot span several devices (see :func:`~trellis.runtime.rollout_pool.check_rollout_pool`)."""
+    """Where the engines go: the controller places them as asked (``trainer.rollout_pool`` needs
+    one with engine pools; see :meth:`~trellis.runtime.controller.Controller.check`)."""
     _, options = resolve_component(registry, "rollout", cfg.rollout)
-    check_rollout_pool(cfg.trainer, getattr(options, "tensor_parallel_size", 1))
+    controller_class(registry, cfg.trainer).check(cfg.trainer, getattr(options, "tensor_parallel_size", 1))
 
 
 def on_policy_update(cfg: DictConfig, registry, estimator, samples: int) -> bool:

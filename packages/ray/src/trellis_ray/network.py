@@ -1,7 +1,8 @@
 """Single-machine Ray runs inside a network namespace that has only loopback: Ray's servers bind
 every interface (Ray 2.x cannot bind loopback alone), so ``trellis train`` relaunches itself in a
-fresh user + network namespace where nothing can listen beyond this machine. Where the run needs
-the network, or the kernel allows no user namespaces, it says so in one line and keeps token auth."""
+fresh user + network namespace where nothing can listen beyond this machine (the controller's
+``enter``). Where the run needs the network, or the kernel allows no user namespaces, it says so in
+one line and keeps token auth."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def relaunch_command(cfg: DictConfig, argv: list[str]) -> list[str] | None:
     private single-machine Ray cluster and ``trainer.ray_network`` is ``private``; None to run here
     (said in one line when the private network was wanted but cannot be had)."""
     t = cfg.get("trainer") or {}  # a plugin recipe's trainer section may lack the Ray keys
-    if inside() or t.get("controller") != "ray" or t.get("ray_network", "private") != "private":
+    if inside() or t.get("ray_network", "private") != "private":
         return None
     if os.environ.get("RAY_ADDRESS") or t.get("nnodes", 1) > 1:
         why = "it joins the cluster at RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else f"trainer.nnodes={t.nnodes} needs the network"

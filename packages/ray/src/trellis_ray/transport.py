@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trellis.interfaces.transport import Bucket, Manifest, StaleWeights, WeightTransport, buckets, unpack
+from trellis.kit.controller import Bucket, Manifest, StaleWeights, WeightTransport, buckets, unpack
 
 
 class ObjectStoreTransport(WeightTransport):
@@ -110,4 +110,3 @@ class BroadcastTransport(WeightTransport):
 
     def close(self) -> None:
         self.group = self._store = None
-

@@ -1,4 +1,4 @@
-"""A rollout pool apart from the trainer (``trainer.rollout_pool=N``, Ray): N engine processes of
+"""A rollout pool apart from the trainer (``trainer.rollout_pool=N``): N engine processes of
 their own, fed the actor's weights by a :class:`~trellis.interfaces.transport.WeightTransport`
 and verified after every sync (each engine's digest of every tensor against the trainer's)."""
 
@@ -6,36 +6,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
+from trellis.kit.controller import Mesh, RolloutEngine, SyncCheckFailed, WeightTransport, digest_dtype
+from trellis_ray.ranks import RayPool, RayRollout, RayWorkerGroup
+from trellis_ray.transport import BroadcastTransport, ObjectStoreTransport
 
-from trellis.config import ConfigError
-from trellis.interfaces.dispatch import Mesh
-from trellis.interfaces.rollout import RolloutEngine
-from trellis.interfaces.transport import WeightTransport, digest_dtype
-from trellis.runtime.ray_controller import RayController, RayPool, RayRollout, RayWorkerGroup
-from trellis.runtime.sync_probe import SyncCheckFailed
-from trellis.runtime.transport import BroadcastTransport, ObjectStoreTransport
+if TYPE_CHECKING:
+    from trellis_ray.controller import RayController
 
 log = logging.getLogger("trellis")
-
-
-def check_rollout_pool(trainer: DictConfig, tensor_parallel_size: int) -> None:
-    """``trainer.rollout_pool`` needs Ray; under Ray an engine spans several devices (tensor
-    parallel) only in a pool of its own (colocated, each rank holds one device)."""
-    pool = trainer.rollout_pool
-    if pool and trainer.controller != "ray":
-        raise ConfigError(
-            f"config key 'trainer.rollout_pool' is {pool} with trainer.controller={trainer.controller}: engine processes of their own "
-            "are placed by Ray; set trainer.controller=ray, or trainer.rollout_pool=0 (the engine beside the actor in this process)"
-        )
-    if trainer.controller == "ray" and tensor_parallel_size > 1 and not pool:
-        raise ConfigError(
-            f"config key 'rollout.tensor_parallel_size' is {tensor_parallel_size} with trainer.controller=ray: each Ray rank holds one "
-            f"device and builds its own rollout engine, so an engine cannot span {tensor_parallel_size} devices; set "
-            "trainer.rollout_pool=N (N engine processes of their own, each spanning its devices), rollout.tensor_parallel_size=1 "
-            "(one data-parallel engine per rank), or trainer.controller=local, where the engine spans the machine's devices itself"
-        )
 
 
 class PoolRollout(RayRollout):

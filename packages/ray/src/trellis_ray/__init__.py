@@ -1,0 +1,1 @@
+"""Trellis on Ray: the ``ray`` controller, its rollout pools and weight transports."""
