@@ -54,11 +54,12 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
-    # [agent]: the openai_agent test runs an agent on the real openai client against the policy endpoint (aiohttp);
-    # ray: the dry run's checks of a two-rank placement (no cluster starts)
+    # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; aiohttp: the judge engine's
+    # server; ray: the dry run's checks of a two-rank placement (no cluster starts)
     "integration": (
         [
-            "packages/core[agent]",
+            "packages/core",
+            "packages/agents",
             "packages/ray",
             "packages/algos",
             "packages/backend-fsdp[lora]",
@@ -69,14 +70,24 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "tests/plugins/plain",
             "tests/plugins/example",
         ],
-        ["tensorboard>=2.14"],
+        ["tensorboard>=2.14", "aiohttp>=3.9"],
         "tests/integration",
     ),
     "ray": (
-        ["packages/core[agent]", "packages/ray", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions"],
+        [
+            "packages/core",
+            "packages/agents",
+            "packages/ray",
+            "packages/algos",
+            "packages/backend-fsdp",
+            "packages/rollout-hf",
+            "packages/interactions",
+        ],
         [],
         "tests/ray",
     ),
+    # the openai_agent loop and its policy endpoint, on the real openai client (hf engine, FSDP actor for the recipe runs)
+    "agents": (["packages/core", "packages/agents", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/agents"),
     # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_with_verl
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
@@ -178,7 +189,7 @@ def _pip_config_for_uv() -> tuple[str, ...]:
 
 
 def _local_names(requirements: tuple[str, ...]) -> list[str]:
-    """The distribution names of the local folders among ``requirements`` (``./packages/core[agent]``)."""
+    """The distribution names of the local folders among ``requirements`` (``./packages/core[math]``)."""
     names = []
     for requirement in requirements:
         pyproject = Path(__file__).parent / requirement.split("[")[0] / "pyproject.toml"
@@ -396,6 +407,7 @@ PACKAGE_TESTS = {
     "sandbox": "sandbox",
     "verl-compat": "verl_compat",
     "ray": "ray",
+    "agents": "agents",
 }
 
 

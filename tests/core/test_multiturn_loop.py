@@ -107,7 +107,10 @@ class Broken(Adder):
 
 @pytest.fixture(scope="module")
 def registry():
-    reg = load_plugins(extra=[("agent_loops", agent_loops)]).registry  # the loop observation_first
+    import trellis_example.plugin
+
+    # core, the example plugin and the loop observation_first, whatever else this venv has installed
+    reg = load_plugins(entry_points=False, extra=[("example", trellis_example.plugin), ("agent_loops", agent_loops)]).registry
     reg.adding_for("test_multiturn_loop")
     for name, cls in (("checker", Checker), ("raising", Raising), ("slow", Slow)):
         reg.add("interaction", name, cls)
@@ -407,7 +410,7 @@ def test_rows_pick_their_agent_loop_and_the_environment_may_speak_first(registry
 
 def test_unknown_agent_loop_is_named_with_the_row_and_the_installed_loops(registry, tokenizer):
     agent = spec(registry, tokenizer, interactions=[{"name": "check", "component": "checker"}])
-    installed = "example_one_turn, observation_first, openai_agent, retokenized, tool_agent"
+    installed = "example_one_turn, observation_first, retokenized, tool_agent"
     with pytest.raises(ConfigError, match=rf"data.train_path 'x.parquet': row 2 has agent_name='react', which is not an installed agent "
                                           rf"loop \(installed: {installed}\)"):  # fmt: skip
         agent_rollout(agent, registry, {"data.train_path 'x.parquet'": [(0, None), (1, "tool_agent"), (2, "react")]})

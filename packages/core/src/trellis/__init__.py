@@ -83,8 +83,6 @@ _API = {
     "MultiTurnConfig": "trellis.multiturn.config",
     "AgentLoop": "trellis.interfaces.agents",
     "Trajectory": "trellis.interfaces.agents",
-    "Agent": "trellis.multiturn.agent",
-    "AgentSample": "trellis.multiturn.agent",
     # runtime: the harness recipes compose, controllers, trackers
     "Run": "trellis.runtime.harness",
     "RunContext": "trellis.runtime.harness",

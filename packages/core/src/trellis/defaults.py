@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
 from trellis.judge import judge_score
-from trellis.multiturn.agent import OpenAIAgentLoop
 from trellis.multiturn.loop import ToolAgentLoop
 from trellis.multiturn.tool_calls import HermesParser
 from trellis.recipes.rl import RLRecipe
@@ -29,7 +28,6 @@ def trellis_register(registry):
     registry.add("reward", "judge", judge_score)
     registry.add("tool_parser", "hermes", HermesParser)
     registry.add("agent_loop", "tool_agent", ToolAgentLoop)
-    registry.add("agent_loop", "openai_agent", OpenAIAgentLoop)
     registry.add("group_filter", "zero_variance", group_has_signal)
     registry.add("controller", "local", LocalController)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)

@@ -51,6 +51,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("tool", "code_interpreter"): "trellis-sandbox",
     ("interaction", "*"): "trellis-interactions",
     ("agent_loop", "verl"): "trellis-interactions",
+    ("agent_loop", "openai_agent"): "trellis-agents",
     ("controller", "ray"): "trellis-ray",
 }
 

@@ -118,13 +118,21 @@ class AgentLoop:
     ``runs_tools``: the loop runs the model's tool calls itself from ``env.tools``, so it cannot
     serve a ``multi_turn.tools`` entry that gives only a schema (a tool the agent runs; refused
     before any model is built). ``row_fields``: ``sample`` takes a keyword ``fields`` with the
-    row's other columns (the engines are then shipped every column of the prompts).
+    row's other columns (the engines are then shipped every column of the prompts). ``runs_agent``:
+    the loop runs the user's function ``multi_turn.agent`` (set exactly when such a loop is used).
+    :meth:`check` refuses the ``multi_turn`` settings a loop cannot run with.
     """
 
     runs_tools = False
     # True: ``sample`` also gets ``fields``, the row's other columns (``data_source``,
     # ``reward_model``, ...), as verl hands its loops every column of the row
     row_fields = False
+    runs_agent = False
+
+    @classmethod
+    def check(cls, settings: Any) -> None:
+        """Refuse ``multi_turn`` ``settings`` (a ``MultiTurnConfig``) this loop cannot run with,
+        naming the key and the fix; called before any model is built for each loop the run uses."""
 
     def __init__(self, engine: RolloutEngine, spec: Any, env: Any) -> None:
         self.engine = engine

@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 from trellis.config import ConfigError
 from trellis.data import load_prompt_rows
 from trellis.interfaces.agents import AgentLoop
-from trellis.multiturn.agent import check_agent
 from trellis.multiturn.config import InteractionConfig
 from trellis.multiturn.environment import agent_spec, check_interaction_names, interaction_name
 from trellis.multiturn.rollout import AGENT_COLUMN, agent_rollout
@@ -65,7 +64,7 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
             check_reset_fields(rows, spec.environment.reset_needs, where)
         loops[where] = enumerate(row.get(AGENT_COLUMN) for row in rows)
     used = agent_rollout(spec, registry, loops).loops  # every row's agent loop is installed
-    check_agent(spec.settings, used)
+    check_agent_function(spec.settings, used)
     check_agent_tools(spec.agent_tools, used)
     if mt.max_response_tokens == 0 and mt.max_assistant_turns > 1:
         new, turns = cfg.sampling.max_new_tokens, mt.max_assistant_turns
@@ -76,6 +75,24 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
             "the replies you expect",
             new, turns, new * turns, new * turns,
         )  # fmt: skip
+
+
+def check_agent_function(settings: Any, loops: dict[str, type[AgentLoop]]) -> None:
+    """``multi_turn.agent`` is set exactly when a loop the run uses runs it (``runs_agent``); then
+    every loop checks the settings it runs with (:meth:`AgentLoop.check`)."""
+    runners = sorted(name for name, cls in loops.items() if cls.runs_agent)
+    if settings.agent and not runners:
+        raise ConfigError(
+            f"config key 'multi_turn.agent' is {settings.agent!r}, but neither multi_turn.agent_loop nor any row's agent_name picks "
+            "a loop that runs it (openai_agent, from trellis-agents), so it would never run; set multi_turn.agent_loop=openai_agent "
+            "or drop multi_turn.agent"
+        )
+    if runners and not settings.agent:
+        raise ConfigError(
+            f"agent loop {runners[0]!r} runs the function 'multi_turn.agent', which is not set; give multi_turn.agent=path/to/file.py:function"
+        )
+    for cls in loops.values():
+        cls.check(settings)
 
 
 def check_agent_tools(agent_tools: dict[str, str], loops: dict[str, type[AgentLoop]]) -> None:

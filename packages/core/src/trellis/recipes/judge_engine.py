@@ -65,7 +65,7 @@ def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
     if importlib.util.find_spec("aiohttp") is None:
         raise ConfigError(
             f"config key 'reward.judge.engine' is {spec.engine!r}: the judge engine is served over HTTP with aiohttp, which is not "
-            "installed; pip install aiohttp (or pip install 'trellis-core[agent]')"
+            "installed; pip install aiohttp"
         )
     if not spec.model or not (Path(spec.model) / "config.json").is_file():
         raise ConfigError(

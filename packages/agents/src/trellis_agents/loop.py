@@ -6,26 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import inspect
 import logging
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from trellis.config import ConfigError
-from trellis.interfaces.agents import AgentLoop, Trajectory
-from trellis.interfaces.rollout import RolloutEngine, SamplingParams
-from trellis.multiturn.config import MultiTurnConfig
-from trellis.multiturn.environment import AgentSpec, Environment
-from trellis.multiturn.references import finite_reward, load_reference
-from trellis.multiturn.sampled import current_record
+import openai
+
+from trellis import AgentLoop, ConfigError, MultiTurnConfig, RolloutEngine, SamplingParams, Trajectory
+from trellis.kit.agents import AgentSpec, Environment, current_record, finite_reward, load_reference
+from trellis_agents.endpoint import HEADER, PolicyEndpoint
 
 log = logging.getLogger("trellis")
 
 KEY = "multi_turn.agent"
-NEEDS = (("openai", "openai"), ("aiohttp", "aiohttp"))  # (module, pip package) the loop imports when it runs
 
 
 @dataclass
@@ -58,44 +54,30 @@ def load_agent(ref: str) -> Callable[..., Any]:
     return fn
 
 
-def check_agent(settings: MultiTurnConfig, loops: Mapping[str, type[AgentLoop]]) -> None:
-    """``multi_turn.agent`` is set exactly when a row (or ``multi_turn.agent_loop``) uses
-    ``openai_agent``, its function loads, its reward is used and the packages it needs are installed."""
-    users = sorted(name for name, cls in loops.items() if issubclass(cls, OpenAIAgentLoop))
-    if not users:
-        if settings.agent:
-            raise ConfigError(
-                f"config key '{KEY}' is {settings.agent!r}, but neither multi_turn.agent_loop nor any row's agent_name picks the "
-                "openai_agent loop, so it would never run; set multi_turn.agent_loop=openai_agent or drop multi_turn.agent"
-            )
-        return
-    if not settings.agent:
-        raise ConfigError(f"agent loop {users[0]!r} runs the function '{KEY}', which is not set; give {KEY}=path/to/file.py:function")
-    if settings.score == "reward":
-        raise ConfigError(
-            f"config key 'multi_turn.score' is reward with {KEY}: the reward function would score the decoded trajectories and "
-            "ignore what the agent returns; set multi_turn.score=last (the agent's reward, plus any interaction's)"
-        )
-    missing = [pip for module, pip in NEEDS if not _importable(module)]
-    if missing:
-        raise ConfigError(
-            f"agent loop {users[0]!r} needs {' and '.join(missing)}: pip install {' '.join(missing)} (or pip install 'trellis-core[agent]')"
-        )
-    load_agent(settings.agent)
-
-
 class OpenAIAgentLoop(AgentLoop):
     """Each sample is one call of ``multi_turn.agent`` with its own ``openai`` client (registered
     as ``openai_agent``). The policy endpoint starts with the first sample and stops when the
     rollout call ends (:meth:`close`); samples run concurrently up to ``max_concurrent_samples``,
     each for at most ``agent_timeout_s``.
 
-    The trajectory is what the endpoint recorded (``trellis.multiturn.endpoint``): each call that
+    The trajectory is what the endpoint recorded (``trellis_agents.endpoint``): each call that
     continues the conversation adds its new messages' tokens (mask 0) and the sampled tokens.
     The returned number is the sample's reward; an agent that raises or times out gives 0
     (``finish_reason`` ``error`` / ``timeout``, the first error logged), unless the trajectory
     had already stopped growing (a limit, or rewritten history: that reason is kept).
     """
+
+    runs_agent = True
+
+    @classmethod
+    def check(cls, settings: MultiTurnConfig) -> None:
+        """The agent's return value is the reward (``multi_turn.score`` is not ``reward``) and its function loads."""
+        if settings.score == "reward":
+            raise ConfigError(
+                f"config key 'multi_turn.score' is reward with {KEY}: the reward function would score the decoded trajectories and "
+                "ignore what the agent returns; set multi_turn.score=last (the agent's reward, plus any interaction's)"
+            )
+        load_agent(settings.agent)
 
     def __init__(self, engine: RolloutEngine, spec: AgentSpec, env: Environment) -> None:
         super().__init__(engine, spec, env)
@@ -107,8 +89,6 @@ class OpenAIAgentLoop(AgentLoop):
         self._logged_error = False
 
     async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
-        from trellis.multiturn.endpoint import HEADER
-
         endpoint = await self._endpoint()
         s = self.settings
         budget = s.max_response_tokens or params.max_new_tokens * s.max_assistant_turns
@@ -146,10 +126,6 @@ class OpenAIAgentLoop(AgentLoop):
     async def _endpoint(self) -> Any:
         async with self._starting:
             if self.endpoint is None:
-                import openai  # checked installed before any model was built
-
-                from trellis.multiturn.endpoint import PolicyEndpoint  # aiohttp: only runs that use this loop need it
-
                 endpoint = PolicyEndpoint(self.engine, self.tokenizer, self.spec.template_kwargs, self.env.parser)
                 await endpoint.start()
                 self.endpoint = endpoint
@@ -173,7 +149,6 @@ class OpenAIAgentLoop(AgentLoop):
 def _shared_pool() -> Any:
     """The connection pool of every sample's client; an agent that closes its client (``async
     with``) leaves it open for the others, the loop closes it (``close_pool``)."""
-    import openai
 
     class SharedPool(openai.DefaultAsyncHttpxClient):
         async def aclose(self) -> None:
@@ -183,11 +158,3 @@ def _shared_pool() -> Any:
             await super().aclose()
 
     return SharedPool()
-
-
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True

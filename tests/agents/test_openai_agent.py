@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from pathlib import Path
 
 import openai
@@ -24,14 +23,14 @@ from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.examples.tool_call import ADD, make_tool_calling_model
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
-from trellis.multiturn.agent import OpenAIAgentLoop
 from trellis.multiturn.config import MultiTurnConfig
-from trellis.multiturn.endpoint import HEADER, PolicyEndpoint
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AgentRollout
 from trellis.multiturn.tool_calls import HermesParser
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
+from trellis_agents.endpoint import HEADER, PolicyEndpoint
+from trellis_agents.loop import OpenAIAgentLoop
 
 AGENTS = Path(__file__).parents[1] / "openai_agents.py"
 AGENT = f"{AGENTS}:answer_then_follow_up"
@@ -241,10 +240,13 @@ def test_agent_config_errors_are_found_before_any_model_is_built(tiny_model_path
     assert not (tmp_path / "bad").exists()
 
 
-def test_a_missing_openai_package_is_named_before_any_model_is_built(tiny_model_path, data, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "openai", None)  # import openai now raises ImportError
-    with pytest.raises(ConfigError, match=r"agent loop 'openai_agent' needs openai: pip install openai"):
-        train(None, overrides(tiny_model_path, data, tmp_path / "bad"), dry_run=True)
+def test_without_trellis_agents_the_loop_names_its_package_before_any_model_is_built(tiny_model_path, data, tmp_path, monkeypatch):
+    plugins = load_plugins()
+    plugins.registry.remove_plugin("agents")  # as where trellis-agents is not installed
+    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
+    with pytest.raises(ConfigError, match=r"agent_loop 'openai_agent' is not installed: pip install trellis-agents"):
+        train(None, overrides(tiny_model_path, data, tmp_path / "bad"), plugins=plugins, dry_run=True)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_an_agent_failing_on_most_samples_stops_the_run_naming_max_error_rate(tiny_model_path, data, tmp_path):
