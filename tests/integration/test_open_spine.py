@@ -172,3 +172,14 @@ def test_a_plugin_controller_places_the_roles_and_trains_as_local_does(run_rl, t
     assert {k: v for k, v in step.items() if not k.startswith(("timing/", "perf/"))} == {
         k: v for k, v in [r for r in local if r.get("step") == 1][0].items() if not k.startswith(("timing/", "perf/"))
     }
+
+
+def test_a_plugin_reward_service_the_reward_asks_for_is_started_and_wraps_the_scorer(run_rl, tmp_path):
+    """Kind ``reward_service``: the example plugin's service is wanted by runs rewarded with its
+    ``example_length`` reward; the run starts it and its figures join each step's metrics."""
+    _, rows = run_rl("reward.name=example_length", "data.val_path=null", run_dir=tmp_path / "counted")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["example/scored_batches"] for r in steps] == [1, 2]  # one scoring per step (validation off)
+    assert [r["example/scored_samples"] for r in steps] == [16, 32]  # 4 prompts x 4 samples each
+    _, plain = run_rl("data.val_path=null", run_dir=tmp_path / "gsm8k")
+    assert not any(k.startswith("example/") for r in plain for k in r)  # another reward does not want it

@@ -19,8 +19,9 @@ from typing import Any
 from aiohttp import web
 
 from trellis import Generation, RolloutEngine, SamplingParams, ToolCallParser, Trajectory
-from trellis.kit import agents as kit
-from trellis.kit.agents import ChatDeltas, Refused, canonical, encode_text, record_into, render_chat, renders_tools
+from trellis.kit import serving as kit
+from trellis.kit.agents import ChatDeltas, record_into
+from trellis.kit.serving import Refused, canonical, encode_text, render_chat, renders_tools
 
 log = logging.getLogger("trellis")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
-from trellis.judge import judge_score
 from trellis.multiturn.loop import ToolAgentLoop
 from trellis.multiturn.tool_calls import HermesParser
 from trellis.recipes.rl import RLRecipe
@@ -25,7 +24,6 @@ def trellis_register(registry):
     registry.add("reward", "gsm8k", gsm8k_score)
     registry.add("reward", "math", math_score)
     registry.add("reward", "auto", auto_score)
-    registry.add("reward", "judge", judge_score)
     registry.add("tool_parser", "hermes", HermesParser)
     registry.add("agent_loop", "tool_agent", ToolAgentLoop)
     registry.add("group_filter", "zero_variance", group_has_signal)

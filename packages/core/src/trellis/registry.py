@@ -29,6 +29,7 @@ KINDS = (
     "recipe",
     "dataset",
     "controller",
+    "reward_service",
 )
 
 # Names that Trellis's own packages provide, so that a missing one can be met with the install
@@ -53,6 +54,8 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("agent_loop", "verl"): "trellis-interactions",
     ("agent_loop", "openai_agent"): "trellis-agents",
     ("controller", "ray"): "trellis-ray",
+    ("reward", "judge"): "trellis-judges",
+    ("reward_service", "judge_engine"): "trellis-judges",
 }
 
 

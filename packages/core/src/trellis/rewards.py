@@ -18,7 +18,7 @@ import re
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -189,7 +189,8 @@ class RewardModelConfig:
 
 @dataclass
 class JudgeEngineConfig:
-    """A judge model the ``rl`` recipe serves itself (``reward.judge``; ``trellis.recipes.judge_engine``).
+    """A judge model the ``rl`` recipe serves itself (``reward.judge``; reward service ``judge_engine``
+    of trellis-judges).
 
     engine: a registered rollout engine (``hf``, ``vllm``, ``sglang``...; null: none), built from the
         folder ``model`` with the engine's ``options`` (the keys that engine takes under ``rollout``),
@@ -291,17 +292,6 @@ def check_terms(cfg: RewardConfig) -> None:
         seen[key] = i
 
 
-def judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
-    """The registered ``judge`` rewards ``cfg`` uses (the reward itself, or its terms), each with its config key."""
-    sources = [(f"reward.terms[{i}]", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
-    return [(key, source) for key, source in sources if source.name == "judge" and not source.path]
-
-
-def served_judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
-    """The judges that ``reward.judge.engine`` serves: those naming no ``kwargs.url`` (none without an engine)."""
-    return [(key, source) for key, source in judges(cfg) if cfg.judge.engine and not (source.kwargs or {}).get("url")]
-
-
 def load_function(path: str | Path, name: str, keys: tuple[str, str] = ("reward.path", "reward.name")) -> Callable[..., Any]:
     """Function ``name`` from the Python file ``path``; errors name the file, what it defines and
     the config ``keys`` that gave the path and the name."""
@@ -328,12 +318,13 @@ def load_function(path: str | Path, name: str, keys: tuple[str, str] = ("reward.
     return fn
 
 
-def check_reward(node: Any, registry: Any, recipe: str = "") -> None:
+def check_reward(node: Any, registry: Any, recipe: str = "", services: Sequence[type[RewardService]] = ()) -> None:
     """A recipe's ``reward`` section checked before any model is built: the function resolved
     (:func:`resolve_reward`) and, when it has a ``preflight`` attribute, that called with the
     section's ``kwargs`` (a reward served elsewhere checks that its address answers). Raises a
     ``ConfigError`` with the fix. ``recipe``: the recipe's name; only ``rl`` builds a reward
-    model (``reward.model``)."""
+    model (``reward.model``). ``services``: the reward services the run starts (:class:`RewardService`);
+    the sources they will answer are checked by their ``offline_preflight`` instead."""
     cfg = instantiate_options(node, RewardConfig)
     try:
         check_terms(cfg)
@@ -358,7 +349,7 @@ def check_reward(node: Any, registry: Any, recipe: str = "") -> None:
             )
         return
     named = [(f"reward.terms[{i}].name", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
-    served = [source for _, source in served_judges(cfg)]
+    served = [source for service in services for source in service.served(cfg)]
     for key, source in named:
         try:
             fn = resolve_reward(source, registry)
@@ -425,6 +416,33 @@ class Scorer(Protocol):
 
     def score(self, batch: Batch) -> RewardResult:
         """The reward of every sample of ``batch`` (rollout layout)."""
+
+
+class RewardService(Protocol):
+    """A service the ``rl`` recipe starts for its reward (kind ``reward_service``; trellis-judges'
+    ``judge_engine`` serves ``reward.judge``): every registered one the reward config asks for
+    (``wanted``) is started, in name order. The classmethods run before any model is built."""
+
+    @classmethod
+    def wanted(cls, reward: RewardConfig) -> bool:
+        """Whether the run's reward config asks for this service."""
+
+    @classmethod
+    def check(cls, cfg: Any, registry: Any) -> None:
+        """Refuse the run's config (a ``DictConfig``) where the service cannot serve it, naming the key and the fix."""
+
+    @classmethod
+    def served(cls, reward: RewardConfig) -> list[Any]:
+        """The reward sources (the section or its terms) the service will answer once started."""
+
+    def __init__(self, reward: RewardConfig, registry: Any, seed: int) -> None:
+        """Start the service for the run; ``self.reward`` is then ``reward`` with its sources pointed at it."""
+
+    def wrap(self, scorer: Scorer) -> Scorer:
+        """The run's scorer, with the service's own figures added to each result."""
+
+    def close(self) -> None:
+        """Stop the service (the run ends, also on an error)."""
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, penalty: float) -> torch.Tensor:

@@ -201,6 +201,41 @@ class CountingController(LocalController):
         return super().spawn(role, make_worker, mesh)
 
 
+class ScoredBatches:
+    """A reward service (wanted by runs rewarded with ``example_length``): counts the batches and
+    samples the run's scorer scored, logged as ``example/scored_batches`` and ``example/scored_samples``."""
+
+    @classmethod
+    def wanted(cls, reward):
+        return reward.name == "example_length" and not reward.terms
+
+    @classmethod
+    def check(cls, cfg, registry):
+        pass
+
+    @classmethod
+    def served(cls, reward):
+        return []  # it answers no reward source: it watches the scorer
+
+    def __init__(self, reward, registry, seed):
+        self.reward, self.batches, self.samples = reward, 0, 0
+
+    def wrap(self, scorer):
+        service = self
+
+        class Counted:
+            def score(self, batch):
+                result = scorer.score(batch)
+                service.batches, service.samples = service.batches + 1, service.samples + len(batch)
+                return result._replace(metrics={**result.metrics, "example/scored_batches": service.batches,
+                                                "example/scored_samples": service.samples})  # fmt: skip
+
+        return Counted()
+
+    def close(self):
+        pass
+
+
 def json_lines_dataset(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -225,6 +260,7 @@ def trellis_register(registry):
     registry.add("group_filter", "example_some_right", some_right)
     registry.add("tracker", "example_list", ListTracker)
     registry.add("controller", "example_counting", CountingController)
+    registry.add("reward_service", "example_scored_batches", ScoredBatches)
     registry.add("recipe", "example_echo", EchoRecipe(), options=EchoConfig)
     registry.add("dataset", "example_jsonl", json_lines_dataset)
 

@@ -9,23 +9,23 @@ import logging
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from trellis.config import ConfigError, resolve_component
+from trellis.config import ConfigError, instantiate_options, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.memory import check_activation_memory, text_config
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
-from trellis.recipes.judge_engine import check_judge_engine
 from trellis.recipes.options import check_inputs
 from trellis.recipes.reward_model import check_reward_model
 from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
 from trellis.recipes.teacher import TEACHER_NEED, check_teacher
 from trellis.registry import RegistryError
-from trellis.rewards import AUTO_SOURCES, check_reward, unknown_sources
+from trellis.rewards import AUTO_SOURCES, RewardConfig, RewardService, check_reward, unknown_sources
 from trellis.runtime.harness import backend_mesh, controller_class
 from trellis.runtime.plan import Plan
 
 log = logging.getLogger("trellis")
+JUDGE_SERVICE = "judge_engine"  # the reward service that serves reward.judge (trellis-judges)
 
 
 def needs(estimator) -> tuple[str, ...]:
@@ -37,8 +37,10 @@ def needs(estimator) -> tuple[str, ...]:
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built (and, on CUDA, a warning when the
     actor's micro-batches cannot fit the device: ``trellis.memory``)."""
-    check_judge_engine(cfg, registry)  # before the reward's checks, which call the judges' servers
-    check_reward(cfg.reward, registry, cfg.recipe)
+    services = reward_services(cfg, registry)
+    for service in services:
+        service.check(cfg, registry)  # before the reward's checks, which call the servers of the sources a service answers
+    check_reward(cfg.reward, registry, cfg.recipe, services)
     check_inputs(cfg)
     check_context(cfg)
     staleness_bound(cfg.trainer)
@@ -149,6 +151,17 @@ def check_length_shaping(cfg: DictConfig) -> None:
                 f"config key '{key}' is set with multi_turn.enable=true: a conversation's length is not one response's "
                 f"against sampling.max_new_tokens; unset {key} for multi-turn runs"
             )
+
+
+def reward_services(cfg: DictConfig, registry) -> list[type[RewardService]]:
+    """The reward services the run's reward asks for (each registered service's ``wanted``), by
+    name. ``reward.judge`` set with no ``judge_engine`` installed is refused naming trellis-judges."""
+    reward = instantiate_options(cfg.reward, RewardConfig)
+    judge = reward.judge
+    if judge.engine or judge.model or judge.options:
+        _lookup(registry, "reward_service", JUDGE_SERVICE, "reward.judge")
+    services = (registry.get("reward_service", name).obj for name in registry.names("reward_service"))
+    return [service for service in services if service.wanted(reward)]
 
 
 def check_rollout_placement(cfg: DictConfig, registry) -> None:

@@ -18,12 +18,11 @@ from trellis.data import PromptLoader
 from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
 from trellis.multiturn.rollout import AgentRollout
 from trellis.multiturn.scoring import ConversationScorer
-from trellis.recipes.judge_engine import JudgedReward, start_judge, with_served_judges
 from trellis.recipes.options import without_adapter
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
 from trellis.recipes.reward_model import ModelReward, reward_inputs
 from trellis.recipes.rl.ahead import Producer, TrainedPosition, partial_chunk
-from trellis.recipes.rl.checks import needs
+from trellis.recipes.rl.checks import needs, reward_services
 from trellis.recipes.rl.dynamic_sampling import fill
 from trellis.recipes.rl.partial import generate_in_chunks
 from trellis.recipes.rl.streaming import generate_scored
@@ -199,18 +198,22 @@ def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> Scorer:
     """The run's reward: the functions ``reward`` names, or with ``reward.model`` the frozen
     ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``, scoring
     the policy's token ids or re-tokenized samples when its tokenizer is another; with
-    ``reward.judge.engine`` the judges that name no url go to the judge engine, served for the run."""
+    ``reward.judge`` the judges that name no url go to the judge engine, served for the run (reward
+    services, :class:`~trellis.rewards.RewardService`: each started, its sources pointed at it)."""
     reward = instantiate_options(cfg.reward, RewardConfig)
-    server = run.closing(start_judge(reward.judge, registry, cfg.seed)) if reward.judge.engine else None
-    if server is not None:
-        reward = with_served_judges(reward, server)
+    started = []
+    for service in reward_services(cfg, registry):
+        started.append(run.closing(service(reward, registry, cfg.seed)))
+        reward = started[-1].reward
     if not reward.model.path:
         scorer = RewardManager(reward, registry, tokenizer)
     else:
         role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
         functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
         scorer = ModelReward(role, reward.model.weight, reward.model.key, functions, reward_inputs(cfg, tokenizer))
-    return scorer if server is None else JudgedReward(scorer, server)
+    for served in started:
+        scorer = served.wrap(scorer)
+    return scorer
 
 
 def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: AgentRollout | None) -> Batch:

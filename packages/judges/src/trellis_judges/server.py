@@ -1,6 +1,6 @@
 """The judge engine's server (``reward.judge``): ``/v1/chat/completions`` and ``/v1/models`` on
-loopback in front of a frozen rollout engine, driven by one thread of its own (aiohttp: imported
-only by runs that start a judge engine)."""
+loopback in front of a frozen rollout engine, driven by one thread of its own (imported only by
+runs that start a judge engine)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from trellis.data import encode_text, render_chat
-from trellis.interfaces.rollout import RolloutEngine, SamplingParams
-from trellis.multiturn.openai_api import Refused, assistant_message, chat_reply, chat_request, error_body, request_body
+from trellis import RolloutEngine, SamplingParams
+from trellis.kit.serving import Refused, assistant_message, chat_reply, chat_request, encode_text, error_body, render_chat, request_body
 
 log = logging.getLogger("trellis")
 COUNTS = ("requests", "refused", "prompt_tokens", "completion_tokens")  # the server's figures, logged as judge/<name>

@@ -15,7 +15,7 @@ any other HTTP error, a dead endpoint, a timeout or a reply no rule can parse ra
 reward manager counts the sample in ``reward/errors`` (never a silent 0).
 
 With ``reward.judge.engine`` the ``rl`` recipe serves a judge model itself and sends here every
-judge that names no url (``trellis.recipes.judge_engine``).
+judge that names no url (``trellis_judges.engine``).
 """
 
 from __future__ import annotations

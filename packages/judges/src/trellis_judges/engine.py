@@ -1,6 +1,6 @@
-"""The judge engine (``reward.judge``): a frozen rollout engine the ``rl`` recipe starts itself, served
-on loopback as OpenAI-compatible ``/v1/chat/completions`` (the policy endpoint's wire format,
-``trellis.multiturn.openai_api``) to the ``judge`` rewards that name no url.
+"""The judge engine (``reward.judge``, reward service ``judge_engine``): a frozen rollout engine the
+``rl`` recipe starts itself, served on loopback as OpenAI-compatible ``/v1/chat/completions`` (the
+wire format of ``trellis.kit.serving``) to the ``judge`` rewards that name no url.
 
 The engine is built and driven by one thread of its own, which runs the server's event loop (an
 engine is driven from the thread that built it: vLLM's rule); the reward's threads call the server
@@ -11,7 +11,6 @@ never takes a weight sync.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,15 +18,23 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
-from trellis.batch import Batch
-from trellis.config import ConfigError, instantiate_options, validate
-from trellis.interfaces.rollout import RolloutSpec
-from trellis.rewards import JudgeEngineConfig, RewardConfig, RewardResult, judges, served_judges
+from trellis import Batch, ConfigError, RewardConfig, RewardResult, RewardTerm, RolloutSpec, Scorer, instantiate_options, validate
 
 if TYPE_CHECKING:
-    from trellis.recipes.judge_server import JudgeServer
+    from trellis_judges.server import JudgeServer
 
 log = logging.getLogger("trellis")
+
+
+def judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
+    """The registered ``judge`` rewards ``cfg`` uses (the reward itself, or its terms), each with its config key."""
+    sources = [(f"reward.terms[{i}]", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
+    return [(key, source) for key, source in sources if source.name == "judge" and not source.path]
+
+
+def served_judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
+    """The judges that ``reward.judge.engine`` serves: those naming no ``kwargs.url`` (none without an engine)."""
+    return [(key, source) for key, source in judges(cfg) if cfg.judge.engine and not (source.kwargs or {}).get("url")]
 
 
 def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
@@ -62,11 +69,6 @@ def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
                 f"config key '{key}.kwargs.model' is {asked!r}, but this judge is served by reward.judge.engine, whose model is "
                 f"reward.judge.model={spec.model!r}; drop {key}.kwargs.model"
             )
-    if importlib.util.find_spec("aiohttp") is None:
-        raise ConfigError(
-            f"config key 'reward.judge.engine' is {spec.engine!r}: the judge engine is served over HTTP with aiohttp, which is not "
-            "installed; pip install aiohttp"
-        )
     if not spec.model or not (Path(spec.model) / "config.json").is_file():
         raise ConfigError(
             f"config key 'reward.judge.model' is {spec.model!r}, which is not a Hugging Face model folder (no config.json); "
@@ -80,7 +82,7 @@ def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
         )
 
 
-def engine_options(spec: JudgeEngineConfig, registry: Any) -> Any:
+def engine_options(spec: Any, registry: Any) -> Any:
     """The factory of ``spec.engine`` and its options instance from ``reward.judge.options``
     (checked as under ``rollout``; None when the engine declares no options)."""
     entry = registry.get("rollout", spec.engine)
@@ -92,9 +94,9 @@ def engine_options(spec: JudgeEngineConfig, registry: Any) -> Any:
     return entry.obj, instantiate_options(checked, entry.options)
 
 
-def start_judge(spec: JudgeEngineConfig, registry: Any, seed: int) -> JudgeServer:
-    """The judge engine ``spec`` names, built and served (see :class:`JudgeServer`)."""
-    from trellis.recipes.judge_server import JudgeServer  # aiohttp: only runs with reward.judge.engine need it
+def start_judge(spec: Any, registry: Any, seed: int) -> JudgeServer:
+    """The judge engine ``spec`` (``reward.judge``) names, built and served (see :class:`JudgeServer`)."""
+    from trellis_judges.server import JudgeServer  # aiohttp: imported by runs that serve a judge, not by every plugin load
 
     make_engine, options = engine_options(spec, registry)
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
@@ -121,7 +123,7 @@ class JudgedReward:
     figures while the batch was scored, ``judge/<count>`` (``JudgeServer.counts``: requests served,
     requests refused, prompt and completion tokens)."""
 
-    def __init__(self, reward: Any, server: JudgeServer) -> None:
+    def __init__(self, reward: Scorer, server: JudgeServer) -> None:
         self.reward, self.server = reward, server
 
     def score(self, batch: Batch) -> RewardResult:
@@ -129,3 +131,32 @@ class JudgedReward:
         result = self.reward.score(batch)
         after = self.server.counts()
         return result._replace(metrics={**result.metrics, **{f"judge/{k}": float(after[k] - before[k]) for k in after}})
+
+
+class JudgeEngine:
+    """Reward service ``judge_engine``: serves ``reward.judge`` for an ``rl`` run. The classmethods
+    run before any model is built; built for the run, it starts the engine and its server."""
+
+    @classmethod
+    def wanted(cls, reward: RewardConfig) -> bool:
+        judge = reward.judge
+        return bool(judge.engine or judge.model or judge.options)
+
+    @classmethod
+    def check(cls, cfg: DictConfig, registry: Any) -> None:
+        check_judge_engine(cfg, registry)
+
+    @classmethod
+    def served(cls, reward: RewardConfig) -> list[RewardConfig | RewardTerm]:
+        """The reward sources this service will answer (their preflight cannot reach a server yet)."""
+        return [source for _, source in served_judges(reward)]
+
+    def __init__(self, reward: RewardConfig, registry: Any, seed: int) -> None:
+        self.server = start_judge(reward.judge, registry, seed)
+        self.reward = with_served_judges(reward, self.server)  # the judges it answers point at it
+
+    def wrap(self, scorer: Scorer) -> Scorer:
+        return JudgedReward(scorer, self.server)
+
+    def close(self) -> None:
+        self.server.close()

@@ -7,13 +7,13 @@ import pytest
 from engine_cases import check_judge_engine
 from engine_cases import judge_closed as closed
 
-from trellis import judge
+import trellis_judges.engine as engine_module
 from trellis.config import ConfigError
-from trellis.recipes.judge_engine import start_judge, with_served_judges
-from trellis.recipes.judge_server import JudgeServer
-from trellis.recipes.rl import samples
 from trellis.recipes.train import train
 from trellis.rewards import RewardConfig, RewardError
+from trellis_judges import client as judge
+from trellis_judges.engine import start_judge, with_served_judges
+from trellis_judges.server import JudgeServer
 
 TEMPLATE = "Grade this answer to the reference {reference}: {response}"
 
@@ -27,7 +27,7 @@ def served(monkeypatch):
         started.append(start_judge(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(samples, "start_judge", start)
+    monkeypatch.setattr(engine_module, "start_judge", start)
     return started
 
 
