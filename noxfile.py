@@ -393,12 +393,14 @@ for _name, (_packages, _extra, _folder) in PACKAGE_SESSIONS.items():
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree, then the import contracts of ``.importlinter`` (core's layers, the
-    plugins' public imports). lint-imports only reads the sources, so they go on the path uninstalled."""
+    """ruff over the whole tree (the checks, and the formatting: ``ruff format`` fixes it), then the
+    import contracts of ``.importlinter`` (core's layers, the plugins' public imports). lint-imports
+    only reads the sources, so they go on the path uninstalled."""
     with _Timed(session) as timed:
         _pip(session, "project", *LINT_TOOLS)
         timed.installed()
         session.run("ruff", "check", ".")
+        session.run("ruff", "format", "--check", ".")
         sources = sorted(glob.glob("packages/*/src") + glob.glob("tests/plugins/*/src"))
         session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(sources)})
 

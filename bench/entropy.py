@@ -100,8 +100,10 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps({"fit": {"a": a, "b": b, "r2": r2}, "runs": summary}, indent=2))
     fields = " ".join(f"{m}_entropy={statistics.mean(p[1] for p in finals[m]):.3f} {m}_reward={statistics.mean(p[2] for p in finals[m]):.3f}"
                       for m in METHODS)  # fmt: skip
-    print(f"RESULT {fields} fit_a={a:.4f} fit_b={b:.4f} fit_r2={r2:.3f} seeds={len(args.seeds)} steps={args.steps} cov_ratio={args.cov_ratio} "
-          f"mini_batch_samples={args.mini_batch_samples}")
+    print(
+        f"RESULT {fields} fit_a={a:.4f} fit_b={b:.4f} fit_r2={r2:.3f} seeds={len(args.seeds)} steps={args.steps} cov_ratio={args.cov_ratio} "
+        f"mini_batch_samples={args.mini_batch_samples}"
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,7 @@ def main() -> None:
         "ray x2": ["trainer.controller=ray", "trainer.procs_per_node=2"],
     }
     results = {
-        name: run(work, model, data, name.replace(" ", ""), args.steps, args.warmup, [*extra, *args.overrides])
-        for name, extra in columns.items()
+        name: run(work, model, data, name.replace(" ", ""), args.steps, args.warmup, [*extra, *args.overrides]) for name, extra in columns.items()
     }
     print(f"\nRL step, GRPO, 8 prompts x 8 samples, <=64 new tokens, {args.steps - args.warmup} steps after {args.warmup} warm-up (ms)")
     print(f"{'stage':<16}" + "".join(f"{name:>12}" for name in results))

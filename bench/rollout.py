@@ -141,8 +141,16 @@ def raw_vllm(engine, ids: list[list[int]], n: int):
 
     def run(length, seed):
         params = [
-            RawParams(n=n, temperature=1.0, max_tokens=length, stop_token_ids=sorted(engine.eos_ids), seed=seed + i * n,
-                      logprobs=0, flat_logprobs=True, detokenize=False)  # fmt: skip
+            RawParams(
+                n=n,
+                temperature=1.0,
+                max_tokens=length,
+                stop_token_ids=sorted(engine.eos_ids),
+                seed=seed + i * n,
+                logprobs=0,
+                flat_logprobs=True,
+                detokenize=False,
+            )  # fmt: skip
             for i in range(len(ids))
         ]
         outs = engine.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)

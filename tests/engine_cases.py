@@ -403,6 +403,7 @@ class MultiTurnCases:
         model's tokens equal a forward pass over the whole conversation."""
         from trellis.data import PromptDataset
         from trellis.examples.tasks import make_arithmetic_split
+
         engine = build(self.ENGINE, tiny_model_path, **{self.CONTEXT: 256})
         tokenizer = engine.tokenizer
         agent = always_wrong_agent(tokenizer, max_assistant_turns=3, max_user_turns=2, max_response_tokens=120)

@@ -101,8 +101,6 @@ def test_components_run_by_name_with_default_options(plugins):
     assert adv.tolist() == [[0.5, 0.5], [-0.5, 0.0]]
     logp = torch.zeros(2, 2, requires_grad=True)
     pl = get("policy_loss", "vanilla")
-    loss, metrics = pl.obj(
-        PolicyLossInputs(logp, torch.zeros(2, 2), adv, data.response_mask), Aggregation(), pl.options()
-    )
+    loss, metrics = pl.obj(PolicyLossInputs(logp, torch.zeros(2, 2), adv, data.response_mask), Aggregation(), pl.options())
     # ratio 1: -A per token, token-mean (-.5 - .5 + .5) / 3
     assert loss.item() == pytest.approx(-0.5 / 3) and {"pg_loss", "clip_frac", "approx_kl"} <= set(metrics)

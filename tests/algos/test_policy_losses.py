@@ -47,9 +47,7 @@ def inputs(log_ratio, adv, mask=None, logp=None, dtype=torch.float64):
     log_ratio = torch.tensor(log_ratio, dtype=dtype)
     logp = torch.full_like(log_ratio, -1.0) if logp is None else torch.tensor(logp, dtype=dtype)
     mask = torch.ones_like(log_ratio, dtype=torch.long) if mask is None else torch.tensor(mask)
-    return PolicyLossInputs(
-        logp.clone().requires_grad_(True), (logp - log_ratio).detach(), torch.tensor(adv, dtype=dtype), mask
-    )
+    return PolicyLossInputs(logp.clone().requires_grad_(True), (logp - log_ratio).detach(), torch.tensor(adv, dtype=dtype), mask)
 
 
 def grad_of(loss, data):
@@ -343,9 +341,7 @@ def check_clip_cov(data, opts, seed):
 
 
 @FAST
-@given(
-    policy_batches(min_rows=2), st.floats(0.1, 0.6), st.floats(-0.5, 0.3), st.floats(0.5, 4.0), st.integers(0, 2**16)
-)
+@given(policy_batches(min_rows=2), st.floats(0.1, 0.6), st.floats(-0.5, 0.3), st.floats(0.5, 4.0), st.integers(0, 2**16))
 def test_clip_cov_zeroes_exactly_k_tokens_inside_the_band(data, ratio, lb, width, seed):
     check_clip_cov(data, ClipCovOptions(clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=lb + width), seed)
 

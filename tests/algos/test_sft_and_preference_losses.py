@@ -69,9 +69,7 @@ def test_ipo_by_hand():
 
 def test_losses_are_means_over_pairs():
     # two pairs with x = .5 and x = 1.5, beta .5: ((.5 - 1)^2 + (1.5 - 1)^2) / 2 = .25
-    data = PreferenceInputs(
-        torch.tensor([-1.0, 0.0]), torch.tensor([-2.0, -2.0]), torch.tensor([-1.5, -0.5]), torch.tensor([-2.0, -2.0])
-    )
+    data = PreferenceInputs(torch.tensor([-1.0, 0.0]), torch.tensor([-2.0, -2.0]), torch.tensor([-1.5, -0.5]), torch.tensor([-2.0, -2.0]))
     assert ipo(data, IPOOptions(beta=0.5))[0].item() == pytest.approx(0.25)
 
 

@@ -104,9 +104,7 @@ def test_missing_forward_inputs_are_named(estimator, field):
 
 def test_sum_sq_probs_by_hand_and_stable():
     # p = (1/4, 3/4): 1/16 + 9/16 = 5/8; uniform over 4: 1/4; huge equal logits: 1/2; -inf is p = 0
-    logits = torch.tensor(
-        [[0.0, math.log(3.0), -math.inf], [0.0, 0.0, 0.0], [1000.0, 1000.0, -math.inf]], dtype=torch.float32
-    )
+    logits = torch.tensor([[0.0, math.log(3.0), -math.inf], [0.0, 0.0, 0.0], [1000.0, 1000.0, -math.inf]], dtype=torch.float32)
     logits = torch.cat([logits, torch.tensor([[-math.inf], [0.0], [-math.inf]])], dim=-1)
     assert sum_sq_probs_from_logits(logits).tolist() == pytest.approx([5 / 8, 1 / 4, 1 / 2])
 

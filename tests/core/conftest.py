@@ -21,9 +21,11 @@ def broken_vllm_plugin(tmp_path, monkeypatch):
     pkg = site / "fake_trellis_vllm"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "plugin.py").write_text(textwrap.dedent("""
+    (pkg / "plugin.py").write_text(
+        textwrap.dedent("""
         import vllm_engine_that_is_not_installed  # noqa: F401
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(site))
     return site
 

@@ -142,7 +142,6 @@ def test_positions_count_attended_tokens_and_the_last_valid_index_is_minus_one_f
     assert last_valid_index(torch.zeros(2, 0)).tolist() == [-1, -1]
 
 
-
 @pytest.mark.parametrize(
     "rounds",
     [

@@ -57,8 +57,7 @@ def test_unknown_nested_key_names_path_valid_keys_and_closest(registry, yaml_fil
     with pytest.raises(ConfigError) as err:
         compose(yaml_file(BASE), ["trainer.totl_steps=3"], registry)
     assert str(err.value) == (
-        "unknown config key 'trainer.totl_steps'; valid keys here: lr, run_dir, total_steps, trackers; "
-        "did you mean 'trainer.total_steps'?"
+        "unknown config key 'trainer.totl_steps'; valid keys here: lr, run_dir, total_steps, trackers; did you mean 'trainer.total_steps'?"
     )
 
 
@@ -155,8 +154,11 @@ def test_installed_provider_gets_no_pip_hint(registry, yaml_file, monkeypatch):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("data.path=...", "override 'data.path': the value '...' is not valid YAML (did not find expected node content); "
-         "if it is a string, quote it: data.path=\"'...'\" in the shell"),
+        (
+            "data.path=...",
+            "override 'data.path': the value '...' is not valid YAML (did not find expected node content); "
+            "if it is a string, quote it: data.path=\"'...'\" in the shell",
+        ),
         ("trainer.trackers=[jsonl", "override 'trainer.trackers': the value '[jsonl' is not valid YAML (did not find expected ',' or ']')"),
     ],
 )

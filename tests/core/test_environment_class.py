@@ -126,6 +126,7 @@ class OnlyReset:
     def reset(self): ...
     def reward(self) -> float:  # noqa: E301
         return 1.0
+
     def _private(self, x: int) -> str: ...  # noqa: E301
 
 

@@ -14,9 +14,7 @@ from trellis.plugins import load_plugins
 from trellis.recipes.options import TrainerConfig
 
 CORE = load_plugins(entry_points=False).registry
-CORE_SCHEMAS = sorted(
-    {s for entry in CORE.entries() if entry.options for s in option_dataclasses(entry.options)}, key=lambda s: s.__qualname__
-)
+CORE_SCHEMAS = sorted({s for entry in CORE.entries() if entry.options for s in option_dataclasses(entry.options)}, key=lambda s: s.__qualname__)
 # string options whose values are open: paths, names, free text
 OPEN_ENDED = {
     "AdapterConfig": {"target_modules"},  # module-name suffixes of the model at hand, or all-linear

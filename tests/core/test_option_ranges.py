@@ -12,9 +12,7 @@ from trellis.config import ConfigError, Range, compose, option_dataclasses, rang
 from trellis.plugins import load_plugins
 
 CORE = load_plugins(entry_points=False).registry
-CORE_SCHEMAS = sorted(
-    {s for entry in CORE.entries() if entry.options for s in option_dataclasses(entry.options)}, key=lambda s: s.__qualname__
-)
+CORE_SCHEMAS = sorted({s for entry in CORE.entries() if entry.options for s in option_dataclasses(entry.options)}, key=lambda s: s.__qualname__)
 
 
 def test_core_recipes_reach_every_options_section():

@@ -234,14 +234,16 @@ def test_bad_results_count_as_errors(tok):
 
 def test_user_function_by_path(tok, tmp_path):
     path = tmp_path / "my_reward.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         def helper():
             pass
 
         def exact(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
             ok = solution_str.strip() == "#### " + ground_truth
             return {"score": scale * ok, "exact": float(ok)}
-    """))
+    """)
+    )
     cfg = RewardConfig(name="exact", path=str(path), kwargs={"scale": 2.0})
     token_scores, metrics = RewardManager(cfg, Registry(), tok)(responses(tok, ["#### 46", "#### 45"]))
     assert token_scores.sum(-1).tolist() == [2.0, 0.0] and metrics["reward/exact"] == 0.5

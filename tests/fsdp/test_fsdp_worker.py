@@ -59,6 +59,7 @@ def make_worker(registry, path, role, role_options=None, objectives=None, dist=N
     worker.build()
     return worker
 
+
 LR = 1e-2
 # AdamW's first step moves a weight by lr * g / (|g| + eps): with torch's eps (1e-8) a gradient of
 # summation-order noise (~1e-8 here: the micro-batches sum in another order than the whole batch)

@@ -74,9 +74,7 @@ def _sync_main(rank: int, world: int, port: int, path: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def model_50m(tmp_path_factory) -> str:
     """A ~50M-parameter Qwen2 folder (random weights, tied embeddings; no tokenizer needed)."""
-    config = Qwen2Config(
-        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=14, num_attention_heads=8, num_key_value_heads=2
-    )
+    config = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=14, num_attention_heads=8, num_key_value_heads=2)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("models") / "qwen2-50m"
     Qwen2ForCausalLM(config).save_pretrained(path)

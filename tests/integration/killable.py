@@ -1,14 +1,14 @@
 """Test helper, run as a script: a recipe that kills itself with SIGKILL at a chosen point.
 
-    python killable.py update N key=value ...      # inside step N, as the actor's update starts
-    python killable.py checkpoint N key=value ...  # while checkpoint N is written: after the actor's
-                                                   # shard, before the manifest and the rename
-    python killable.py saved N key=value ...       # once checkpoint N is complete (for the last
-                                                   # step: before the final validation and export)
-    python killable.py prune N key=value ...       # once checkpoint N is complete, while an older one
-                                                   # is deleted (renamed, not yet removed)
-    python killable.py hf_model 0 key=value ...    # while the end's hf_model is written (weights in
-                                                   # its temporary folder, the tokenizer not yet)
+python killable.py update N key=value ...      # inside step N, as the actor's update starts
+python killable.py checkpoint N key=value ...  # while checkpoint N is written: after the actor's
+                                               # shard, before the manifest and the rename
+python killable.py saved N key=value ...       # once checkpoint N is complete (for the last
+                                               # step: before the final validation and export)
+python killable.py prune N key=value ...       # once checkpoint N is complete, while an older one
+                                               # is deleted (renamed, not yet removed)
+python killable.py hf_model 0 key=value ...    # while the end's hf_model is written (weights in
+                                               # its temporary folder, the tokenizer not yet)
 """
 
 from __future__ import annotations

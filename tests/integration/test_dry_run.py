@@ -63,8 +63,10 @@ def test_data_paths_take_a_list_of_files_read_one_after_another(trellis_cli, dat
         (["data.train_path=[]"], "config key 'data.train_path' is an empty list; give a parquet or jsonl file, or a list of them"),
         (["data.train_path={a: 1}"], "config key 'data.train_path' has value {'a': 1} but expects type str | list[str]"),
         (["sampling.n=0"], "config key 'sampling.n' is 0; it must be >= 1"),
-        (["data.max_prompt_length=500", "sampling.max_new_tokens=64"],
-         "config keys 'data.max_prompt_length' (500) + 'sampling.max_new_tokens' (64) = 564 tokens, more than the 512 positions of model.path"),
+        (
+            ["data.max_prompt_length=500", "sampling.max_new_tokens=64"],
+            "config keys 'data.max_prompt_length' (500) + 'sampling.max_new_tokens' (64) = 564 tokens, more than the 512 positions of model.path",
+        ),
         (["data.train_batch_prompts=100"], "the dataset has 64 prompts, fewer than one batch of 100; lower data.train_batch_prompts or add data"),
         (["reward.name=auto"], "config key 'reward.name' is auto, which has no reward for data_source 'arithmetic' (in data.train_path"),
         (["reward.terms=[{name: gsm8k},{name: gsm8kk}]"], "config key 'reward.terms[1].name': reward 'gsm8kk' is not installed"),
@@ -103,13 +105,18 @@ GSM8K = "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]"
             "give every row extra_info.interaction_kwargs with them, in verl's schema (e.g. {name: gsm8k, ground_truth: ...})",
         ),
         (
-            ["multi_turn.enable=true", "multi_turn.tools=[{component: code_interpreter, schema: {type: function, "
-             "function: {name: run, paramters: {type: object}}}}]"],  # fmt: skip
+            [
+                "multi_turn.enable=true",
+                "multi_turn.tools=[{component: code_interpreter, schema: {type: function, function: {name: run, paramters: {type: object}}}}]",
+            ],  # fmt: skip
             "config key 'multi_turn.tools[0].schema.function.paramters' is not a key of an OpenAI function schema (did you mean 'parameters'?)",
         ),
         (
-            ["multi_turn.enable=true", "multi_turn.tools=[{component: code_interpreter, schema: {type: function, "
-             "function: {name: run, parameters: {type: object, properties: {code: {type: string}}, required: [src]}}}}]"],  # fmt: skip
+            [
+                "multi_turn.enable=true",
+                "multi_turn.tools=[{component: code_interpreter, schema: {type: function, "
+                "function: {name: run, parameters: {type: object, properties: {code: {type: string}}, required: [src]}}}}]",
+            ],  # fmt: skip
             "config key 'multi_turn.tools[0].schema.function.parameters.required' names 'src', which parameters.properties does not define",
         ),
         (

@@ -19,8 +19,12 @@ from trellis.recipes import rl
 # Qwen2.5-7B's sizes; verl's GRPO seq-balance example: 512-token prompts, 1024-token responses,
 # ppo_max_token_len_per_gpu=24000
 SEVEN_B = {
-    "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-    "intermediate_size": 18944, "vocab_size": 152064,
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "intermediate_size": 18944,
+    "vocab_size": 152064,
 }
 GIB_80 = 80 * 10**9
 
@@ -32,8 +36,9 @@ def write_model(path, **config):
 
 
 def test_estimate_follows_the_per_layer_count(tmp_path):
-    model = write_model(tmp_path / "m", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                        intermediate_size=16, vocab_size=10)
+    model = write_model(
+        tmp_path / "m", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16, vocab_size=10
+    )
     shape = ModelShape.read(model)
     assert shape == ModelShape(layers=2, hidden=8, kv_hidden=4, intermediate=16, vocab=10)  # head size 8 / 2 heads = 4
     # a layer keeps 7*8 + 2*4 + 4*16 = 128 values per token; 10 tokens x 2 layers, 4 logit rows x 10, 2 bytes each
@@ -64,8 +69,14 @@ def seven_b_check(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}], "data_source": "gsm8k"}) + "\n")
     registry = load_plugins().registry
-    base = [f"model.path={model}", f"data.train_path={data}", "reward.name=gsm8k", "recipe=rl", "data.max_prompt_length=512",
-            "sampling.max_new_tokens=1024"]
+    base = [
+        f"model.path={model}",
+        f"data.train_path={data}",
+        "reward.name=gsm8k",
+        "recipe=rl",
+        "data.max_prompt_length=512",
+        "sampling.max_new_tokens=1024",
+    ]
 
     def check(*overrides):
         cfg = config_mod.compose(None, base + list(overrides), registry)

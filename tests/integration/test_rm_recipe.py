@@ -44,11 +44,21 @@ def pair_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rm_run(tiny_model_path, pair_files, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("rm") / "run"
-    summary = train(None, [
-        "recipe=rm", f"model.path={tiny_model_path}", f"data.train_path={pair_files['train']}", f"data.val_path={pair_files['val']}",
-        "data.batch_pairs=16", "train.optim.lr=3e-3", "trainer.total_steps=8", "trainer.trackers=[jsonl]",
-        f"trainer.run_dir={run_dir}", "trainer.save_hf_model=true",
-    ])
+    summary = train(
+        None,
+        [
+            "recipe=rm",
+            f"model.path={tiny_model_path}",
+            f"data.train_path={pair_files['train']}",
+            f"data.val_path={pair_files['val']}",
+            "data.batch_pairs=16",
+            "train.optim.lr=3e-3",
+            "trainer.total_steps=8",
+            "trainer.trackers=[jsonl]",
+            f"trainer.run_dir={run_dir}",
+            "trainer.save_hf_model=true",
+        ],
+    )
     return summary, run_dir
 
 

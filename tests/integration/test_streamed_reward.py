@@ -12,7 +12,7 @@ from trellis.config import ConfigError
 from trellis.plugins import load_plugins
 from trellis.rewards import RewardConfig, RewardManager
 
-TERMS = '''
+TERMS = """
 def exact(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str.startswith("x"):
         raise ValueError("cannot grade")  # a failed sample: counted, scored 0
@@ -21,16 +21,16 @@ def exact(data_source, solution_str, ground_truth, extra_info=None):
 
 def short(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if len(solution_str) < 3 else 0.0
-'''
+"""
 
-SLOW = '''
+SLOW = """
 import time
 
 
 def slow(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(0.02)
     return len(solution_str) / 10
-'''
+"""
 
 
 def test_parts_scored_one_by_one_give_the_whole_batchs_reward(tiny_model_path, tmp_path):

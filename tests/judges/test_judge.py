@@ -213,7 +213,10 @@ def test_terms_sum_their_weighted_scores_by_hand(server, tok):
     assert m["reward/mean"] == pytest.approx(0.6125) and m["reward/gsm8k"] == 0.5 and m["reward/judge"] == 0.625
     assert m["reward/penalty"] == 2.0 and m["reward/penalty/seen"] == 1.0
     assert {k: v.tolist() for k, v in result.components.items()} == {
-        "gsm8k": [1.0, 0.0], "judge": [1.0, 0.25], "penalty": [2.0, 2.0], "penalty/seen": [1.0, 1.0],
+        "gsm8k": [1.0, 0.0],
+        "judge": [1.0, 0.25],
+        "penalty": [2.0, 2.0],
+        "penalty/seen": [1.0, 1.0],
     }
 
 
@@ -226,10 +229,12 @@ def test_a_sample_failing_in_one_term_scores_zero_and_counts_once(tok):
 
 
 def test_terms_from_a_users_file_and_keys_of_their_own(tmp_path, tok):
-    (tmp_path / "r.py").write_text(textwrap.dedent("""
+    (tmp_path / "r.py").write_text(
+        textwrap.dedent("""
         def length(data_source, solution_str, ground_truth, extra_info=None, per_char=1.0):
             return per_char * len(solution_str)
-    """))
+    """)
+    )
     terms = [{"name": "length", "path": str(tmp_path / "r.py"), "kwargs": {"per_char": -0.5}, "key": "short"}, {"name": "gsm8k", "weight": 2}]
     result = RewardManager(RewardConfig(terms=terms), terms_registry(), tok).score(responses(tok, ["#### 46"]))
     length = len(tok.decode(tok("#### 46", add_special_tokens=False)["input_ids"], skip_special_tokens=True))

@@ -44,4 +44,3 @@ def tiny_llama_path(tiny_untied_model_path, tmp_path_factory):
         if (Path(tiny_untied_model_path) / name).exists():
             shutil.copy(Path(tiny_untied_model_path) / name, out / name)
     return str(out)
-

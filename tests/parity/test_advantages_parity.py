@@ -81,9 +81,7 @@ def test_grpo_passk_matches_verl():
     case.group_ids[-1] = 3
     for norm in (True, False):
         adv, _ = ours.grpo_passk(inputs(case), ours.GRPOOptions(norm_by_std=norm))
-        verl_adv, _ = core.compute_grpo_passk_outcome_advantage(
-            case.rewards, case.mask, index(case), config=AlgoConfig(norm_adv_by_std_in_grpo=norm)
-        )
+        verl_adv, _ = core.compute_grpo_passk_outcome_advantage(case.rewards, case.mask, index(case), config=AlgoConfig(norm_adv_by_std_in_grpo=norm))
         on_valid(adv, verl_adv, case.mask)
 
 
@@ -122,7 +120,6 @@ def test_rewards_on_masked_tokens_are_ignored():
     assert not torch.allclose(adv[group], verl_adv[group].to(adv.dtype))
 
 
-
 def with_sum_sq_probs(case):
     """The case's inputs plus the behaviour policy's log-probs and a seeded ``sum_sq_probs``."""
     sum_sq = 0.9 * torch.rand(case.mask.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -142,9 +139,7 @@ def test_token_baselines_match_verl_on_valid_tokens_and_zero_the_holes(name, zer
     mine, theirs = TOKEN_BASELINES[name]
     data = with_sum_sq_probs(case)
     adv, ret = mine(data, tb.TokenBaselineOptions(handle_zero_tail=zero_tail))
-    verl_adv, verl_ret = theirs(
-        case.rewards, case.mask, index(case), data.old_log_probs, data.sum_sq_probs, handle_zero_tail=zero_tail
-    )
+    verl_adv, verl_ret = theirs(case.rewards, case.mask, index(case), data.old_log_probs, data.sum_sq_probs, handle_zero_tail=zero_tail)
     on_valid(adv, verl_adv, case.mask)
     on_valid(ret, verl_ret, case.mask)
     masked = ~case.mask.bool()
@@ -196,9 +191,7 @@ def test_gdpo_matches_verl(weights, case):
     options = ours.GDPOOptions(reward_keys="fmt,acc", reward_weights=",".join(map(str, weights)) if weights else "")
     adv, ret = ours.gdpo(data, options)
     config = AlgoConfig(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=weights)
-    verl_adv, _ = core.compute_gdpo_outcome_advantage(
-        case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch
-    )
+    verl_adv, _ = core.compute_gdpo_outcome_advantage(case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch)
     on_valid(adv, verl_adv, case.mask)
     assert torch.equal(adv, ret) and torch.all(adv[~case.mask.bool()] == 0)
 
@@ -211,14 +204,10 @@ def test_gdpo_counts_an_empty_response_with_components_0():
     data = AdvantageInputs(case.rewards, case.mask, case.group_ids, reward_components=components)
     adv, _ = ours.gdpo(data, ours.GDPOOptions(reward_keys="fmt,acc"))
     config = AlgoConfig(gdpo_reward_keys=["fmt", "acc"])
-    verl_adv, _ = core.compute_gdpo_outcome_advantage(
-        case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch
-    )
+    verl_adv, _ = core.compute_gdpo_outcome_advantage(case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch)
     assert not torch.allclose(adv[case.mask.bool()], verl_adv.to(adv.dtype)[case.mask.bool()])
     for c in components.values():
         c[EMPTY_ROW] = 0.0
     non_tensor = {k: v.numpy() for k, v in components.items()}
-    verl_adv, _ = core.compute_gdpo_outcome_advantage(
-        case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch
-    )
+    verl_adv, _ = core.compute_gdpo_outcome_advantage(case.rewards, case.mask, index(case), config=config, non_tensor_batch=non_tensor, batch=batch)
     on_valid(adv, verl_adv, case.mask)

@@ -51,7 +51,7 @@ def grpo_batch(tiny_model_path) -> Batch:
     mask = torch.cat([torch.ones(n, p, dtype=torch.long), resp_mask], 1)
     responses = torch.randint(3, vocab, (n, r), generator=g) * resp_mask
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
-    adv = ((scores - scores.view(2, 4).mean(1).repeat_interleave(4)) / (scores.view(2, 4).std(1).repeat_interleave(4) + 1e-6))
+    adv = (scores - scores.view(2, 4).mean(1).repeat_interleave(4)) / (scores.view(2, 4).std(1).repeat_interleave(4) + 1e-6)
     return Batch(
         {
             "input_ids": torch.cat([torch.randint(3, vocab, (n, p), generator=g), responses], 1),
@@ -242,15 +242,11 @@ def test_ray_address_joins_an_existing_cluster_and_leaves_it_running(ray_cluster
         "c.shutdown()\n"
     )
     address = ray.get_runtime_context().gcs_address
-    out = subprocess.run(
-        [sys.executable, str(script)], env={**os.environ, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=180
-    )
+    out = subprocess.run([sys.executable, str(script)], env={**os.environ, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"joined False {address} 1" in out.stdout
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2.0
-    assert ray.util.placement_group_table() == {} or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
-    )
+    assert ray.util.placement_group_table() == {} or all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
 def test_ranks_are_packed_one_placement_group_per_node(tmp_path):

@@ -44,7 +44,7 @@ def test_stdin_stdout_cases_and_result_classes(server):
 
 
 def test_cpp_and_compile_errors(server):
-    cpp = "```cpp\n#include <cstdio>\nint main(){long a,b;scanf(\"%ld %ld\",&a,&b);printf(\"%ld\\n\",a+b);}\n```"
+    cpp = '```cpp\n#include <cstdio>\nint main(){long a,b;scanf("%ld %ld",&a,&b);printf("%ld\\n",a+b);}\n```'
     assert score(server, cpp, language="cpp")["score"] == 1.0
     assert score(server, "```cpp\nint main( {\n```", language="cpp")["compile_error"] == 1.0
 
@@ -127,7 +127,7 @@ def test_the_official_sandbox_fusion_client_works_against_our_server(server):
 
     resp = run_code(RunCodeRequest(code="print(input()[::-1])", language="python", stdin="abc"), endpoint=server.url)
     assert resp.status == RunStatus.Success and resp.run_result.stdout == "cba\n" and resp.run_result.return_code == 0
-    cpp = RunCodeRequest(code="#include <cstdio>\nint main(){puts(\"hi\");return 3;}", language="cpp")
+    cpp = RunCodeRequest(code='#include <cstdio>\nint main(){puts("hi");return 3;}', language="cpp")
     resp = run_code(cpp, endpoint=server.url)
     assert resp.status == RunStatus.Failed and resp.run_result.return_code == 3 and resp.compile_result.return_code == 0
     slow = run_code(RunCodeRequest(code="while True: pass", language="python", run_timeout=1), endpoint=server.url)

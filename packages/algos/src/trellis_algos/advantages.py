@@ -211,9 +211,7 @@ def rloo(data: AdvantageInputs, options: None = None) -> tuple[torch.Tensor, tor
 
 
 @torch.no_grad()
-def reinforce_plus_plus(
-    data: AdvantageInputs, options: ReinforcePlusPlusOptions | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus(data: AdvantageInputs, options: ReinforcePlusPlusOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted return-to-go ``G_t = r_t + gamma G_next`` over valid tokens
     (starting from 0 after the last valid token), then whitened over the batch's valid tokens.
 
@@ -246,9 +244,7 @@ def remax(data: AdvantageInputs, options: None = None) -> tuple[torch.Tensor, to
     """ReMax: the greedy rollout's reward as baseline. ``returns_t`` = sum of rewards of valid
     tokens from t on; ``A_t = returns_t - R_greedy`` (= ``R - R_greedy`` for outcome rewards)."""
     if data.baseline_rewards is None:
-        raise ValueError(
-            "advantage 'remax' needs the greedy rollout's rewards: AdvantageInputs.baseline_rewards is None"
-        )
+        raise ValueError("advantage 'remax' needs the greedy rollout's rewards: AdvantageInputs.baseline_rewards is None")
     valid = data.response_mask.bool()
     kept = torch.where(valid, data.token_rewards, torch.zeros_like(data.token_rewards))
     returns = torch.where(valid, kept.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(kept))

@@ -162,9 +162,7 @@ def _approx_kl(log_ratio: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(-log_ratio.detach(), mask).item())
 
 
-def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``max(-A r, -A clip(r, 1 - low, 1 + high))`` and where the clipped term won."""
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
@@ -177,9 +175,7 @@ def _covariance(data: PolicyLossInputs) -> torch.Tensor:
     return (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask))
 
 
-def vanilla(
-    data: PolicyLossInputs, agg: Aggregation, options: VanillaOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def vanilla(data: PolicyLossInputs, agg: Aggregation, options: VanillaOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with clip-higher and dual clip (as verl's ``vanilla``).
 
     ``L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; for ``A < 0`` additionally
@@ -203,9 +199,7 @@ def vanilla(
     }
 
 
-def clip_cov_selection(
-    data: PolicyLossInputs, options: ClipCovOptions | None = None, clipped: torch.Tensor | None = None
-) -> torch.Tensor:
+def clip_cov_selection(data: PolicyLossInputs, options: ClipCovOptions | None = None, clipped: torch.Tensor | None = None) -> torch.Tensor:
     """Bool ``(batch, response_len)``: the tokens Clip-Cov detaches.
 
     Candidates are valid tokens not already clipped by the PPO range with
@@ -231,9 +225,7 @@ def clip_cov_selection(
     return selected.reshape(candidates.shape)
 
 
-def clip_cov(
-    data: PolicyLossInputs, agg: Aggregation, options: ClipCovOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def clip_cov(data: PolicyLossInputs, agg: Aggregation, options: ClipCovOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov: PPO clipped surrogate, with the tokens of :func:`clip_cov_selection` detached
     (their loss term is 0, so they get no gradient; they still count in the normaliser).
 
@@ -276,9 +268,7 @@ def kl_cov_selection(data: PolicyLossInputs, options: KLCovOptions | None = None
     return selected.reshape(valid.shape)
 
 
-def kl_cov(
-    data: PolicyLossInputs, agg: Aggregation, options: KLCovOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def kl_cov(data: PolicyLossInputs, agg: Aggregation, options: KLCovOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov: ``-A r`` on every token (no clipping), plus ``ppo_kl_coef * |log r|`` on the
     top-k covariance tokens of :func:`kl_cov_selection` (as verl; the penalty uses the clamped
     log-ratio). Extra metrics: ``abs_kl`` (verl's ``ppo_kl`` for this loss), ``kl_cov_frac``."""
@@ -297,9 +287,7 @@ def kl_cov(
     }
 
 
-def gspo(
-    data: PolicyLossInputs, agg: Aggregation, options: GSPOOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def gspo(data: PolicyLossInputs, agg: Aggregation, options: GSPOOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: sequence-level ratio ``s = exp(mean_t log r_t)`` over valid tokens (unclamped log
     ratios, as verl), used per token as ``s_t = sg(s) * pi_t / sg(pi_t)`` (log clamped at 10),
     loss ``max(-A s_t, -A clip(s_t))``, aggregated with ``agg.mode`` (as verl 0.9.1; the paper's
@@ -319,9 +307,7 @@ def gspo(
     }
 
 
-def sapo(
-    data: PolicyLossInputs, agg: Aggregation, options: SAPOOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def sapo(data: PolicyLossInputs, agg: Aggregation, options: SAPOOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """SAPO (soft adaptive policy optimisation): a smooth gate instead of a hard clip,
     ``L = -A f(r)`` with ``f(r) = (4 / tau) sigmoid(tau (r - 1))`` (``tau_pos`` where ``A > 0``,
     else ``tau_neg``); ``f'(1) = 1``, so at ``r = 1`` the gradient is PPO's. Always aggregated
@@ -338,9 +324,7 @@ def sapo(
     return loss, {"pg_loss": float(loss.item()), "approx_kl": _approx_kl(log_ratio, mask)}
 
 
-def cispo(
-    data: PolicyLossInputs, agg: Aggregation, options: CISPOOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def cispo(data: PolicyLossInputs, agg: Aggregation, options: CISPOOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO: ``L = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp``: the importance weight
     is clipped and detached, so every token keeps a gradient ``-w A grad(logp)``."""
     opts = options if options is not None else CISPOOptions()
@@ -358,9 +342,7 @@ def cispo(
     }
 
 
-def gmpo(
-    data: PolicyLossInputs, agg: Aggregation, options: GMPOOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def gmpo(data: PolicyLossInputs, agg: Aggregation, options: GMPOOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """GMPO (verl's ``geo_mean``): geometric-mean ratio per sequence.
 
     Token log-ratios are clipped to ``[-eps_low, eps_high]`` on the pessimistic side only
@@ -397,9 +379,7 @@ def gmpo(
     }
 
 
-def reinforce(
-    data: PolicyLossInputs, agg: Aggregation, options: ReinforceOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def reinforce(data: PolicyLossInputs, agg: Aggregation, options: ReinforceOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE: ``L = -A logp`` (no ratio, no clipping). ``approx_kl`` is measured against
     ``rollout_log_prob`` when given (the policy that sampled), else against ``old_log_prob``.
     Also registered as ``gpg`` (verl's ``loss_mode: gpg`` is this same loss)."""
@@ -432,9 +412,7 @@ def _dppo(data: PolicyLossInputs, agg: Aggregation, opts: DPPOOptions, name: str
     }
 
 
-def dppo_tv(
-    data: PolicyLossInputs, agg: Aggregation, options: DPPOOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def dppo_tv(data: PolicyLossInputs, agg: Aggregation, options: DPPOOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO-Binary-TV (arXiv:2602.04879): a token learns (``-A sg(min(r, c)) logp``) unless its
     probability already moved past the threshold in the advantage's direction:
     ``p - p_old > clip_ratio_high`` for ``A > 0``, ``p - p_old < -clip_ratio_low`` otherwise.
@@ -446,9 +424,7 @@ def dppo_tv(
     return _dppo(data, agg, opts, "dppo_tv", inside)
 
 
-def dppo_kl(
-    data: PolicyLossInputs, agg: Aggregation, options: DPPOOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def dppo_kl(data: PolicyLossInputs, agg: Aggregation, options: DPPOOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO-Binary-KL: as :func:`dppo_tv` with the binary KL
     ``p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))`` as divergence;
     a token is outside when it exceeds the threshold *and* ``p`` moved in the advantage's
@@ -461,9 +437,7 @@ def dppo_kl(
     return _dppo(data, agg, opts, "dppo_kl", inside)
 
 
-def dro(
-    data: PolicyLossInputs, agg: Aggregation, options: DROOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def dro(data: PolicyLossInputs, agg: Aggregation, options: DROOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """DRO (direct reward optimisation, arXiv:2506.00103 as in verl): policy gradient with a
     quadratic log-ratio penalty, ``L = -(A logp - beta / 2 (logp - logp_old)^2)``."""
     opts = options if options is not None else DROOptions()
@@ -476,9 +450,7 @@ def dro(
     return loss, {"pg_loss": float(loss.item()), "approx_kl": _approx_kl(log_ratio, mask)}
 
 
-def bypass_mode(
-    data: PolicyLossInputs, agg: Aggregation, options: BypassOptions | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def bypass_mode(data: PolicyLossInputs, agg: Aggregation, options: BypassOptions | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Bypass mode: the rollout engine's log-probs stand in for the old log-probs.
 
     The rollout-correction weights and rejection are computed here between the *current*

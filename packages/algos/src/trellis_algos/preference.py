@@ -56,10 +56,7 @@ def sigmoid(data: PreferenceInputs, options: SigmoidOptions | None = None) -> tu
     """DPO: ``-log sigmoid(beta x) (1 - eps) - log sigmoid(-beta x) eps``, mean over pairs."""
     opts = options if options is not None else SigmoidOptions()
     x = _margin(data, opts.reference_free)
-    losses = (
-        -F.logsigmoid(opts.beta * x) * (1.0 - opts.label_smoothing)
-        - F.logsigmoid(-opts.beta * x) * opts.label_smoothing
-    )
+    losses = -F.logsigmoid(opts.beta * x) * (1.0 - opts.label_smoothing) - F.logsigmoid(-opts.beta * x) * opts.label_smoothing
     loss = losses.mean()
     return loss, _metrics(data, opts.beta, opts.reference_free, loss)
 

@@ -108,9 +108,7 @@ def is_weights(
     return weights.detach(), metrics
 
 
-def truncated_is_weights(
-    log_ratio: torch.Tensor, mask: torch.Tensor, options: RolloutCorrectionOptions
-) -> tuple[torch.Tensor, torch.Tensor]:
+def truncated_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, options: RolloutCorrectionOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, raw weights)`` ``(batch, response_len)``: truncated at the threshold, or zeroed
     outside ``[lower, threshold]`` (IcePop); not batch-normalised."""
     upper, lower = _is_bounds(options)
@@ -120,9 +118,7 @@ def truncated_is_weights(
 
 
 @torch.no_grad()
-def batch_normaliser(
-    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, options: RolloutCorrectionOptions
-) -> torch.Tensor:
+def batch_normaliser(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, options: RolloutCorrectionOptions) -> torch.Tensor:
     """The mean weight of a whole batch, to pass as ``batch_mean`` to each of its parts."""
     weights, _ = truncated_is_weights(log_prob - rollout_log_prob, mask, options)
     return is_batch_mean(weights, mask, options.rollout_is)
@@ -142,9 +138,7 @@ def _is_bounds(options: RolloutCorrectionOptions) -> tuple[float, float | None]:
     if upper <= 0:
         raise ValueError(f"rollout_correction.rollout_is_threshold must be > 0, got {upper}")
     if lower is not None and not 0 < lower <= upper:
-        raise ValueError(
-            f"rollout_correction.rollout_is_threshold_lower must be in (0, rollout_is_threshold={upper}], got {lower}"
-        )
+        raise ValueError(f"rollout_correction.rollout_is_threshold_lower must be in (0, rollout_is_threshold={upper}], got {lower}")
     return upper, lower
 
 

@@ -17,9 +17,7 @@ def cross_entropy(
     return loss, {"loss": float(loss.item())}
 
 
-def dft(
-    token_log_probs: torch.Tensor, loss_mask: torch.Tensor, agg: Aggregation, options: None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+def dft(token_log_probs: torch.Tensor, loss_mask: torch.Tensor, agg: Aggregation, options: None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Dynamic Fine-Tuning: each token's cross-entropy times its own predicted probability,
     detached: ``agg(-sg(p) logp)`` with ``p = exp(logp)`` (= ``softmax(logits).gather(label)``).
     Metrics: ``loss``, ``token_prob_mean`` (mean ``p`` over counted tokens)."""

@@ -60,9 +60,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 
 # -- groups of samples (the responses of one prompt) -----------------------------------------
-def group_index(
-    group_ids: torch.Tensor | Sequence[Any], device: torch.device | None = None
-) -> tuple[torch.Tensor, int]:
+def group_index(group_ids: torch.Tensor | Sequence[Any], device: torch.device | None = None) -> tuple[torch.Tensor, int]:
     """Map arbitrary group ids to ``0..G-1``: returns ``(inverse (batch,) long, G)``.
 
     Accepts an int tensor (the signature's form) or any sequence of hashable ids (verl passes
@@ -84,9 +82,7 @@ def group_sum(values: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> tor
     return out.index_add_(0, inverse, values.to(torch.float64))
 
 
-def group_mean_std(
-    scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Any]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_mean_std(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample ``(mean_g, std_g, size_g)`` of the sample's group, each ``(batch,)``.
 
     ``std_g`` is the unbiased (n - 1) standard deviation, as ``torch.std`` in verl. A group of

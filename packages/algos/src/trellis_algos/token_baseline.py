@@ -44,8 +44,12 @@ def _path_terms(data: AdvantageInputs, name: str) -> tuple[torch.Tensor, torch.T
 
 
 def _group_baseline(
-    returns: torch.Tensor, path: torch.Tensor, valid: torch.Tensor, group_ids: torch.Tensor,
-    members: torch.Tensor, opts: TokenBaselineOptions,
+    returns: torch.Tensor,
+    path: torch.Tensor,
+    valid: torch.Tensor,
+    group_ids: torch.Tensor,
+    members: torch.Tensor,
+    opts: TokenBaselineOptions,
 ) -> torch.Tensor:
     """``B`` ``(batch, len)``: ``sum_i G_it W_it / (sum_i W_it + epsilon)`` over the ``members``
     ``(batch,)`` of each group valid at position ``t``; 0 for non-members and groups of one member."""

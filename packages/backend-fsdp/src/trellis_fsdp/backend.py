@@ -151,7 +151,9 @@ class FSDPBackend(Backend):
             log.warning(
                 "backend.dtype=%s: %s's master weights and optimizer state are %s, so small updates round away; "
                 "keep dtype=float32 and set param_dtype=bfloat16 for low-precision compute",
-                names["dtype"], self.spec.role, names["dtype"],
+                names["dtype"],
+                self.spec.role,
+                names["dtype"],
             )
         return tuple(DTYPES[v] if v else None for v in names.values())
 
@@ -197,9 +199,7 @@ class FSDPBackend(Backend):
         trained = sum(p.numel() for p in self.params)
         what = f"a LoRA adapter of rank {self.adapter.rank} on {len(self.layers)} layers" if self.adapter is not None else "full weights"
         if trained == 0:
-            raise ValueError(
-                f"role {self.spec.role!r} would train no parameter ({what}); check {self.spec.role}.adapter.target_modules"
-            )
+            raise ValueError(f"role {self.spec.role!r} would train no parameter ({what}); check {self.spec.role}.adapter.target_modules")
         log.info("%s: %d of %d parameters train (%.2f%%): %s", self.spec.role, trained, total, 100 * trained / total, what)
 
     def _shard(self, mp: MixedPrecisionPolicy) -> None:

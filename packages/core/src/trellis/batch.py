@@ -161,9 +161,7 @@ class Batch:
                 raise ValueError(f"cannot concatenate batches with different fields: {sorted(keys)} vs {sorted(b.keys())}")
         if pad:
             batches = rollout_padded(batches) if all(_is_rollout(b) for b in batches) else _right_padded(batches)
-        tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else TensorDict(
-            {}, batch_size=[sum(len(b) for b in batches)]
-        )
+        tensors = torch.cat([b.tensors for b in batches]) if batches[0].tensors.keys() else TensorDict({}, batch_size=[sum(len(b) for b in batches)])
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in batches[0].non_tensors}
         return Batch(tensors, non_tensors, batches[0].meta)
 

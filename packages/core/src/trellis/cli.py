@@ -277,5 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -111,9 +111,7 @@ class Choices:
                     raise ConfigError(f"config key {path!r} is {shown}: {exc}") from None
             elif item not in self.values:
                 close = difflib.get_close_matches(str(item), self.values, n=1, cutoff=0.0)
-                raise ConfigError(
-                    f"config key {path!r} is {shown}; valid values: {', '.join(self.values)}; did you mean {close[0]!r}?"
-                )
+                raise ConfigError(f"config key {path!r} is {shown}; valid values: {', '.join(self.values)}; did you mean {close[0]!r}?")
 
 
 def choice(
@@ -170,9 +168,7 @@ def unranged_options(registry: Registry) -> list[str]:
     """``Class.field`` for every numeric option, in the installed recipes' and components' options,
     that declares no range (see :func:`ranged`)."""
     schemas = {s for entry in registry.entries() if entry.options for s in option_dataclasses(entry.options)}
-    return sorted(
-        f"{s.__module__}.{s.__qualname__}.{f.name}" for s in schemas for f in numeric_fields(s) if field_range(f) is None
-    )
+    return sorted(f"{s.__module__}.{s.__qualname__}.{f.name}" for s in schemas for f in numeric_fields(s) if field_range(f) is None)
 
 
 def _is_numeric(hint: Any) -> bool:
@@ -245,8 +241,7 @@ def _parse_override(override: str) -> DictConfig:
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(
-            f"override {key!r}: the value {value!r} is not valid YAML ({problem}); "
-            f"if it is a string, quote it: {key}=\"'{value}'\" in the shell"
+            f"override {key!r}: the value {value!r} is not valid YAML ({problem}); if it is a string, quote it: {key}=\"'{value}'\" in the shell"
         ) from None
     except OmegaConfBaseException as exc:
         raise ConfigError(f"override {key!r}: cannot read {override!r}: {exc.msg.splitlines()[0]}") from None
@@ -269,8 +264,7 @@ def compose(path: str | Path | None, overrides: list[str], registry: Registry, s
     if missing:
         raise ConfigError(
             f"config key {missing[0]!r} is required and has no default; set it in the YAML or "
-            f"pass {missing[0]}=... on the command line"
-            + (f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else "")
+            f"pass {missing[0]}=... on the command line" + (f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else "")
         )
     return cfg
 
@@ -461,10 +455,7 @@ def _unknown_key(path: str, key: str, valid: list[str]) -> str:
 
 def _wrong_type(path: str, value: Any, expected: Any, exc: OmegaConfBaseException) -> str:
     name = getattr(expected, "__name__", None) or str(expected).replace("typing.", "")
-    return (
-        f"config key {path!r} has value {_show(value)} but expects type {name}; "
-        f"set {path} to a value of type {name} ({exc.msg.splitlines()[0]})"
-    )
+    return f"config key {path!r} has value {_show(value)} but expects type {name}; set {path} to a value of type {name} ({exc.msg.splitlines()[0]})"
 
 
 def _show(value: Any) -> str:

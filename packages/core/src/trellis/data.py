@@ -34,9 +34,7 @@ class DataError(ValueError):
 
 
 # -- files -----------------------------------------------------------------------------------------
-def load_rows(
-    path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] | None = None
-) -> list[dict[str, Any]]:
+def load_rows(path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file (or of several files, one after another) as dicts.
 
     required: columns every row must have (not None); a dotted name such as
@@ -91,8 +89,7 @@ def _check_columns(rows: list[dict[str, Any]], required: Sequence[str], path: Pa
         for i, row in enumerate(rows):
             if _get_path(row, column) is None:
                 raise DataError(
-                    f"data file {str(path)!r}: row {i} has no column {column!r} (columns: {sorted(row)}); "
-                    f"add it to every row ({_SCHEMA_HINT})"
+                    f"data file {str(path)!r}: row {i} has no column {column!r} (columns: {sorted(row)}); add it to every row ({_SCHEMA_HINT})"
                 )
 
 
@@ -201,7 +198,10 @@ class PromptDataset:
         if too_long:
             logger.warning(
                 "filtered %d of %d prompts longer than max_prompt_length=%d tokens (longest %d); raise max_prompt_length to keep them",
-                len(too_long), len(rows), max_prompt_length, max(too_long),
+                len(too_long),
+                len(rows),
+                max_prompt_length,
+                max(too_long),
             )
         if not self.items:
             raise DataError("the prompt dataset is empty; give a data file with rows")
@@ -263,8 +263,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for r, s in enumerate(seqs):
         if s:
-            ids[r, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
-            mask[r, width - len(s):] = 1
+            ids[r, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
+            mask[r, width - len(s) :] = 1
     return ids, mask, position_ids(mask)
 
 
@@ -280,9 +280,7 @@ class EpochLoader:
         if batch_size <= 0:
             raise DataError(f"batch size must be positive, got {batch_size}")
         if drop_last and num_items < batch_size:
-            raise DataError(
-                f"the dataset has {num_items} {self.unit}, fewer than one batch of {batch_size}; lower {self.size_key} or add data"
-            )
+            raise DataError(f"the dataset has {num_items} {self.unit}, fewer than one batch of {batch_size}; lower {self.size_key} or add data")
         self.num_items = num_items
         self.batch_size = batch_size
         self.seed = seed
@@ -363,7 +361,6 @@ class PromptLoader(EpochLoader):
         self.dataset = dataset
 
 
-
 # -- SFT -------------------------------------------------------------------------------------------
 class SFTDataset:
     """Tokenized SFT samples with a loss mask.
@@ -423,7 +420,10 @@ class SFTDataset:
             logger.warning(
                 "SFT: %d of %d samples were longer than max_length=%s and were cut on the right (%d lost every "
                 "response token and were dropped); raise max_length to keep them whole",
-                truncated, len(rows), max_length, dropped,
+                truncated,
+                len(rows),
+                max_length,
+                dropped,
             )
         if not self.items:
             raise DataError("the SFT dataset has no sample with a response token; check the rows and max_length")
@@ -476,7 +476,7 @@ def _chat_sample(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[st
                 f"SFT row {row}: the chat template does not render turn by turn as prefixes (it rewrites earlier turns), "
                 "so assistant turns cannot be located; use prompt + response rows instead"
             )
-        tokens = encode_text(tokenizer, text[len(before):])
+        tokens = encode_text(tokenizer, text[len(before) :])
         if learn:
             cut = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
             mask.extend([1] * cut + [0] * (len(tokens) - cut))
@@ -596,7 +596,6 @@ class SFTLoader(EpochLoader):
             tensors, index = _right_pad(items, self.dataset.pad_token_id), [it["index"] for it in items]
         meta = {"num_samples": len(items), "num_loss_tokens": int(tensors["loss_mask"].sum()), "packed": self.pack}
         return Batch(tensors, {"index": index}, meta)
-
 
 
 def sft_batches(

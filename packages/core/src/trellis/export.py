@@ -81,9 +81,7 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
         controller.shutdown()
 
 
-def save_hf_folder(
-    config_source: str, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: object, out_dir: Path, head: str = "lm"
-) -> Path:
+def save_hf_folder(config_source: str, weights: Iterable[tuple[str, torch.Tensor]], tokenizer: object, out_dir: Path, head: str = "lm") -> Path:
     """Write a Hugging Face folder: the architecture of ``config_source`` with ``weights``, as a
     causal LM (``head="lm"``) or, for a role with the ``reward`` head, a one-label
     ``AutoModelForSequenceClassification`` whose ``pad_token_id`` is the tokenizer's (transformers

@@ -135,4 +135,3 @@ def check_activation_memory(cfg: DictConfig, registry: Any, role: str, seq_len: 
     )
     log.warning(line)
     return line
-

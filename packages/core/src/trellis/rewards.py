@@ -668,7 +668,9 @@ class RewardManager:
             logger.error(
                 "reward %r failed on %s; it scores 0 and counts in reward/errors (later failures are counted, not logged; "
                 "set reward.fail_fast=true to stop instead)\n%s",
-                scorer.name, what, tb,
+                scorer.name,
+                what,
+                tb,
             )
 
 
@@ -710,8 +712,6 @@ def _is_number(v: Any) -> bool:
     if isinstance(v, (bool, int, float)):
         return True
     return type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "size", 0) == 1
-
-
 
 
 def _ground_truths(batch: Batch) -> list[Any]:

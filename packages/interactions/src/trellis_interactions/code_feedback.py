@@ -56,9 +56,7 @@ class CodeFeedback(Interaction):
         if passed == len(cases):
             return InteractionTurn(done=True, message="", score=1.0, metrics={"cases_passed": float(passed)})
         i = next(k for k, o in enumerate(outcomes) if o != "pass")
-        return InteractionTurn(
-            done=False, message=self._describe(cases[i], results[i], outcomes[i], passed, len(cases)), score=passed / len(cases)
-        )
+        return InteractionTurn(done=False, message=self._describe(cases[i], results[i], outcomes[i], passed, len(cases)), score=passed / len(cases))
 
     def _describe(self, case: Any, result: Any, outcome: str, passed: int, total: int) -> str:
         cut = self.options.max_feedback_chars

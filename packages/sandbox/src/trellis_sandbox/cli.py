@@ -28,9 +28,7 @@ from trellis_sandbox.server import SandboxServer, ServerConfig
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trellis-sandbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser(
-        "serve", help="serve POST /run_code on HOST:PORT", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    s = sub.add_parser("serve", help="serve POST /run_code on HOST:PORT", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; any other address requires a token)"
     )
@@ -75,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if isolation.kind == "none":
             print("trellis-sandbox: WARNING: --unsafe-no-isolation: programs run with rlimits only; never serve untrusted code", file=sys.stderr)
-        config = RunnerConfig(
-            memory_mb=args.memory_mb, output_cap=args.output_cap_kb << 10, nproc=args.nproc, uid_base=args.uid_base
-        )
+        config = RunnerConfig(memory_mb=args.memory_mb, output_cap=args.output_cap_kb << 10, nproc=args.nproc, uid_base=args.uid_base)
         runner = Runner(isolation, available_languages(args.python or default_python()), root, config)
         access = decide_access(args.host, os.environ.get(TOKEN_ENV), args.unsafe_no_token)
         if access.warning:

@@ -83,4 +83,3 @@ def _need_url(url: str | None) -> None:
 
 compute_score.max_concurrency = 32  # the reward manager's default thread count for this reward
 compute_score.preflight = preflight  # the recipes' checks call it before building anything
-

@@ -142,9 +142,7 @@ class Runner:
         files = self._fetch(work, req.fetch_files)
         return RunResponse(SUCCESS if ok else FAILED, "" if ok else _explain(run_result), compile_result, run_result, files)
 
-    async def _command(
-        self, argv: list[str], work: Path, stage: Path, slot: int, limits: Limits, stdin: str | None, timeout: float
-    ) -> CommandResult:
+    async def _command(self, argv: list[str], work: Path, stage: Path, slot: int, limits: Limits, stdin: str | None, timeout: float) -> CommandResult:
         cmd = as_user(self.isolation.wrap([*limits.prlimit(), *argv], work, stage), self.uid(slot))
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(

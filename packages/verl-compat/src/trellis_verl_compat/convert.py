@@ -617,9 +617,7 @@ def report(conversion: Conversion) -> str:
     return "\n".join(lines)
 
 
-def read_launch(
-    args: list[str], entry: str | None = None, config_path: str | None = None, config_name: str | None = None, resolved: bool = False
-):
+def read_launch(args: list[str], entry: str | None = None, config_path: str | None = None, config_name: str | None = None, resolved: bool = False):
     """``(given keys, entry point, defaults entries not found)`` for the command line of
     ``from-verl``: a launch script (its command's entry point, hydra config and overrides, then the
     arguments after it), or verl YAML files and overrides; the options win over the script's.

@@ -23,15 +23,11 @@ def trellis_add_commands(commands):
     p = commands.add(
         "config from-verl", from_verl, help="print the trellis rl config for a verl launch script or config; unconverted keys go to stderr"
     )
-    p.add_argument(
-        "verl", nargs="+", help="a verl launch script (.sh), verl YAML files and/or key=value overrides as given to verl's entry point"
-    )
+    p.add_argument("verl", nargs="+", help="a verl launch script (.sh), verl YAML files and/or key=value overrides as given to verl's entry point")
     p.add_argument("--entry", help="the verl entry point the keys are for (default: the script's, else verl.trainer.main_ppo)")
     p.add_argument("--config-path", help="hydra's --config-path (overrides the script's)")
     p.add_argument("--config-name", help="hydra's --config-name (overrides the script's)")
-    p.add_argument(
-        "--parity", action="store_true", help="print every key of verl's resolved config (verl installed) as SAME, DIFF or NOT CONVERTED"
-    )
+    p.add_argument("--parity", action="store_true", help="print every key of verl's resolved config (verl installed) as SAME, DIFF or NOT CONVERTED")
 
 
 def from_verl(args: argparse.Namespace) -> int:

@@ -112,11 +112,13 @@ def make_arithmetic_pairs(rows: Sequence[dict[str, Any]], seed: int, max_offset:
         result = int(row["reward_model"]["ground_truth"])
         offsets = [d for d in range(-max_offset, max_offset + 1) if d and (result < 0 or result + d >= 0)]
         wrong = result + rng.choice(offsets)
-        pairs.append({
-            "prompt": row["prompt"],
-            "chosen": [{"role": "assistant", "content": f"#### {result}"}],
-            "rejected": [{"role": "assistant", "content": f"#### {wrong}"}],
-        })
+        pairs.append(
+            {
+                "prompt": row["prompt"],
+                "chosen": [{"role": "assistant", "content": f"#### {result}"}],
+                "rejected": [{"role": "assistant", "content": f"#### {wrong}"}],
+            }
+        )
     return pairs
 
 

@@ -38,9 +38,7 @@ DEFAULT_MERGES = 64  # BPE merges learned when vocab_size is None
 
 # Qwen2's pre-tokenizer regex (transformers' tokenization_qwen2.PRETOKENIZE_REGEX): ``\p{N}`` takes
 # one digit at a time, so "1234" is four tokens.
-QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # ChatML as Qwen2 writes it, without Qwen2's default system message (shorter prompts for tiny models).
 CHAT_TEMPLATE = (

@@ -42,6 +42,8 @@ def weight_buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
         size += nbytes
     if bucket:
         yield bucket
+
+
 # A micro-batch's loss: ``loss_fn(micro, outputs) -> (loss, metrics)``; the loss is this
 # micro-batch's share of the global mini-batch loss (a scalar with gradient).
 LossFn = Callable[[Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]

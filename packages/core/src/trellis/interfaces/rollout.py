@@ -55,8 +55,6 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-
-
 @dataclass
 class SamplingParams:
     """n samples per prompt; temperature 0 (or ``greedy``) means argmax decoding."""

@@ -158,6 +158,7 @@ class ToolAgentLoop(AgentLoop):
                 "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)),
             )
 
+
 async def _close(close: Any, instance: str, timeout: float) -> None:
     """Run one ``finalize`` / ``release``; a failure is logged and the others still run."""
     try:

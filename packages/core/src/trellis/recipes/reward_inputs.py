@@ -62,10 +62,7 @@ class RewardInputs:
             )
         mask = batch["response_mask"].bool()
         ends = last_valid_index(mask) + 1
-        seqs = [
-            self.sample(messages, batch["responses"][i, : ends[i]].tolist())
-            for i, messages in enumerate(batch["raw_prompt"])
-        ]
+        seqs = [self.sample(messages, batch["responses"][i, : ends[i]].tolist()) for i, messages in enumerate(batch["raw_prompt"])]
         long = [len(s) for s in seqs if len(s) > self.max_length]
         if long:
             logger.warning(

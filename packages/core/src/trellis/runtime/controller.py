@@ -179,9 +179,7 @@ class RolloutGroup:
         for start in range(0, len(prompts), size):
             yield self.generate(prompts[start : start + size], params.skip(start * params.n))
 
-    def _sample(
-        self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...] | None, run: Callable[[Batch, SamplingParams], Batch]
-    ) -> Batch:
+    def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...] | None, run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
         shipped = prompts if inputs is None else prompts.select(*[k for k in inputs if k in prompts])
         with self.lock:
             out = run(shipped, params)

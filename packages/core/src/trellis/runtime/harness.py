@@ -370,23 +370,27 @@ class Run:
         for i in across_prompts(batch)[: self.cfg.trainer.log_samples]:
             prompt = batch["prompts"][i][batch["attention_mask"][i, :width].bool()]
             response = batch["responses"][i][batch["response_mask"][i].bool()]
-            rows.append({
-                "step": step,
-                "split": split,
-                "prompt": tokenizer.decode(prompt.tolist()),
-                "response": tokenizer.decode(response.tolist(), skip_special_tokens=True),
-                "reward": float(scores[i]),
-                "data_source": batch["data_source"][i],
-                "ground_truth": _plain(batch["ground_truth"][i]),
-            })
+            rows.append(
+                {
+                    "step": step,
+                    "split": split,
+                    "prompt": tokenizer.decode(prompt.tolist()),
+                    "response": tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                    "reward": float(scores[i]),
+                    "data_source": batch["data_source"][i],
+                    "ground_truth": _plain(batch["ground_truth"][i]),
+                }
+            )
             if "num_turns" in batch:
                 conversation = batch["responses"][i][batch["attention_mask"][i, width:].bool()]
-                rows[-1].update({
-                    "conversation": tokenizer.decode(conversation.tolist()),
-                    "num_turns": int(batch["num_turns"][i]),
-                    "turn_scores": [float(x) for x in batch["turn_scores"][i]],
-                    "finish_reason": batch["finish_reason"][i],
-                })
+                rows[-1].update(
+                    {
+                        "conversation": tokenizer.decode(conversation.tolist()),
+                        "num_turns": int(batch["num_turns"][i]),
+                        "turn_scores": [float(x) for x in batch["turn_scores"][i]],
+                        "finish_reason": batch["finish_reason"][i],
+                    }
+                )
         self._samples.write(rows)
 
     def log_validation(self, batch: Any, scores: Any, tokenizer: Any) -> None:

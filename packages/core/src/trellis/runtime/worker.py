@@ -107,9 +107,7 @@ class RoleWorker(Worker):
 
     def build(self) -> None:
         spec = self.spec
-        self.objectives = {
-            verb: spec.registry.get("objective", name).obj(spec.role_options, spec.registry) for verb, name in spec.objectives.items()
-        }
+        self.objectives = {verb: spec.registry.get("objective", name).obj(spec.role_options, spec.registry) for verb, name in spec.objectives.items()}
         trainable = bool(self.objectives)  # a role with objectives trains: it gets an optimizer
         optim = spec.role_options.optim if trainable else None
         adapter = getattr(spec.role_options, "adapter", None)
@@ -197,9 +195,7 @@ class RoleWorker(Worker):
     # -- training ------------------------------------------------------------------------------
     def _objective(self, verb: str) -> Any:
         if verb not in self.objectives:
-            raise NotImplementedError(
-                f"role {self.spec.role!r} was built without an objective for {verb!r} (objectives: {self.spec.objectives})"
-            )
+            raise NotImplementedError(f"role {self.spec.role!r} was built without an objective for {verb!r} (objectives: {self.spec.objectives})")
         return self.objectives[verb]
 
     def _global_counts(self, objective: Any, mini: Batch):

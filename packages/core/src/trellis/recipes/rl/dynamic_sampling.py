@@ -126,7 +126,11 @@ def fill(
             "step %d: dynamic sampling found %d of data.train_batch_prompts=%d prompt groups that algorithm.dynamic_sampling.filters "
             "keep (on the %s) in algorithm.dynamic_sampling.max_rounds=%d rounds; %s (raise max_rounds, or check that the reward "
             "can vary)",
-            step, count, groups_wanted, cfg.metric, cfg.max_rounds,
+            step,
+            count,
+            groups_wanted,
+            cfg.metric,
+            cfg.max_rounds,
             f"training on {usable} groups" + (f" (a multiple of {group_multiple})" if usable != count else "") if usable else "skipping the step",
         )
         kept, count = _first_groups(kept, usable), usable

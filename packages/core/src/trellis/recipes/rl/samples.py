@@ -35,6 +35,7 @@ ZERO_ROUNDS = 3  # all-zero rounds with the overlong penalty on before the warni
 # batch fields holding the reward's per-sample components, for estimators that need them (gdpo)
 COMPONENT = "reward_component_"
 
+
 @dataclass
 class StepSamples:
     """A step's samples: ``batch`` with ``token_scores`` (None when dynamic sampling kept no
@@ -176,7 +177,9 @@ class SampleSource:
                 "reward %r scored 0 on every sample of the first %d generation rounds (data_source: %s): within each group only "
                 "reward.overlong's length penalty differs, so the model learns response length alone; check that reward.name "
                 "scores your data's answers",
-                f"{reward.path}:{reward.name}" if reward.path else reward.name, ZERO_ROUNDS, ", ".join(sorted(set(batch["data_source"]))[:3]),
+                f"{reward.path}:{reward.name}" if reward.path else reward.name,
+                ZERO_ROUNDS,
+                ", ".join(sorted(set(batch["data_source"]))[:3]),
             )
             self.zero_rounds = None
 
