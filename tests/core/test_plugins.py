@@ -41,7 +41,7 @@ def test_component_used_by_name():
 
 
 def test_duplicate_from_second_plugin_names_both():
-    clash = types.SimpleNamespace()
+    clash = types.ModuleType("clash")  # a plugin object pluggy can hash, as a module is
 
     @trellis.hookimpl
     def trellis_register(registry):
@@ -54,7 +54,7 @@ def test_duplicate_from_second_plugin_names_both():
 
 def test_an_in_process_plugin_under_an_installed_name_is_refused():
     with pytest.raises(RegistryError, match="two plugins are named 'example'.*pass an in-process plugin under another name"):
-        load_plugins(extra=[("example", types.SimpleNamespace())])
+        load_plugins(extra=[("example", types.ModuleType("example"))])
 
 
 def test_core_is_its_own_entry_point_and_loads_first():
@@ -78,7 +78,7 @@ def test_failing_import_is_reported_not_fatal(broken_vllm_plugin):
 
 
 def test_plugin_failing_in_register_is_reported_and_rolled_back():
-    half = types.SimpleNamespace()
+    half = types.ModuleType("half")  # a plugin object pluggy can hash, as a module is
 
     @trellis.hookimpl
     def trellis_register(registry):
@@ -93,7 +93,7 @@ def test_plugin_failing_in_register_is_reported_and_rolled_back():
 
 
 def test_hook_typo_is_caught():
-    typo = types.SimpleNamespace()
+    typo = types.ModuleType("typo")  # a plugin object pluggy can hash, as a module is
 
     @trellis.hookimpl
     def trellis_step_ended(step, metrics):
@@ -106,7 +106,7 @@ def test_hook_typo_is_caught():
 
 def test_lifecycle_hooks_reach_plugins():
     seen = []
-    observer = types.SimpleNamespace()
+    observer = types.ModuleType("observer")  # a plugin object pluggy can hash, as a module is
 
     @trellis.hookimpl
     def trellis_checkpoint_saved(step, path):
@@ -116,3 +116,18 @@ def test_lifecycle_hooks_reach_plugins():
     plugins = load_plugins(extra=[("observer", observer)])
     plugins.hook.trellis_checkpoint_saved(step=3, path="/tmp/ckpt-3")
     assert seen == [(3, "/tmp/ckpt-3")]
+
+
+def test_registration_hooks_are_called_through_pluggy_with_any_subset_of_their_arguments():
+    """As the hook specs promise, an implementation may take fewer arguments than the spec: one that
+    takes none is still called, once, in its plugin's turn (a direct call passed registry= to it)."""
+    calls = []
+    counted = types.ModuleType("counted")
+
+    @trellis.hookimpl
+    def trellis_register():
+        calls.append("register")
+
+    counted.trellis_register = trellis_register
+    plugins = load_plugins(extra=[("counted", counted)])
+    assert calls == ["register"] and next(i for i in plugins.infos if i.name == "counted").error is None

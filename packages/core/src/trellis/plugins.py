@@ -41,7 +41,8 @@ class Plugins:
 
 def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bool = True) -> Plugins:
     """Build the plugin manager: core's own entry point first, every other installed entry point
-    (unless ``entry_points`` is false), then ``extra``.
+    (unless ``entry_points`` is false), then ``extra`` (``(name, plugin)``: a module, a class or an
+    instance, hashable as pluggy needs).
 
     A plugin that fails to import or to register is recorded with its error and skipped; the
     others load. Hook implementations that match no spec (typos) raise here.
@@ -89,15 +90,16 @@ def load_plugins(extra: list[tuple[str, object]] | None = None, entry_points: bo
 
 
 def _call(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo, obj: object, hook: str) -> bool:
-    """Call ``obj``'s implementation of ``hook`` (if any) with the registry, its additions
-    attributed to the plugin. A plugin that fails is recorded, its entries dropped and it is
-    unregistered (returns True); a duplicate or a bad kind is a conflict to fix, raised."""
-    impl = getattr(obj, hook, None)
-    if impl is None:
+    """Call ``obj``'s implementation of ``hook`` (if any) through pluggy with the registry, one
+    plugin at a time so that its additions are attributed to it. A plugin that fails is recorded,
+    its entries dropped and it is unregistered (returns True); a duplicate or a bad kind is a
+    conflict to fix, raised."""
+    caller = pm.subset_hook_caller(hook, remove_plugins=[p for _, p in pm.list_name_plugin() if p is not obj])
+    if not caller.get_hookimpls():
         return False
     registry.adding_for(info.name)
     try:
-        impl(registry=registry)
+        caller(registry=registry)
     except RegistryError:
         raise
     except Exception as exc:  # noqa: BLE001
