@@ -76,6 +76,33 @@ def test_one_step_ahead_trains_the_same_prompts_on_samples_one_version_old(run_r
     assert trained_prompts(tmp_path / "ahead") == trained_prompts(tmp_path / "off")
 
 
+SLOW_REWARD = """
+import time
+
+
+def slow(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.05)  # a step's samples take longer to score than to train on
+    return len(solution_str) / 10
+"""
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_the_exact_schedule_generates_each_step_from_the_weights_s_versions_back(run_rl, tmp_path, staleness):
+    """trainer.async_schedule=exact (the default): step t generates from exactly the weights of step
+    t-1-s, whatever the timing: every sample of step t is min(s, t-1) versions old. With scoring
+    slower than training, the opportunistic schedule takes the newer weights synced meanwhile
+    (measured, s=2: staleness 0, 1, 1, 1, 1)."""
+    (tmp_path / "slow.py").write_text(SLOW_REWARD)
+    slow = (f"reward.path={tmp_path / 'slow.py'}", "reward.name=slow")
+    common = ("trainer.total_steps=5", "trainer.async_mode=fully_async", f"trainer.max_staleness={staleness}", "data.val_path=null", *slow)
+    _, rows = run_rl(*common)
+    exact = [float(min(staleness, t - 1)) for t in range(1, 6)]
+    assert [r["rollout/staleness_max"] for r in rows if "rollout/staleness_max" in r] == exact
+    assert [r["rollout/staleness_mean"] for r in rows if "rollout/staleness_mean" in r] == exact
+    _, rows = run_rl(*common, "trainer.async_schedule=opportunistic", run_dir=tmp_path / "opportunistic")
+    assert all(r["rollout/staleness_max"] <= staleness for r in rows if "rollout/staleness_max" in r)
+
+
 def test_a_bfloat16_trainer_one_step_ahead_of_a_float32_engine_trains(run_rl, tmp_path, with_signal):
     """The sync checks bound the gap by the lower precision of both sides: bfloat16 rounding passes.
     Step 1's samples come from the weights the trainer holds (the batch gap is checked); later
@@ -95,6 +122,7 @@ def test_a_bfloat16_trainer_one_step_ahead_of_a_float32_engine_trains(run_rl, tm
         (["trainer.async_mode=fuly_async"], "fully_async"),
         (["trainer.async_mode=one_step", "trainer.partial_rollout=true"], "only generation that runs ahead of training is cut"),
         (["trainer.rollout_chunk_tokens=8"], "trainer.rollout_chunk_tokens' is 8 with trainer.partial_rollout=false"),
+        (["trainer.async_mode=fully_async", "trainer.partial_rollout=true"], "partial_rollout' is true with trainer.async_schedule=exact"),
     ],
 )
 def test_async_settings_that_cannot_apply_are_refused_by_name(run_rl, overrides, message):
@@ -189,7 +217,7 @@ def test_a_generation_cut_for_a_sync_continues_under_the_new_weights(actor_and_o
 def test_partial_rollouts_run_ahead_within_the_staleness_bound(run_rl, tmp_path, with_signal):
     _, rows = run_rl(
         "trainer.total_steps=3", "sampling.max_new_tokens=16", "trainer.async_mode=fully_async", "trainer.max_staleness=1",
-        "trainer.partial_rollout=true", "trainer.rollout_chunk_tokens=4", *with_signal,
+        "trainer.partial_rollout=true", "trainer.async_schedule=opportunistic", "trainer.rollout_chunk_tokens=4", *with_signal,
     )  # fmt: skip
     steps = [r for r in rows if "rollout/staleness_max" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]

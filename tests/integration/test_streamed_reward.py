@@ -67,4 +67,4 @@ def test_a_slow_reward_scores_while_the_next_part_generates(run_rl, tmp_path):
 
 def test_streaming_refuses_what_it_cannot_score_in_parts(run_rl):
     with pytest.raises(ConfigError, match="reward.stream_prompts' is 2 with trainer.partial_rollout set"):
-        run_rl("reward.stream_prompts=2", "trainer.async_mode=fully_async", "trainer.partial_rollout=true")
+        run_rl("reward.stream_prompts=2", "trainer.async_mode=fully_async", "trainer.partial_rollout=true", "trainer.async_schedule=opportunistic")

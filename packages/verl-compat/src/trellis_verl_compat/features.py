@@ -268,11 +268,17 @@ def _partial(value: Any, src: Source) -> Any:
     return bool(value) if float(src.get(ASYNC + "staleness_threshold") or 0) > 0 else SKIP  # verl: no effect at staleness 0
 
 
+def _opportunistic(value: Any, src: Source) -> Any:
+    return "opportunistic" if _partial(value, src) is True else SKIP
+
+
 ASYNC_RULES = (
     Rule(MODE, "trainer.async_mode", lambda value, src: value if value != "off" else SKIP, "the entry point's mode"),
     Rule(ASYNC + "staleness_threshold", "trainer.async_mode", fully_async(lambda v, s: "fully_async"), "fully-async entry"),
     Rule(ASYNC + "staleness_threshold", "trainer.max_staleness", fully_async(_staleness), "ceil: whole steps"),
     Rule(ASYNC + "partial_rollout", "trainer.partial_rollout", fully_async(_partial), "when staleness_threshold > 0"),
+    # verl's syncs land between chunks as training finishes: trellis's exact schedule has no such sync
+    Rule(ASYNC + "partial_rollout", "trainer.async_schedule", fully_async(_opportunistic), "where partial rollouts run"),
     Rule(
         ASYNC + "trigger_parameter_sync_step",
         "data.train_batch_prompts",

@@ -70,7 +70,7 @@ class RLRecipe:
             with samples.from_step(start + 1):
                 for step in run.steps(start):
                     made, handover = samples.take(step)
-                    run.end_step(step, learner.step(step, made, handover))
+                    run.end_step(step, learner.step(step, made, handover, samples.before_sync))
                     samples.finished(step)
             if cfg.trainer.save_hf_model:
                 save_hf_folder(cfg.model.path, chain.from_iterable(learner.actor.export_weights()), tokenizer, ctx.run_dir / "hf_model")

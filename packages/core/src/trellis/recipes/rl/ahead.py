@@ -19,6 +19,7 @@ from trellis.runtime.harness import StageTimer
 log = logging.getLogger("trellis")
 
 MODES = ("off", "one_step", "fully_async")
+SCHEDULES = ("exact", "opportunistic")
 
 
 def staleness_bound(trainer: DictConfig) -> int | None:
@@ -57,6 +58,12 @@ def partial_chunk(trainer: DictConfig, multi_turn: bool) -> int | None:
         raise ConfigError(
             f"config key 'trainer.partial_rollout' is true with trainer.async_mode={trainer.async_mode}: only generation that runs "
             "ahead of training is cut for a weight sync; set trainer.async_mode=fully_async"
+        )
+    if trainer.async_schedule == "exact":
+        raise ConfigError(
+            "config key 'trainer.partial_rollout' is true with trainer.async_schedule=exact, where a step generates from one "
+            "version of the weights, so no sync ever lands between two chunks; set trainer.async_schedule=opportunistic (syncs "
+            "land as training finishes, the samples depend on timing) or trainer.partial_rollout=false"
         )
     if multi_turn:
         raise ConfigError(
@@ -103,7 +110,9 @@ class Producer:
     """A thread calling ``make(step)`` for ``first .. last`` in order. Step ``t`` starts once the
     trainer has finished step ``t - 1 - max_staleness`` (:meth:`finished`), so its samples come
     from weights at most ``max_staleness`` versions old; with 0 every step is generated after the
-    previous one ended, exactly as without the thread. ``take(t)`` waits for step ``t``.
+    previous one ended, exactly as without the thread. ``take(t)`` waits for step ``t``. Under the
+    exact schedule the trainer syncs version ``v`` only after :meth:`made` ``v + max_staleness``:
+    step ``t`` then generates from exactly version ``t - 1 - max_staleness``.
 
     make: ``make(step, timer)`` builds a step's samples from the loader's next prompts, timing its
     stages on the producer's own ``timer`` (a ``StageTimer``); it must use the rollout only under
@@ -113,6 +122,7 @@ class Producer:
         self.make, self.loader, self.timer = make, loader, StageTimer()
         self.first, self.last, self.max_staleness = first, last, max_staleness
         self.done_through = first - 1  # the last step the trainer finished
+        self.made_through = first - 1  # the last step the producer made
         self.ready: dict[int, Produced] = {}
         self.error: BaseException | None = None
         self.stopped = False
@@ -139,6 +149,7 @@ class Producer:
                 produced = Produced(step, value, self.loader.state_dict(), self.timer.metrics(), waited)
                 with self.cond:
                     self.ready[step] = produced
+                    self.made_through = step
                     self.cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread by take()
             with self.cond:
@@ -156,6 +167,11 @@ class Producer:
             buffered = len(self.ready)
             produced = self.ready.pop(step)
         return produced, {"async/buffered_steps": float(buffered), "timing/wait_gen_s": time.perf_counter() - start}
+
+    def made(self, step: int) -> None:
+        """Wait until step ``step`` (at most the last) was made, or the producer failed or stopped."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.made_through >= min(step, self.last) or self.error is not None or self.stopped)
 
     def finished(self, step: int) -> None:
         """The trainer finished ``step`` (update, weight sync, validation, checkpoint)."""

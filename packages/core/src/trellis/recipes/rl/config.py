@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from trellis.config import choice, component, ranged
 from trellis.multiturn.config import MultiTurnConfig
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig
-from trellis.recipes.rl.ahead import MODES
+from trellis.recipes.rl.ahead import MODES, SCHEDULES
 from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig
 from trellis.recipes.teacher import TeacherConfig
 from trellis.rewards import RewardConfig
@@ -44,10 +44,15 @@ class AlgorithmConfig:
 class RLTrainerConfig(TrainerConfig):
     """async_mode: ``off`` (generate, then train), ``one_step`` (generate step k+1 while training
     step k) or ``fully_async`` (up to ``max_staleness`` steps ahead, default 1); see
-    ``trellis.recipes.rl.ahead``. Generation ahead needs an engine with weights of its own."""
+    ``trellis.recipes.rl.ahead``. Generation ahead needs an engine with weights of its own.
+    async_schedule: ``exact`` (step t generates from exactly the weights of step t-1-max_staleness:
+    two runs with a seed give the same bits, and a resumed run rejoins them) or ``opportunistic``
+    (from whatever weights were last synced when its generation starts, at most that old: never
+    waits for generation, the samples depend on timing)."""
 
     async_mode: str = choice("off", MODES)
     max_staleness: int | None = ranged(None, ge=0)
+    async_schedule: str = choice("exact", SCHEDULES)
     # fully_async: a weight sync goes in between chunks of this many tokens of a generation running
     # ahead, which then continues under the new weights (trellis.recipes.rl.partial; default 32)
     partial_rollout: bool = False

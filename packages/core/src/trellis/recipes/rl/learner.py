@@ -4,6 +4,7 @@ old log-probs, reference, teacher, values, advantages, updates, weight sync, syn
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,8 +79,9 @@ class Learner:
         self.probe = SyncProbe(options, rollout, sampling, precision)
         self.agreement = agreement_check(options, rollout, sampling, precision)
 
-    def step(self, step: int, made: StepSamples, handover: dict[str, float]) -> dict[str, float]:
-        """Train on step ``step``'s samples; the step's metrics (``handover``: how they were made)."""
+    def step(self, step: int, made: StepSamples, handover: dict[str, float], before_sync: Callable[[int], None]) -> dict[str, float]:
+        """Train on step ``step``'s samples; the step's metrics (``handover``: how they were made).
+        ``before_sync(step)`` runs before the engines take the new weights (the exact async schedule)."""
         cfg, run, timer, tokenizer = self.cfg, self.run, self.run.timer, self.tokenizer
         params, first, batch = made.params, made.first, made.batch
         reward_metrics = {**first.metrics, **made.metrics, **handover}
@@ -123,6 +125,8 @@ class Learner:
                 update_metrics.update(self.critic.update(batch))
         with timer("update_actor"):
             update_metrics.update(self.actor.update(without_truncated(batch, params, tokenizer) if cfg.actor.mask_truncated else batch))
+        with timer("wait_schedule"):
+            before_sync(step)
         with timer("weight_sync"):
             self.rollout.sync_weights(version=step)
         with timer("sync_check"):

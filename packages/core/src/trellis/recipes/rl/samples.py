@@ -94,6 +94,12 @@ class SampleSource:
         self.position.trained = produced.loader_state
         return produced.value, {**handover, **produced.timings, "timing/wait_trainer_s": produced.waited_s}
 
+    def before_sync(self, version: int) -> None:
+        """Before the engines take weight ``version``: under the exact schedule (ahead of training)
+        wait until every step that generates from the version before it was made."""
+        if self.ahead is not None and self.cfg.trainer.async_schedule == "exact":
+            self.ahead.made(version + self.bound)
+
     def finished(self, step: int) -> None:
         """The trainer finished ``step``: the producer may start the steps it held back."""
         if self.ahead is not None:
