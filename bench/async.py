@@ -44,8 +44,15 @@ MODES = {  # name -> overrides
     "one_step": ["trainer.async_mode=one_step"],
     "async1": ["trainer.async_mode=fully_async", "trainer.max_staleness=1"],
     "async2": ["trainer.async_mode=fully_async", "trainer.max_staleness=2"],
+    # the sync goes in as training finishes instead of once the steps before it were generated (the exact schedule)
+    "async2_opportunistic": ["trainer.async_mode=fully_async", "trainer.max_staleness=2", "trainer.async_schedule=opportunistic"],
     # a weight sync no longer waits for the generation in flight: it goes in between two chunks
-    "async1_partial": ["trainer.async_mode=fully_async", "trainer.max_staleness=1", "trainer.partial_rollout=true"],
+    "async1_partial": [
+        "trainer.async_mode=fully_async",
+        "trainer.max_staleness=1",
+        "trainer.async_schedule=opportunistic",
+        "trainer.partial_rollout=true",
+    ],
 }
 ALNUM_SHARE = """
 def alnum_share(data_source, solution_str, ground_truth, extra_info=None):

@@ -43,8 +43,8 @@ def test_every_core_string_option_with_a_fixed_set_of_values_declares_and_enforc
     # 3 loss_agg_mode, lr_schedule, controller, ray_network, trackers, separate_pools, weight_transport, kl_ctrl_type, tool_parser,
     # score, agent_loop, dynamic_sampling.metric, dynamic_sampling.filters, adapter.init, reward.model.layout (actor.kl_loss_type and
     # algorithm.kl_penalty name kl estimators: tests/algos, where they are installed), and the rl recipe's trainer section: the
-    # trainer's 5 again plus async_mode
-    assert checked == 23
+    # trainer's 5 again plus async_mode and async_schedule
+    assert checked == 24
 
 
 def test_compose_names_key_value_valid_values_and_closest():
