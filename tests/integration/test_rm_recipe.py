@@ -160,6 +160,20 @@ def test_bad_reward_models_are_refused_before_any_model_is_built(rm_run, tiny_mo
         train(None, ["recipe=spin", *base, f"reward.model.path={run_dir / 'hf_model'}"], dry_run=True)
 
 
+def test_a_reward_name_beside_a_reward_model_is_refused_and_the_rl_starter_leaves_it_unset(rm_run, tiny_model_path, data_files, tmp_path):
+    """reward.model.path alone is the reward: a reward.name given too would be ignored, so it is
+    refused naming the spelling that unsets it; the rl starter leaves reward.name unset (null: gsm8k
+    without a reward model), so adding reward.model.path to it just works."""
+    _, run_dir = rm_run
+    out = subprocess.run([sys.executable, "-m", "trellis.cli", "config", "init", "rl"], cwd=tmp_path, capture_output=True, text=True)
+    (tmp_path / "rl.yaml").write_text(out.stdout)
+    given = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}", f"reward.model.path={run_dir / 'hf_model'}"]
+    with pytest.raises(ConfigError, match=r"'reward.model.path' is set together with reward.name='gsm8k'.*unset those \(reward.name=null\)"):
+        train(str(tmp_path / "rl.yaml"), [*given, "reward.name=gsm8k"], dry_run=True)
+    assert train(str(tmp_path / "rl.yaml"), given, dry_run=True)["data"].startswith("64 training prompts")
+    assert train(None, ["recipe=rl", *given], dry_run=True)["data"].startswith("64 training prompts")
+
+
 def test_starter_holds_the_defaults_and_passes_the_dry_run(tiny_model_path, pair_files, tmp_path):
     out = subprocess.run([sys.executable, "-m", "trellis.cli", "config", "init", "rm"], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("# A starter config for the rm recipe"), out.stderr

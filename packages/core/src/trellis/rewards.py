@@ -208,12 +208,16 @@ class JudgeEngineConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+DEFAULT_REWARD = "gsm8k"  # reward.name left unset, where no model or terms give the reward
+
+
 @dataclass
 class RewardConfig:
     """Which reward to use.
 
     name: a registered reward (``gsm8k``, ``math``, ``auto``: by each sample's ``data_source``, or a
-        plugin's), or with ``path`` the function's name in that file.
+        plugin's), or with ``path`` the function's name in that file. Unset (null): ``gsm8k``, unless
+        ``model`` or ``terms`` give the reward, where a name set too is refused (it would be ignored).
     path: a user's ``.py`` file holding the function; None = use the registry.
     fail_fast: a reward that raises stops the run (instead of scoring the sample 0).
     batched: the function scores a whole batch: ``f(data_sources, solution_strs, ground_truths,
@@ -243,7 +247,7 @@ class RewardConfig:
         (:class:`JudgeEngineConfig`, the ``rl`` recipe only).
     """
 
-    name: str = "gsm8k"
+    name: Optional[str] = None  # noqa: UP045 (unset: gsm8k, unless reward.model or reward.terms is the reward)
     path: Optional[str] = None  # noqa: UP045 (omegaconf needs typing.Optional on Python 3.10)
     fail_fast: bool = False
     batched: bool = False
@@ -273,10 +277,10 @@ def check_terms(cfg: RewardConfig) -> None:
     a key of its own. Raises a ``RewardError`` naming the key and the fix."""
     if not cfg.terms:
         return
-    if cfg.path or cfg.kwargs or cfg.batched or cfg.name not in ("gsm8k", ""):
+    if cfg.path or cfg.kwargs or cfg.batched or cfg.name is not None:
         raise RewardError(
             f"reward.terms is set together with reward.name={cfg.name!r}, path={cfg.path!r}, kwargs={cfg.kwargs}, batched={cfg.batched}; "
-            "with terms, give each reward as a term (reward.terms[i].name, .path, .kwargs) and leave those unset"
+            "with terms, give each reward as a term (reward.terms[i].name, .path, .kwargs) and leave those unset (reward.name=null)"
         )
     seen: dict[str, int] = {}
     for i, term in enumerate(cfg.terms):
@@ -341,10 +345,10 @@ def check_reward(node: Any, registry: Any, recipe: str = "", services: Sequence[
             "(the rl recipe does); unset reward.model.path and score with a function"
         )
     if cfg.model.path and not cfg.terms:
-        if cfg.path or cfg.kwargs or cfg.batched or cfg.name not in ("gsm8k", ""):
+        if cfg.path or cfg.kwargs or cfg.batched or cfg.name is not None:
             raise ConfigError(
                 f"config key 'reward.model.path' is set together with reward.name={cfg.name!r}, path={cfg.path!r}, kwargs={cfg.kwargs}, "
-                f"batched={cfg.batched}; the reward model alone is the reward: unset those, or give the functions as reward.terms "
+                f"batched={cfg.batched}; the reward model alone is the reward: unset those (reward.name=null), or give the functions as reward.terms "
                 "to add the reward model's score to them"
             )
         return
@@ -370,12 +374,13 @@ def resolve_reward(cfg: RewardConfig | RewardTerm, registry: Any) -> Callable[..
 
     Call it while checking a config: it builds nothing and fails with the fix.
     """
+    name = cfg.name or DEFAULT_REWARD
     if cfg.path:
-        fn = load_function(cfg.path, cfg.name)
-        where = f"{cfg.name!r} from {cfg.path!r}"
+        fn = load_function(cfg.path, name)
+        where = f"{name!r} from {cfg.path!r}"
     else:
-        fn = registry.get("reward", cfg.name).obj
-        where = f"{cfg.name!r}"
+        fn = registry.get("reward", name).obj
+        where = f"{name!r}"
     kwargs = dict(cfg.kwargs or {})
     try:
         sig = inspect.signature(fn)
@@ -494,7 +499,8 @@ class _Scorer:
         self.fn = resolve_reward(source, registry)
         self.kwargs = dict(source.kwargs or {})
         self.batched = bool(source.batched or getattr(self.fn, "batched", False))
-        self.name = f"{source.name} ({source.path})" if source.path else source.name
+        name = source.name or DEFAULT_REWARD
+        self.name = f"{name} ({source.path})" if source.path else name
         self.key, self.weight = key, float(weight)
         self.awaited = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(type(self.fn).__call__)
         limit = max_concurrency if max_concurrency is not None else getattr(self.fn, "max_concurrency", 0 if self.awaited else 1)

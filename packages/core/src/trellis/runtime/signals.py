@@ -39,6 +39,6 @@ def _no_gradient(key: str) -> str:
 def _no_reward_signal(mean: float) -> str:
     return (
         f"every prompt's samples got the same reward (reward/mean={mean:.3f}): the group-relative advantages are all 0 and "
-        "the policy learns nothing; check that reward.name scores this data (gsm8k, the starter's, scores 0 on other tasks), "
+        "the policy learns nothing; check that reward.name scores this data (gsm8k, the default, scores 0 on other tasks), "
         "or make the task easier or sampling.n larger"
     )
