@@ -44,7 +44,7 @@ _API = {
     "SFTLoader": "trellis.data",
     "sft_batches": "trellis.data",
     "RewardConfig": "trellis.rewards",
-    "DEFAULT_REWARD": "trellis.rewards",
+    "reward_name": "trellis.rewards",
     "RewardTerm": "trellis.rewards",
     "RewardResult": "trellis.rewards",
     "Scorer": "trellis.rewards",

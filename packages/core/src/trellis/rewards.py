@@ -207,6 +207,10 @@ class JudgeEngineConfig:
     max_new_tokens: int = ranged(512, ge=1)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def given(self) -> bool:
+        """Whether the section is set at all (an engine, a model or options): a reward service must serve it."""
+        return bool(self.engine or self.model or self.options)
+
 
 DEFAULT_REWARD = "gsm8k"  # reward.name left unset, where no model or terms give the reward
 
@@ -368,13 +372,18 @@ def check_reward(node: Any, registry: Any, recipe: str = "", services: Sequence[
                 raise ConfigError(f"config key {key!r}: reward {source.name!r} is not ready: {exc}") from None
 
 
+def reward_name(source: RewardConfig | RewardTerm) -> str:
+    """The reward function a source names: its ``name``, or gsm8k where ``reward.name`` is left unset."""
+    return source.name or DEFAULT_REWARD
+
+
 def resolve_reward(cfg: RewardConfig | RewardTerm, registry: Any) -> Callable[..., Any]:
     """The reward function ``cfg`` (a config or one of its terms) names, with ``cfg.kwargs``
     checked against its signature.
 
     Call it while checking a config: it builds nothing and fails with the fix.
     """
-    name = cfg.name or DEFAULT_REWARD
+    name = reward_name(cfg)
     if cfg.path:
         fn = load_function(cfg.path, name)
         where = f"{name!r} from {cfg.path!r}"
@@ -499,7 +508,7 @@ class _Scorer:
         self.fn = resolve_reward(source, registry)
         self.kwargs = dict(source.kwargs or {})
         self.batched = bool(source.batched or getattr(self.fn, "batched", False))
-        name = source.name or DEFAULT_REWARD
+        name = reward_name(source)
         self.name = f"{name} ({source.path})" if source.path else name
         self.key, self.weight = key, float(weight)
         self.awaited = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(type(self.fn).__call__)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
-from trellis import DEFAULT_REWARD, Batch, ConfigError, RewardConfig, RewardResult, RewardTerm, RolloutSpec, Scorer, instantiate_options, validate
+from trellis import Batch, ConfigError, RewardConfig, RewardResult, RewardTerm, RolloutSpec, Scorer, instantiate_options, reward_name, validate
 
 if TYPE_CHECKING:
     from trellis_judges.server import JudgeServer
@@ -53,7 +53,7 @@ def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
     used, served = judges(reward), served_judges(reward)
     if not used:
         raise ConfigError(
-            f"config key 'reward.judge.engine' is {spec.engine!r}, but no judge reward is in use (reward.name={reward.name or DEFAULT_REWARD!r}, "
+            f"config key 'reward.judge.engine' is {spec.engine!r}, but no judge reward is in use (reward.name={reward_name(reward)!r}, "
             f"terms {[t.name for t in reward.terms]}); score with reward.name=judge or a term {{name: judge}}, or unset reward.judge.engine"
         )
     if not served:
@@ -139,8 +139,7 @@ class JudgeEngine:
 
     @classmethod
     def wanted(cls, reward: RewardConfig) -> bool:
-        judge = reward.judge
-        return bool(judge.engine or judge.model or judge.options)
+        return reward.judge.given()
 
     @classmethod
     def check(cls, cfg: DictConfig, registry: Any) -> None:

@@ -157,8 +157,7 @@ def reward_services(cfg: DictConfig, registry) -> list[type[RewardService]]:
     """The reward services the run's reward asks for (each registered service's ``wanted``), by
     name. ``reward.judge`` set with no ``judge_engine`` installed is refused naming trellis-judges."""
     reward = instantiate_options(cfg.reward, RewardConfig)
-    judge = reward.judge
-    if judge.engine or judge.model or judge.options:
+    if reward.judge.given():
         _lookup(registry, "reward_service", JUDGE_SERVICE, "reward.judge")
     services = (registry.get("reward_service", name).obj for name in registry.names("reward_service"))
     return [service for service in services if service.wanted(reward)]

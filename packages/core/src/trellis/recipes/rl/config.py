@@ -45,10 +45,10 @@ class RLTrainerConfig(TrainerConfig):
     """async_mode: ``off`` (generate, then train), ``one_step`` (generate step k+1 while training
     step k) or ``fully_async`` (up to ``max_staleness`` steps ahead, default 1); see
     ``trellis.recipes.rl.ahead``. Generation ahead needs an engine with weights of its own.
-    async_schedule: ``exact`` (step t generates from exactly the weights of step t-1-max_staleness:
-    two runs with a seed give the same bits, and a resumed run rejoins them) or ``opportunistic``
-    (from whatever weights were last synced when its generation starts, at most that old: never
-    waits for generation, the samples depend on timing)."""
+    async_schedule: ``exact`` (step t generates from exactly the weights of step t-1-max_staleness,
+    whatever the timing; the sampled tokens may still differ run to run, see docs/async.md) or
+    ``opportunistic`` (from whatever weights were last synced when its generation starts, at most
+    that old: never waits for generation)."""
 
     async_mode: str = choice("off", MODES)
     max_staleness: int | None = ranged(None, ge=0)

@@ -26,7 +26,7 @@ from trellis.recipes.rl.checks import needs, reward_services
 from trellis.recipes.rl.dynamic_sampling import fill
 from trellis.recipes.rl.partial import generate_in_chunks
 from trellis.recipes.rl.streaming import generate_scored
-from trellis.rewards import DEFAULT_REWARD, RewardConfig, RewardManager, RewardResult, Scorer, add_overlong_penalty, reward_figures
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, Scorer, add_overlong_penalty, reward_figures, reward_name
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, StageTimer, backend_mesh
 
@@ -183,7 +183,7 @@ class SampleSource:
                 "reward %r scored 0 on every sample of the first %d generation rounds (data_source: %s): within each group only "
                 "reward.overlong's length penalty differs, so the model learns response length alone; check that reward.name "
                 "scores your data's answers",
-                f"{reward.path}:{reward.name}" if reward.path else reward.name or DEFAULT_REWARD,
+                f"{reward.path}:{reward_name(reward)}" if reward.path else reward_name(reward),
                 ZERO_ROUNDS,
                 ", ".join(sorted(set(batch["data_source"]))[:3]),
             )
