@@ -147,3 +147,28 @@ def test_an_adapter_the_backend_cannot_train_stops_the_dry_run(tiny_model_path, 
     with pytest.raises(ConfigError, match=message):
         train(None, [*overrides, "actor.adapter.rank=8", f"trainer.run_dir={tmp_path / 'run'}"], dry_run=True)
     assert train(None, [*overrides, f"trainer.run_dir={tmp_path / 'run'}"], dry_run=True)["recipe"] == "rl"
+
+
+@pytest.mark.parametrize(
+    ("targets", "given", "unmatched"),
+    [("[qproj,v_proj]", "['qproj', 'v_proj']", "'qproj'"), ("[self_attn]", "['self_attn']", "'self_attn'")],
+    ids=["a-typo-beside-a-match", "not-a-linear-layer"],
+)
+def test_target_modules_naming_no_linear_layer_stop_the_dry_run(tiny_model_path, data_files, tmp_path, targets, given, unmatched):
+    """A ``target_modules`` name matching no linear layer of the model stops the config check
+    (``--dry-run`` included), naming the layers the model has: alone it stopped the run at build
+    with PEFT's traceback, and beside a name that matched it was silently ignored."""
+    from trellis.config import ConfigError
+    from trellis.recipes.train import train
+
+    overrides = [
+        "recipe=rl", f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}", "data.train_batch_prompts=2",
+        "actor.adapter.rank=4", f"actor.adapter.target_modules={targets}", f"trainer.run_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        train(None, overrides, dry_run=True)
+    assert str(refused.value) == (
+        f"config key 'actor.adapter.target_modules'={given}: the model in model.path {tiny_model_path!r} has no linear layer named "
+        f"{unmatched}; its linear layers are named down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj: choose among "
+        "them, or use [all-linear]"
+    )

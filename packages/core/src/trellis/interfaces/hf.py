@@ -235,6 +235,15 @@ def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     return _checked(model, path, head)
 
 
+def linear_layers(path: str) -> list[str]:
+    """The module names of the causal LM's linear layers (``torch.nn.Linear``, GPT-2's
+    ``Conv1D``) in the folder ``path``, from its ``config.json`` alone (no weight read)."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = empty_hf_model(path, "lm", torch.float32)
+    return [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))]
+
+
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Every parameter a module registers goes to the meta device (modules still compute their

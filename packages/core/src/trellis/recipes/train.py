@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from trellis import config as config_mod
 from trellis.interfaces.backend import Backend
+from trellis.interfaces.hf import linear_layers
 from trellis.plugins import Plugins, load_plugins
 from trellis.registry import Registry
 from trellis.runtime.checkpoint import checkpoint_step, find_resume, read_manifest
@@ -101,25 +102,27 @@ def run_dir_for(cfg: DictConfig) -> Path:
 
 def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Path | None:
     """Everything that needs no model: ``trainer.threads``, the trackers ``trainer.trackers`` names
-    (installed, their library imports), the recipe's own checks, then the checkpoint to resume from
-    (checked against the config). Returns that checkpoint, or None for a fresh run."""
+    (installed, their library imports), the recipe's own checks, the LoRA adapters, then the
+    checkpoint to resume from (checked against the config). Returns that checkpoint, or None for a
+    fresh run."""
     if "threads" in (cfg.get("trainer") or {}):
         make_threads(registry, cfg.trainer)
     if "trackers" in (cfg.get("trainer") or {}):
         Trackers.check(cfg.trainer.trackers, registry)
-    check_adapters(cfg, registry)
     recipe_check = getattr(recipe, "check", None)
     if recipe_check is not None:
-        recipe_check(cfg, registry)
+        recipe_check(cfg, registry)  # model.path exists and is a model folder: the adapters' check reads it
+    check_adapters(cfg, registry)
     if "resume" not in (cfg.get("trainer") or {}):
         return None
     return find_resume(cfg, run_dir, tuple(getattr(recipe, "resume_safe_keys", ())))
 
 
 def check_adapters(cfg: DictConfig, registry: Registry) -> None:
-    """Each role section with a LoRA adapter (``adapter.rank`` > 0): the backend trains adapters and
+    """Each role section with a LoRA adapter (``adapter.rank`` > 0): the backend trains adapters,
     the library they need imports (a missing peft passed the dry run, then stopped the run with a
-    traceback). A backend registered as a factory rather than a class is checked when it is built."""
+    traceback) and each of its ``target_modules`` names linear layers of ``model.path``. A backend
+    registered as a factory rather than a class is checked when it is built."""
     backend = registry.get("backend", cfg.backend.name).obj if "backend" in cfg else None
     if not (isinstance(backend, type) and issubclass(backend, Backend)):
         return
@@ -139,6 +142,23 @@ def check_adapters(cfg: DictConfig, registry: Registry) -> None:
             except ImportError:
                 needs = f"config key '{key}.adapter.rank'={rank} needs {module}"
                 raise config_mod.ConfigError(f"{needs}: pip install '{requirement}', or set it to 0") from None
+        check_target_modules(f"{key}.adapter.target_modules", list(section.adapter.target_modules), cfg.model.path)
+
+
+def check_target_modules(key: str, targets: list[str], model_path: str) -> None:
+    """Every name of ``targets`` (``[all-linear]``, or module-name suffixes) names linear layers of
+    the model in ``model_path``, built from its config alone: a name that matched no layer stopped
+    the run at build with a traceback, or, beside names that matched, was silently ignored."""
+    if targets == ["all-linear"]:
+        return
+    layers = linear_layers(model_path)
+    unmatched = [t for t in targets if not any(name == t or name.endswith("." + t) for name in layers)]
+    if unmatched:
+        names = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in layers}))
+        raise config_mod.ConfigError(
+            f"config key '{key}'={targets}: the model in model.path {model_path!r} has no linear layer named "
+            f"{', '.join(map(repr, unmatched))}; its linear layers are named {names}: choose among them, or use [all-linear]"
+        )
 
 
 def keep_recorded_threads(cfg: DictConfig, resume_from: Path) -> None:
