@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ import torch.distributed.checkpoint as dcp
 from cli_runs import run_cli
 from safetensors.torch import load_file, save_file
 
+from trellis.config import ConfigError
 from trellis.export import export_checkpoint
+from trellis.runtime.checkpoint import base_fingerprint
 
 # a reward with signal on an untrained model: the response's length
 LENGTH_REWARD = """
@@ -92,20 +95,45 @@ def test_the_adapter_alone_exports_as_a_peft_folder_that_loads_onto_the_base(run
     assert refused.returncode == 2 and "trains full weights: there is no adapter to export alone" in refused.stderr
 
 
+def _change_weights(model: Path) -> str:
+    """Other weights in the model folder ``model`` (its final norm moved); returns their fingerprint's SHA-256."""
+    weights = load_file(str(model / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1.0
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    return base_fingerprint(model)["sha256"]
+
+
 def test_an_adapter_checkpoint_refuses_a_base_model_with_other_weights(run_rl, tmp_path, tiny_model_path):
-    """The checkpoint records the base model's weights' SHA-256: replacing the base (another
-    download, another revision) stops the export and the resume, naming both."""
-    base = tmp_path / "base"
+    """The checkpoint records the base model's weights' SHA-256: resuming onto another base model
+    stops at the config check, before any model is built (it was a traceback at load), and
+    replacing the base (another download, another revision) stops the export, naming both."""
+    base, other = tmp_path / "base", tmp_path / "other"
     shutil.copytree(tiny_model_path, base)
     run_dir = tmp_path / "lora"
     run_rl(f"model.path={base}", "actor.adapter.rank=4", run_dir=run_dir)
     recorded = json.loads((run_dir / "checkpoint-2" / "actor" / "base_model.json").read_text())
-    assert recorded["path"] == str(base) and len(recorded["sha256"]) == 64
-    weights = load_file(str(base / "model.safetensors"))
-    weights["model.norm.weight"] = weights["model.norm.weight"] + 1.0
-    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"the checkpoint's adapter was trained on the base model '.*base' .* holds other weights"):
+    assert recorded == base_fingerprint(base) and recorded["path"] == str(base) and len(recorded["sha256"]) == 64
+    trained_on = (
+        f"the adapter in {run_dir / 'checkpoint-2' / 'actor'} was trained on the base model {str(base)!r} "
+        f"(weights sha256 {recorded['sha256'][:12]}...)"
+    )
+
+    shutil.copytree(base, other)
+    other_sha = _change_weights(other)
+    with pytest.raises(ConfigError) as refused:
+        run_rl(f"model.path={other}", "actor.adapter.rank=4", "trainer.resume_allow_changes=[model.path]", "trainer.total_steps=3", run_dir=run_dir)
+    assert str(refused.value) == (
+        f"config key 'model.path'={str(other)!r}: {trained_on}, but {str(other)!r} holds other weights (sha256 {other_sha[:12]}...); "
+        "an adapter fits only its own base: set model.path to that model, or start a new run (another trainer.run_dir)"
+    )
+
+    changed_sha = _change_weights(base)
+    with pytest.raises(ConfigError) as refused:
         export_checkpoint(run_dir, tmp_path / "merged")
+    assert str(refused.value) == (
+        f"trellis export: {trained_on}, but {str(base)!r} holds other weights (sha256 {changed_sha[:12]}...); an adapter fits only "
+        "its own base, which the export reads from the run's model.path: put that model back there"
+    )
 
 
 def test_sft_trains_an_adapter_and_exports_it_merged(tmp_path, tiny_model_path, data_files):

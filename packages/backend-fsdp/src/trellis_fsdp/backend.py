@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trellis import Batch, choice, ranged
 from trellis.kit.backend import (
+    ADAPTER_BASE_FILE,
     IMPLEMENTATIONS,
     OUTPUTS,
     Backend,
@@ -49,6 +50,7 @@ from trellis.kit.backend import (
     LossFn,
     WeightBucket,
     backward_each,
+    base_fingerprint,
     clipped_step,
     device_for,
     empty_hf_model,
@@ -68,7 +70,6 @@ from trellis_fsdp.lora import (
     adapted_layers,
     adapter_off,
     add_adapter,
-    base_fingerprint,
     hf_name,
     is_adapter,
     merged,
@@ -366,14 +367,12 @@ class FSDPBackend(Backend):
         torch.save(extra, path / f"rank{self.spec.dist.rank}.pt")
         if self.adapter is not None and self.spec.dist.rank == 0:  # the adapter alone means nothing without its base
             self.base = self.base or base_fingerprint(self.spec.model_path)
-            (path / BASE_FILE).write_text(json.dumps(self.base) + "\n")
+            (path / ADAPTER_BASE_FILE).write_text(json.dumps(self.base) + "\n")
 
     def load(self, path: Path) -> None:
         """Restore what :meth:`save` wrote (any number of ranks may have written it: DCP reshards).
         A role without an optimizer (``ref``) loads the model weights alone."""
         path = Path(path)
-        if self.adapter is not None and (path / BASE_FILE).is_file():
-            self._check_base(json.loads((path / BASE_FILE).read_text()))
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=path)
         if self.optimizer is None:
@@ -388,22 +387,12 @@ class FSDPBackend(Backend):
                 self.scheduler.load_state_dict(extra["scheduler"])
             set_rng_state(extra["rng"])
 
-    def _check_base(self, trained_on: dict[str, str]) -> None:
-        self.base = self.base or base_fingerprint(self.spec.model_path)
-        if self.base["sha256"] != trained_on["sha256"]:
-            raise ValueError(
-                f"role {self.spec.role!r}: the checkpoint's adapter was trained on the base model {trained_on['path']!r} (weights "
-                f"sha256 {trained_on['sha256'][:12]}...), but model.path={self.spec.model_path!r} holds other weights (sha256 "
-                f"{self.base['sha256'][:12]}...); an adapter only fits its own base: point model.path at that model"
-            )
-
     def close(self) -> None:
         """Leave the process group (the first role of a process to close ends it for all; a
         process that never calls it leaves at exit)."""
         leave_process_group()
 
 
-BASE_FILE = "base_model.json"  # in an adapter role's checkpoint: the base model it was trained on
 # bytes one gather collective moves (over all ranks): bounds the temporaries beyond the output
 GATHER_BYTES = 2 << 20
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single

@@ -1,6 +1,6 @@
 """LoRA adapters through PEFT: injected into the plain Hugging Face model, switched off for the
 base model's forwards, merged (W + s·BA) into plain Hugging Face names for export, or saved alone
-under PEFT's names with the fingerprint of the base model it belongs to.
+under PEFT's names.
 
 PEFT's ``inject_adapter_in_model`` keeps the model's own class (its forward, ``_no_split_modules``
 and config stay as they are); each targeted linear layer becomes a PEFT ``LoraLayer`` holding the
@@ -11,9 +11,7 @@ original as ``<name>.base_layer`` and the adapter as ``<name>.lora_A.default`` /
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -116,15 +114,3 @@ def saved_config(adapter, layers: dict[str, torch.nn.Module], base_path: str) ->
         base_model_name_or_path=str(base_path),
     ).to_dict()
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-
-
-def base_fingerprint(model_path: str) -> dict[str, str]:
-    """The base model an adapter was trained on: its folder and the SHA-256 of its weight files
-    (``*.safetensors``, ``*.bin``, in name order), checked when the adapter is loaded again."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin")):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return {"path": str(model_path), "sha256": digest.hexdigest()}

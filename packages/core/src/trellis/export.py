@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from trellis.config import ConfigError
 from trellis.outdir import check_replaceable
 from trellis.plugins import Plugins, load_plugins
-from trellis.runtime.checkpoint import CONFIG_FILE, read_manifest, resolve_checkpoint
+from trellis.runtime.checkpoint import CONFIG_FILE, adapter_base_mismatch, read_manifest, resolve_checkpoint
 from trellis.runtime.controller import LocalController
 from trellis.runtime.harness import policy_section, spawn_worker
 
@@ -65,6 +65,12 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
                 f"checkpoint {path} was trained from model.{key}={source!r}, which no longer exists; "
                 "the export takes the architecture and tokenizer from it: put the base model back there"
             )
+    mismatch = adapter_base_mismatch(path, cfg.model.path)
+    if mismatch:
+        raise ConfigError(
+            f"trellis export: {mismatch}; an adapter fits only its own base, which the export reads from the run's model.path: "
+            "put that model back there"
+        )
     registry = (plugins or load_plugins()).registry
     controller = LocalController()
     try:

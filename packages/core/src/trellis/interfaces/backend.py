@@ -232,7 +232,9 @@ class Backend(ABC):
         raise NotImplementedError(f"backend {type(self).__name__} does not load weights in memory")
 
     def save(self, path: Path) -> None:
-        """Write this rank's model/optimizer/schedule/RNG state under ``path``."""
+        """Write this rank's model/optimizer/schedule/RNG state under ``path``; a role with an
+        adapter also writes its base model's ``base_fingerprint`` (rank 0, to
+        ``ADAPTER_BASE_FILE``), which a resume or export checks before building anything."""
         raise NotImplementedError(f"backend {type(self).__name__} cannot save")
 
     def load(self, path: Path) -> None:

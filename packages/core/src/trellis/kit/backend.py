@@ -1,4 +1,5 @@
-"""What a training backend (kind ``backend``) needs: its interface, the optimizer, HF model helpers, the process group, RNG state."""
+"""What a training backend (kind ``backend``) needs: its interface, the optimizer, HF model helpers, the process group, RNG state,
+an adapter's base model fingerprint."""
 
 from trellis.interfaces.backend import MODEL_INPUTS, OUTPUTS, Backend, BackendSpec, DistInfo, LossFn, WeightBucket, backward_each, weight_buckets
 from trellis.interfaces.dispatch import Mesh
@@ -6,6 +7,7 @@ from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers,
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, lr_factor, make_optimizer, schedule_step
 from trellis.interfaces.process_group import device_for, join_process_group, leave_process_group
 from trellis.rng import get_rng_state, set_rng_state
+from trellis.runtime.checkpoint import ADAPTER_BASE_FILE, base_fingerprint
 
 __all__ = [
     # the interface and where a rank sits
@@ -38,4 +40,7 @@ __all__ = [
     "device_for",
     "get_rng_state",
     "set_rng_state",
+    # what an adapter role's checkpoint records of its base model
+    "ADAPTER_BASE_FILE",
+    "base_fingerprint",
 ]

@@ -35,6 +35,7 @@ PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
+ADAPTER_BASE_FILE = "base_model.json"  # in an adapter role's folder: the base_fingerprint of the model it was trained on
 
 # Keys of the trainer section that change how a run is watched, paced, saved or placed, not what it
 # computes: they may differ between a checkpoint's config and the resuming run's. A recipe adds its
@@ -202,10 +203,40 @@ def config_changes(saved: Any, current: Any, allowed: list[str] | tuple[str, ...
     ]
 
 
+def base_fingerprint(model_path: str | Path) -> dict[str, str]:
+    """The base model a LoRA adapter is trained on: its folder and the SHA-256 of its weight files
+    (``*.safetensors``, ``*.bin``, in name order). A backend saving an adapter role writes it to
+    :data:`ADAPTER_BASE_FILE` in the role's folder; a resume or export checks it before building
+    anything (:func:`adapter_base_mismatch`)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin")):
+        digest.update(file.name.encode())
+        with file.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return {"path": str(model_path), "sha256": digest.hexdigest()}
+
+
+def adapter_base_mismatch(path: Path, model_path: str) -> str | None:
+    """How an adapter of checkpoint ``path`` (a role folder with :data:`ADAPTER_BASE_FILE`) was
+    trained on other weights than ``model_path`` holds, naming both; None when every one fits."""
+    current = None
+    for recorded in sorted(path.glob(f"*/{ADAPTER_BASE_FILE}")):
+        trained_on = json.loads(recorded.read_text())
+        current = current or base_fingerprint(model_path)
+        if current["sha256"] != trained_on["sha256"]:
+            return (
+                f"the adapter in {recorded.parent} was trained on the base model {trained_on['path']!r} (weights sha256 "
+                f"{trained_on['sha256'][:12]}...), but {model_path!r} holds other weights (sha256 {current['sha256'][:12]}...)"
+            )
+    return None
+
+
 def find_resume(cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = ()) -> Path | None:
     """The checkpoint to resume from per ``trainer.resume`` (``auto``: the latest intact one in
-    ``run_dir``, if any; ``never``; or a checkpoint or run folder), checked against ``cfg``;
-    ``safe_keys``: the recipe's keys that may differ."""
+    ``run_dir``, if any; ``never``; or a checkpoint or run folder), checked against ``cfg`` (its
+    adapters' base model against ``model.path``, then the config); ``safe_keys``: the recipe's
+    keys that may differ."""
     resume = str(cfg.trainer.resume)
     if resume == "never":
         if complete_checkpoints(run_dir):
@@ -225,6 +256,12 @@ def find_resume(cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = ())
             raise ConfigError(f"config key 'trainer.resume': {exc}; give a checkpoint-<step> folder, a run folder, auto or never") from None
         except ConfigError as exc:
             raise ConfigError(f"config key 'trainer.resume': {exc}") from None
+    mismatch = adapter_base_mismatch(path, cfg.model.path) if "model" in cfg else None  # a recipe's adapters train on model.path
+    if mismatch:
+        raise ConfigError(
+            f"config key 'model.path'={cfg.model.path!r}: {mismatch}; an adapter fits only its own base: set model.path to that "
+            "model, or start a new run (another trainer.run_dir)"
+        )
     saved = OmegaConf.load(path / CONFIG_FILE)
     changes = config_changes(saved, cfg, [*safe_keys, *cfg.trainer.resume_allow_changes])
     if changes:
