@@ -84,6 +84,34 @@ def test_seeded_sampling_is_reproducible(engine, make_prompts):
     assert torch.equal(a["responses"], b["responses"])
 
 
+def test_sampling_draws_from_the_engines_generator_never_torchs_default(tiny_model_path, make_prompts):
+    """Another thread drawing from torch's default generator (the trainer's, while the engine
+    generates ahead of it) cannot move the samples: the engine never draws from it. Engines
+    built with one seed sample alike."""
+    params = SamplingParams(n=3, max_new_tokens=8)
+
+    def two_calls(draw_between: bool):
+        engine = make_engine(RolloutSpec(tiny_model_path, HFRolloutOptions(), AutoTokenizer.from_pretrained(tiny_model_path), seed=5))
+        prompts = make_prompts(engine.tokenizer, TEXTS)
+        before = torch.get_rng_state()
+        first = engine.generate(prompts, params)["responses"]
+        assert torch.equal(torch.get_rng_state(), before)
+        if draw_between:
+            torch.rand(1000)
+        return first, engine.generate(prompts, params)["responses"]
+
+    plain, drawn = two_calls(False), two_calls(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, drawn))
+    assert not torch.equal(*plain)  # the second call drew on from the first's state
+
+
+def test_top_k_one_samples_the_greedy_answer(engine, make_prompts):
+    prompts = make_prompts(engine.tokenizer, TEXTS)
+    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=8))
+    top1 = engine.generate(prompts, SamplingParams(n=1, temperature=1.5, top_k=1, max_new_tokens=8))
+    assert torch.equal(top1["responses"], greedy["responses"])
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_untied_model_path"])
 def test_load_weights_makes_outputs_follow_new_weights(fixture, streamed, request, make_prompts):

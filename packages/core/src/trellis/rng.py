@@ -1,5 +1,6 @@
-"""This process's random-number states (python, numpy, torch CPU and its CUDA device), to save in a
-checkpoint and restore, so a resumed run draws the same numbers as one that was never stopped.
+"""This process's random-number states (python, numpy, torch CPU and its CUDA device, and the
+generators rollout engines sample tokens from), to save in a checkpoint and restore, so a resumed
+run draws the same numbers as one that was never stopped.
 
 Only the current CUDA device's state is kept: a rank uses one device, and a checkpoint holding
 every visible device's state could not be restored where fewer devices are visible. Also
@@ -12,6 +13,23 @@ from typing import Any
 
 import numpy as np
 import torch
+
+# device -> the generator engines in this process sample tokens from (sampling_generator)
+_sampling: dict[str, torch.Generator] = {}
+
+
+def sampling_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """The generator engines of this process sample tokens from on ``device``, seeded with ``seed``
+    (an engine asks once, when it is built, and keeps it). Apart from torch's default generator,
+    which every thread of the process draws from: the trainer's thread too while an engine
+    generates ahead of it, and a draw there would move the samples by when it lands. Checkpoints
+    keep its state."""
+    return _sampling_on(device).manual_seed(seed)
+
+
+def _sampling_on(device: torch.device | str) -> torch.Generator:
+    key = str(torch.device(device))
+    return _sampling.setdefault(key, torch.Generator(key))
 
 
 def stream_seed(seed: int, offset: int) -> int:
@@ -27,6 +45,7 @@ def get_rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
         "torch": torch.get_rng_state(),
+        "sampling": {device: generator.get_state() for device, generator in _sampling.items()},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # the current device's
@@ -42,6 +61,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
+    for device, saved in state.get("sampling", {}).items():  # older checkpoints hold none
+        _sampling_on(device).set_state(saved)
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
         if isinstance(cuda, (list, tuple)):

@@ -10,7 +10,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from trellis import Batch, choice, ranged
 from trellis.kit.engine import (
@@ -23,6 +30,7 @@ from trellis.kit.engine import (
     pad_id,
     prepare_update,
     rollout_batch,
+    sampling_generator,
     stop_ids,
     tensor_digest,
 )
@@ -66,6 +74,7 @@ class HFRollout(RolloutEngine):
         self._queue: list[_Request] = []  # async requests waiting for the next batch
         self._server: asyncio.Task | None = None
         self.batch_sizes: deque[int] = deque(maxlen=256)  # sizes of the latest async batches
+        self.generator = sampling_generator(self.device, spec.seed)  # requests without a seed draw from it
 
     @property
     def model(self) -> torch.nn.Module:
@@ -85,37 +94,42 @@ class HFRollout(RolloutEngine):
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
+        generator = self._generator(params)
         size = self.opts.micro_batch_prompts or len(prompts)
-        parts = [self._generate_tokens(p, params) for p in prompts.split(size)]
+        parts = [self._generate_tokens(p, params, generator) for p in prompts.split(size)]
         width = max(p[0].shape[1] for p in parts)
         responses = torch.cat([_pad_right(r, width, self.pad_id) for r, _ in parts])
         log_probs = torch.cat([_pad_right(lp, width, 0.0) for _, lp in parts])
         stops = self.eos_ids | set(params.stop_token_ids)
         return rollout_batch(prompts, params, responses, _mask_through_first_stop(responses, stops), log_probs)
 
-    def _generate_tokens(self, prompts: Batch, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def _generator(self, params: SamplingParams) -> torch.Generator:
+        """The generator a call samples from: one seeded with ``params.seed``, else the engine's own."""
+        return self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
+
+    def _generate_tokens(self, prompts: Batch, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled tokens ``(b*n, new)`` and their log-probs under softmax(logits / temperature)."""
         ids = prompts["input_ids"].repeat_interleave(params.n, dim=0).to(self.device)
         mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0).to(self.device)
         greedy = params.greedy or params.temperature == 0
         recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
+        processors = [recorder] if greedy else [recorder, _Sampler(params, generator)]
         model, training = self.model, self.model.training
         model.eval()  # an adopted actor's model is in training mode: no dropout while sampling
         try:
             with torch.no_grad():
+                # generate decodes greedily: _Sampler leaves the drawn token the only one possible
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
-                    do_sample=not greedy,
-                    temperature=None if greedy else params.temperature,
-                    top_p=None if greedy else params.top_p,
-                    top_k=None if greedy or params.top_k <= 0 else params.top_k,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
                     max_new_tokens=params.max_new_tokens,
                     eos_token_id=sorted(self.eos_ids | set(params.stop_token_ids)),
                     pad_token_id=self.pad_id,
-                    logits_processor=LogitsProcessorList([recorder]),
+                    logits_processor=LogitsProcessorList(processors),
                     use_cache=True,  # a trainer's model has the KV cache off in its config
                 )
         finally:
@@ -156,12 +170,12 @@ class HFRollout(RolloutEngine):
 
     def _generate_group(self, group: list[_Request]) -> list[Generation]:
         params = group[0][1]
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
         ids, mask, _ = left_pad([r[0] for r in group], self.pad_id)
         longest = max(r[1].max_new_tokens for r in group)
         tokens, log_probs = self._generate_tokens(
-            Batch({"input_ids": ids, "attention_mask": mask}), SamplingParams(**{**params.__dict__, "n": 1, "max_new_tokens": longest})
+            Batch({"input_ids": ids, "attention_mask": mask}),
+            SamplingParams(**{**params.__dict__, "n": 1, "max_new_tokens": longest}),
+            self._generator(params),
         )
         self.batch_sizes.append(len(group))
         stops = self.eos_ids | set(params.stop_token_ids)
@@ -190,6 +204,25 @@ class HFRollout(RolloutEngine):
         """The digest of each named tensor the model holds (its own names are the trainer's)."""
         state = self.model.state_dict()
         return {name: tensor_digest(state[name]) for name in names if name in state}
+
+
+class _Sampler(LogitsProcessor):
+    """Draws each row's next token from ``generator`` under temperature, top-k and top-p (in
+    ``generate``'s own order and with its warpers) and leaves it the only token possible, so that
+    ``generate``, decoding greedily, takes it and never draws from torch's global generator."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator) -> None:
+        warpers = [TemperatureLogitsWarper(params.temperature)]
+        if params.top_k > 0:
+            warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+        self.warpers, self.generator = LogitsProcessorList(warpers), generator
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        drawn = torch.multinomial(probs, 1, generator=self.generator)
+        return torch.full_like(scores, -torch.inf).scatter_(1, drawn, 0.0)
 
 
 class _SampledLogProbs(LogitsProcessor):
