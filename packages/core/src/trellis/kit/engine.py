@@ -22,7 +22,7 @@ from trellis.interfaces.rollout import (
 )
 from trellis.interfaces.transport import tensor_digest
 from trellis.interfaces.weights import DEFAULT_PACKED, WeightSyncError, engine_weights, prepare_update
-from trellis.rng import get_rng_state, set_rng_state
+from trellis.rng import get_rng_state, sampling_generator, set_rng_state
 
 __all__ = [
     # the interface
@@ -58,4 +58,6 @@ __all__ = [
     # the process's random states (python, numpy, torch, CUDA): an engine built in the trainer's process must leave them as found
     "get_rng_state",
     "set_rng_state",
+    # the generator an engine samples tokens from when a request has no seed (not torch's default one, which every thread shares)
+    "sampling_generator",
 ]
