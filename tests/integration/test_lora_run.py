@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from cli_runs import run_cli
 from safetensors.torch import load_file, save_file
 
+from trellis import export
 from trellis.config import ConfigError
 from trellis.export import export_checkpoint
 from trellis.runtime.checkpoint import base_fingerprint
@@ -60,14 +61,24 @@ def _trellis(*args: str):
     return run_cli(*args, cwd=".")
 
 
+def _loads_no_model(monkeypatch) -> None:
+    """From here on ``trellis export`` fails the test if it builds a role (and so loads a model)."""
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("trellis export built a model")
+
+    monkeypatch.setattr(export, "spawn_worker", spawn)
+
+
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids).logits
 
 
-def test_the_adapter_alone_exports_as_a_peft_folder_that_loads_onto_the_base(run_rl, tmp_path, tiny_model_path):
+def test_the_adapter_alone_exports_as_a_peft_folder_that_loads_onto_the_base(run_rl, tmp_path, tiny_model_path, monkeypatch):
     """``trellis export RUN OUT --adapter-only``: PEFT's own loader puts it on the base model, and
-    the result computes what the merged export computes; a full-weights run has no adapter to export."""
+    the result computes what the merged export computes; a full-weights run has no adapter to
+    export, which is refused before any model is loaded (it loaded the whole model first)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -91,8 +102,12 @@ def test_the_adapter_alone_exports_as_a_peft_folder_that_loads_onto_the_base(run
 
     full = tmp_path / "full"
     run_rl(run_dir=full)
+    _loads_no_model(monkeypatch)
     refused = _trellis("export", str(full), str(tmp_path / "none"), "--adapter-only")
-    assert refused.returncode == 2 and "trains full weights: there is no adapter to export alone" in refused.stderr
+    assert refused.returncode == 2 and refused.stderr.splitlines()[-1] == (
+        f"trellis: error: trellis export --adapter-only: the actor of checkpoint {full / 'checkpoint-2'} trains full weights: there is "
+        "no adapter to export alone; export the merged model (without --adapter-only)"
+    )
 
 
 def _change_weights(model: Path) -> str:
@@ -103,10 +118,11 @@ def _change_weights(model: Path) -> str:
     return base_fingerprint(model)["sha256"]
 
 
-def test_an_adapter_checkpoint_refuses_a_base_model_with_other_weights(run_rl, tmp_path, tiny_model_path):
+def test_an_adapter_checkpoint_refuses_a_base_model_with_other_weights(run_rl, tmp_path, tiny_model_path, monkeypatch):
     """The checkpoint records the base model's weights' SHA-256: resuming onto another base model
     stops at the config check, before any model is built (it was a traceback at load), and
-    replacing the base (another download, another revision) stops the export, naming both."""
+    replacing the base (another download, another revision) stops the export before it loads a
+    model (it loaded the whole model first), naming both."""
     base, other = tmp_path / "base", tmp_path / "other"
     shutil.copytree(tiny_model_path, base)
     run_dir = tmp_path / "lora"
@@ -128,6 +144,7 @@ def test_an_adapter_checkpoint_refuses_a_base_model_with_other_weights(run_rl, t
     )
 
     changed_sha = _change_weights(base)
+    _loads_no_model(monkeypatch)
     with pytest.raises(ConfigError) as refused:
         export_checkpoint(run_dir, tmp_path / "merged")
     assert str(refused.value) == (

@@ -55,6 +55,13 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     if role is None:
         raise ConfigError(f"checkpoint {path} holds no {' or '.join(EXPORTED)} to export (its roles: {', '.join(roles)})")
     cfg = OmegaConf.load(path / CONFIG_FILE)
+    section = policy_section(cfg) if role == "actor" else None  # the policy's section brings its adapter
+    adapter = section.get("adapter") if section is not None else None
+    if adapter_only and not (adapter and adapter.rank > 0):
+        raise ConfigError(
+            f"trellis export --adapter-only: the {role} of checkpoint {path} trains full weights: there is no adapter to export alone; "
+            "export the merged model (without --adapter-only)"
+        )
     trained_in = Path(manifest.get("cwd", "."))
     for key in ("path", "tokenizer_path"):
         source = cfg.model.get(key)
@@ -74,9 +81,9 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     registry = (plugins or load_plugins()).registry
     controller = LocalController()
     try:
-        # no objectives: weights only, no optimizer; the policy's section brings its adapter (merged unless adapter_only)
+        # no objectives: weights only, no optimizer; the adapter is merged unless adapter_only
         head = EXPORTED[role]
-        model = spawn_worker(controller, registry, cfg, role, cfg.model.path, policy_section(cfg) if role == "actor" else None, head=head)
+        model = spawn_worker(controller, registry, cfg, role, cfg.model.path, section, head=head)
         model.load(path / role)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.get("tokenizer_path") or cfg.model.path)
         if adapter_only:
