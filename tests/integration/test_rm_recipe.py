@@ -183,3 +183,18 @@ def test_starter_holds_the_defaults_and_passes_the_dry_run(tiny_model_path, pair
     starter, defaults = compose(tmp_path / "rm.yaml", paths, registry), compose(None, ["recipe=rm", *paths], registry)
     assert OmegaConf.to_container(starter) == OmegaConf.to_container(defaults)
     assert train(str(tmp_path / "rm.yaml"), paths, dry_run=True)["data"] == "64 training pairs, 12 held-out"
+
+
+def test_prompt_data_given_to_the_rm_recipe_is_refused_naming_the_pair_columns(tiny_model_path, data_files, tmp_path):
+    """RL prompts (verl's schema) given as the rm recipe's data stop the dry run naming the pair
+    columns the recipe reads (the error recommended the RL schema, which it had been given)."""
+    from trellis.data import DataError
+
+    overrides = ["recipe=rm", f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}", f"trainer.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(DataError) as refused:
+        train(None, overrides, dry_run=True)
+    assert str(refused.value) == (
+        f"data file {data_files['train']!r}: row 0 has no column 'chosen' (columns: ['ability', 'data_source', 'extra_info', 'prompt', "
+        "'reward_model']); add it to every row (the rm recipe's preference pairs: chosen and rejected, each chat messages or an answer "
+        "string after a shared prompt column; optional margin)"
+    )

@@ -34,13 +34,16 @@ class DataError(ValueError):
 
 
 # -- files -----------------------------------------------------------------------------------------
-def load_rows(path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def load_rows(
+    path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] | None = None, schema: str = _SCHEMA_HINT
+) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file (or of several files, one after another) as dicts.
 
     required: columns every row must have (not None); a dotted name such as
         ``reward_model.ground_truth`` looks inside a nested dict. None (default) = ``messages`` when
         the file's first row has it (chat SFT data), else ``prompt``. RL callers that want verl's full
         schema checked pass ``required=PROMPT_COLUMNS``; ``()`` checks nothing.
+    schema: the format the caller reads, named in the error for a missing column (default verl's).
     """
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     if not paths:
@@ -51,7 +54,7 @@ def load_rows(path: str | os.PathLike | Sequence[str | os.PathLike], *, required
         if not file_rows:
             raise DataError(f"data file {str(p)!r} has no rows")
         need = required if required is not None else (("messages",) if file_rows[0].get("messages") is not None else ("prompt",))
-        _check_columns(file_rows, need, Path(p))
+        _check_columns(file_rows, need, Path(p), schema)
         rows.extend(file_rows)
     return rows
 
@@ -84,13 +87,11 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
     raise DataError(f"data file {str(path)!r}: unknown format {suffix!r}; use .parquet or .jsonl")
 
 
-def _check_columns(rows: list[dict[str, Any]], required: Sequence[str], path: Path) -> None:
+def _check_columns(rows: list[dict[str, Any]], required: Sequence[str], path: Path, schema: str) -> None:
     for column in required:
         for i, row in enumerate(rows):
             if _get_path(row, column) is None:
-                raise DataError(
-                    f"data file {str(path)!r}: row {i} has no column {column!r} (columns: {sorted(row)}); add it to every row ({_SCHEMA_HINT})"
-                )
+                raise DataError(f"data file {str(path)!r}: row {i} has no column {column!r} (columns: {sorted(row)}); add it to every row ({schema})")
 
 
 def _get_path(row: dict[str, Any], dotted: str) -> Any:

@@ -15,6 +15,10 @@ from trellis.data import DataError, EpochLoader, chat_messages, encode_response,
 logger = logging.getLogger("trellis")
 
 SIDES = ("chosen", "rejected")
+# what a pair row holds, named when a file lacks a column
+PAIR_SCHEMA = (
+    "the rm recipe's preference pairs: chosen and rejected, each chat messages or an answer string after a shared prompt column; optional margin"
+)
 
 
 def conversation(row: dict[str, Any], side: str, i: int) -> list[dict[str, Any]]:

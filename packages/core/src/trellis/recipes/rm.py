@@ -14,7 +14,7 @@ from trellis.config import ranged
 from trellis.data import load_rows
 from trellis.export import save_hf_folder
 from trellis.recipes.options import OptimConfig, RecipeConfig, TrainerConfig, check_inputs
-from trellis.recipes.pairs import SIDES, PairDataset, PairLoader
+from trellis.recipes.pairs import PAIR_SCHEMA, SIDES, PairDataset, PairLoader
 from trellis.runtime.harness import Run, RunContext
 
 ROLE = "reward_model"  # the role's name: trellis export writes a checkpoint's reward_model as a sequence-classification folder
@@ -57,7 +57,7 @@ def load_data(cfg: DictConfig, tokenizer) -> tuple[PairLoader, PairDataset | Non
     data = cfg.data
 
     def dataset(path: str | list[str]) -> PairDataset:
-        return PairDataset(load_rows(path, required=SIDES), tokenizer, data.max_length)
+        return PairDataset(load_rows(path, required=SIDES, schema=PAIR_SCHEMA), tokenizer, data.max_length)
 
     train = PairLoader(dataset(data.train_path), data.batch_pairs, seed=cfg.seed, shuffle=data.shuffle)
     return train, dataset(data.val_path) if data.val_path else None
