@@ -211,3 +211,23 @@ def test_a_hugging_face_trainer_checkpoint_is_a_model_folder_and_a_trellis_one_i
     (ours / MANIFEST).write_text("{}")
     with pytest.raises(ConfigError, match=r"is a trellis checkpoint, not a Hugging Face model folder; export it first"):
         check_not_a_run(ours)
+
+
+def test_a_run_folder_that_kept_no_checkpoint_is_known_by_its_provenance(tmp_path):
+    """A run with trainer.keep_checkpoints=0 leaves no checkpoint-N, but every run writes
+    provenance.json: given as a model folder, it is refused naming the final model it saved."""
+    from trellis.recipes.options import check_not_a_run
+    from trellis.runtime import provenance
+
+    run = tmp_path / "run"
+    (run / "hf_model").mkdir(parents=True)
+    (run / "hf_model" / "config.json").write_text("{}")
+    check_not_a_run(run, "teacher.path")
+    (run / provenance.FILE).write_text("{}")
+    with pytest.raises(ConfigError) as refused:
+        check_not_a_run(run, "teacher.path")
+    assert str(refused.value) == (
+        f"config key 'teacher.path': {str(run)!r} is a trellis run folder, not a Hugging Face model folder; export it first: "
+        f"trellis export {run} {run}-hf, then set teacher.path={run}-hf (or set teacher.path={run / 'hf_model'}, the model the run "
+        "saved at its end)"
+    )

@@ -198,3 +198,18 @@ def test_prompt_data_given_to_the_rm_recipe_is_refused_naming_the_pair_columns(t
         "'reward_model']); add it to every row (the rm recipe's preference pairs: chosen and rejected, each chat messages or an answer "
         "string after a shared prompt column; optional margin)"
     )
+
+
+@pytest.mark.parametrize("key", ["reward.model.path", "teacher.path"])
+def test_a_run_folder_as_a_reward_model_or_teacher_says_export_it_first(rm_run, tiny_model_path, data_files, key):
+    """A trellis run folder where a model folder goes stops the dry run naming the run's own
+    hf_model and the export that writes one (the reward model got 'not a Hugging Face model folder
+    (no config.json)', the teacher a tokenizer library's 'Couldn't instantiate the backend tokenizer')."""
+    _, run_dir = rm_run
+    teacher = ["actor.distill.coef=1.0"] if key == "teacher.path" else []
+    message = refused(f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}", f"{key}={run_dir}", *teacher)
+    assert message == (
+        f"config key {key!r}: {str(run_dir)!r} is a trellis run folder, not a Hugging Face model folder; export it first: "
+        f"trellis export {run_dir} {run_dir}-hf, then set {key}={run_dir}-hf (or set {key}={run_dir / 'hf_model'}, the model the "
+        "run saved at its end)"
+    )

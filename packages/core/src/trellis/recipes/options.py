@@ -103,23 +103,24 @@ def check_inputs(cfg: DictConfig) -> None:
     check_not_a_run(Path(cfg.model.path))
 
 
-def check_not_a_run(model: Path) -> None:
-    """A trellis run folder or checkpoint given as ``model.path`` is refused with the command that
-    turns it into a model folder (its sharded weights and missing tokenizer would fail to load). A
-    Hugging Face folder named ``checkpoint-N`` (the Trainer's, TRL's) is a model folder."""
+def check_not_a_run(model: Path, key: str = "model.path") -> None:
+    """A trellis run folder or checkpoint given as a model folder (config key ``key``) is refused
+    with the command that turns it into one (its sharded weights and missing tokenizer would fail
+    to load). A Hugging Face folder named ``checkpoint-N`` (the Trainer's, TRL's) is a model folder."""
+    from trellis.runtime import provenance
     from trellis.runtime.checkpoint import MANIFEST, PREFIX, checkpoint_step
 
     hf_folder = (model / "config.json").is_file()
     checkpoint = (model / MANIFEST).is_file() or (checkpoint_step(model) is not None and not hf_folder)
-    if not checkpoint and not any(model.glob(PREFIX + "*")):
+    if not checkpoint and not any(model.glob(PREFIX + "*")) and not (model / provenance.FILE).is_file():
         return
     run = model.parent if checkpoint else model
     out = run.with_name(run.name + "-hf")
     final = run / "hf_model"
-    also = f" (or set model.path={final}, the run's final policy)" if (final / "config.json").is_file() else ""
+    also = f" (or set {key}={final}, the model the run saved at its end)" if (final / "config.json").is_file() else ""
     raise ConfigError(
-        f"config key 'model.path': {str(model)!r} is a trellis {'checkpoint' if checkpoint else 'run folder'}, not a Hugging Face "
-        f"model folder; export it first: trellis export {model} {out}, then set model.path={out}{also}"
+        f"config key {key!r}: {str(model)!r} is a trellis {'checkpoint' if checkpoint else 'run folder'}, not a Hugging Face "
+        f"model folder; export it first: trellis export {model} {out}, then set {key}={out}{also}"
     )
 
 

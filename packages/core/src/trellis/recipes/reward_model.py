@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from trellis.batch import Batch, last_valid_index
 from trellis.config import ConfigError
+from trellis.recipes.options import check_not_a_run
 from trellis.recipes.reward_inputs import RewardInputs, retokenize_reason
 from trellis.recipes.teacher import load_tokenizer
 from trellis.rewards import RESERVED_KEYS, RewardManager, RewardResult
@@ -39,6 +40,7 @@ def check_reward_model(cfg: DictConfig) -> None:
         raise ConfigError(
             f"config key 'reward.model.key' is {key!r}, a metric of its own, holding '/' or a term's key; set reward.model.key to another name"
         )
+    check_not_a_run(Path(path), "reward.model.path")
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"config key 'reward.model.path' is {path!r}, which is not a Hugging Face model folder (no config.json); give the folder")
     config = AutoConfig.from_pretrained(path)

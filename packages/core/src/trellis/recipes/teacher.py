@@ -5,6 +5,7 @@ for the actor's distillation loss (``actor.distill``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -12,6 +13,7 @@ from transformers import AutoTokenizer
 
 from trellis.batch import Batch
 from trellis.config import ConfigError
+from trellis.recipes.options import check_not_a_run
 
 TEACHER_NEED = "teacher_log_probs"
 
@@ -48,6 +50,7 @@ def check_teacher(cfg: DictConfig, declared: tuple[str, ...]) -> None:
             f"the need {TEACHER_NEED!r}"
         )
     if path:
+        check_not_a_run(Path(path), "teacher.path")
         check_actor_tokenizer(
             cfg, "teacher.path", path,
             "the teacher scores the actor's token ids, so both must share one tokenizer: choose a teacher with the actor's tokenizer",
