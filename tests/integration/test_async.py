@@ -152,6 +152,48 @@ def test_a_run_killed_while_generating_ahead_resumes_with_every_prompt_trained_o
     assert [r["step"] for r in rows if "rollout/staleness_max" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ("trainer.async_mode=one_step",),
+        ("trainer.async_mode=fully_async", "trainer.max_staleness=2"),
+        ("trainer.async_mode=fully_async", "trainer.max_staleness=2", "algorithm.dynamic_sampling.enable=true"),
+    ],
+    ids=["one_step", "s2", "s2-dynamic-sampling"],
+)
+def test_async_runs_are_bit_identical_run_to_run_and_after_a_kill(tiny_model_path, data_files, tmp_path, with_signal, mode):
+    """The exact schedule: two runs with one seed log the same figures and end with the same
+    weights, and so does a run killed inside step 4's update and resumed from checkpoint 2, whose
+    steps made ahead (generated from weights the resume no longer has) the checkpoint keeps."""
+
+    def overrides(run: str) -> list[str]:
+        return [
+            "recipe=rl", f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}", f"data.val_path={data_files['test']}",
+            "data.train_batch_prompts=4", "sampling.n=4", "sampling.max_new_tokens=6", "actor.micro_batch_samples=8", "actor.optim.lr=1e-3",
+            "trainer.trackers=[jsonl]", "trainer.total_steps=5", "trainer.save_every_steps=2", "trainer.val_every_steps=2",
+            "trainer.save_hf_model=true", "trainer.threads=1", f"trainer.run_dir={tmp_path / run}", *with_signal, *mode,
+        ]  # fmt: skip
+
+    def figures(run: str) -> list[dict]:
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "memory/", "async/"))} for r in rows]
+
+    train(None, overrides("first"))
+    train(None, overrides("second"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(KILLABLE), "update", "4", *overrides("killed")], env=env, capture_output=True, text=True)
+    assert proc.returncode < 0, proc.stderr[-3000:]
+    assert (tmp_path / "killed" / "checkpoint-2").is_dir() and not (tmp_path / "killed" / "checkpoint-4").exists()
+    train(None, overrides("killed"))
+
+    first = figures("first")
+    assert sum(r.get("rollout/staleness_mean", 0) for r in first) > 0  # later steps trained on older samples
+    assert figures("second") == first
+    assert figures("killed") == first
+    weights = [load_file(tmp_path / run / "hf_model" / "model.safetensors") for run in ("first", "second", "killed")]
+    assert all(torch.equal(weights[0][k], other[k]) for other in weights[1:] for k in weights[0])
+
+
 @pytest.fixture
 def actor_and_own_rollout(tiny_model_path, data_files):
     """The FSDP actor (world 1) and an HF engine with weights of its own beside it."""

@@ -87,6 +87,16 @@ class Batch:
     def keys(self) -> list[str]:
         return [*self.tensors.keys(), *self.non_tensors]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The batch in the types ``torch.load(weights_only=True)`` reads back (tensors, lists,
+        dicts, strings, numbers), for a checkpoint; numpy values in its Python fields become
+        lists and numbers. :meth:`from_state_dict` rebuilds it."""
+        return {"tensors": dict(self.tensors.items()), "non_tensors": {k: _plain(v) for k, v in self.non_tensors.items()}, "meta": _plain(self.meta)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Batch:
+        return cls(state["tensors"], state["non_tensors"], state["meta"])
+
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
 
@@ -300,6 +310,19 @@ def _object_array(values: Sequence[Any] | np.ndarray) -> np.ndarray:
     for i, v in enumerate(values):
         out[i] = v
     return out
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy arrays and scalars (at any depth of lists, tuples and dicts) as lists and numbers."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _as_index(key: Any, n: int) -> torch.Tensor:

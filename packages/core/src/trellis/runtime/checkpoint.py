@@ -288,7 +288,10 @@ def restore(path: Path, roles: Mapping[str, Any], state: Mapping[str, Any]) -> i
         group.load(path / role)
     blob = torch.load(path / STATE_FILE, weights_only=True)
     for name, obj in state.items():
-        obj.load_state_dict(blob["state"][name])
+        if name in blob["state"]:
+            obj.load_state_dict(blob["state"][name])
+        else:
+            log.info("checkpoint %s keeps no state of %r (an older trellis wrote it): it starts afresh", path, name)
     set_rng_state(blob["rng"])
     return int(manifest["step"])
 

@@ -46,6 +46,13 @@ class SyncProbe:
         self.sides = describe(trainer_dtype, rollout.weight_dtype, False)
         self.prompt: Batch | None = None
 
+    def state_dict(self) -> dict:
+        """The probe prompt, for checkpoints: a resumed run probes with the prompt it started with."""
+        return {"prompt": None if self.prompt is None else self.prompt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompt = None if state["prompt"] is None else Batch.from_state_dict(state["prompt"])
+
     @property
     def active(self) -> bool:
         """Off when disabled, or when the engine generates from the actor's own module (nothing to sync)."""

@@ -57,7 +57,7 @@ class RLRecipe:
             samples = SampleSource(cfg, run, rollout, train, agent, reward_fn, tokenizer, learner.estimator, bound)
             start = run.start(
                 roles=learner.roles,
-                state={"data": samples.position, "kl": learner.kl_in_reward},
+                state={"data": samples.position, "kl": learner.kl_in_reward, "sync_probe": learner.probe},
                 rollout=rollout,
                 validate=functools.partial(
                     self.validate, rollout, val, reward_fn, cfg, agent, functools.partial(run.log_validation, tokenizer=tokenizer)

@@ -85,6 +85,16 @@ class Produced:
     timings: dict[str, float]
     waited_s: float
 
+    def state_dict(self, value_state: Callable[[Any], Any]) -> dict[str, Any]:
+        """For a checkpoint, with ``value_state(value)`` the value's plain form."""
+        state = {"step": self.step, "loader_state": self.loader_state, "timings": self.timings, "waited_s": self.waited_s}
+        return {**state, "value": value_state(self.value)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], value: Callable[[Any], Any]) -> Produced:
+        """What :meth:`state_dict` kept, ``value(state)`` rebuilding the value."""
+        return cls(state["step"], value(state["value"]), state["loader_state"], state["timings"], state["waited_s"])
+
 
 class TrainedPosition:
     """The prompt loader's position as checkpoints must keep it: after the last *trained* step's
@@ -101,6 +111,10 @@ class TrainedPosition:
         self.loader.load_state_dict(state)
         self.trained = self.loader.state_dict()
 
+    def took(self, produced: Produced) -> None:
+        """The trainer took ``produced``: the loader's position after its prompts is trained."""
+        self.trained = produced.loader_state
+
 
 class ProducerFailed(RuntimeError):
     """Generation ahead of training failed; the cause is chained."""
@@ -116,14 +130,21 @@ class Producer:
 
     make: ``make(step, timer)`` builds a step's samples from the loader's next prompts, timing its
     stages on the producer's own ``timer`` (a ``StageTimer``); it must use the rollout only under
-    the rollout's lock, which every ``RolloutGroup`` call takes."""
+    the rollout's lock, which every ``RolloutGroup`` call takes.
 
-    def __init__(self, make: Callable[[int, StageTimer], Any], loader: Any, first: int, last: int, max_staleness: int) -> None:
+    made: steps ``first, first + 1, ...`` made before a resume (a checkpoint kept them,
+    :meth:`settled`), handed over first; the thread makes the steps after them."""
+
+    def __init__(
+        self, make: Callable[[int, StageTimer], Any], loader: Any, first: int, last: int, max_staleness: int, made: list[Produced] = ()
+    ) -> None:
+        if [p.step for p in made] != list(range(first, first + len(made))):
+            raise ValueError(f"the steps made ahead before the resume, {[p.step for p in made]}, do not follow step {first - 1}")
         self.make, self.loader, self.timer = make, loader, StageTimer()
         self.first, self.last, self.max_staleness = first, last, max_staleness
         self.done_through = first - 1  # the last step the trainer finished
-        self.made_through = first - 1  # the last step the producer made
-        self.ready: dict[int, Produced] = {}
+        self.made_through = first - 1 + len(made)  # the last step the producer made
+        self.ready: dict[int, Produced] = {p.step: p for p in made}
         self.error: BaseException | None = None
         self.stopped = False
         self.cond = threading.Condition()
@@ -138,7 +159,7 @@ class Producer:
 
     def _loop(self) -> None:
         try:
-            for step in range(self.first, self.last + 1):
+            for step in range(self.made_through + 1, self.last + 1):
                 start = time.perf_counter()
                 with self.cond:
                     self.cond.wait_for(lambda t=step: self.stopped or self.done_through >= t - 1 - self.max_staleness)
@@ -172,6 +193,15 @@ class Producer:
         """Wait until step ``step`` (at most the last) was made, or the producer failed or stopped."""
         with self.cond:
             self.cond.wait_for(lambda: self.made_through >= min(step, self.last) or self.error is not None or self.stopped)
+
+    def settled(self) -> list[Produced]:
+        """Once the producer made every step the trainer's progress lets it (and waits for the
+        trainer), the steps made and not taken, in order; the loader is then past their prompts.
+        Under the exact schedule this is what a checkpoint keeps: their weights are gone by a resume."""
+        with self.cond:
+            allowed = min(self.done_through + 1 + self.max_staleness, self.last)
+            self.cond.wait_for(lambda: self.made_through >= allowed or self.error is not None or self.stopped)
+            return [self.ready[step] for step in sorted(self.ready)]
 
     def finished(self, step: int) -> None:
         """The trainer finished ``step`` (update, weight sync, validation, checkpoint)."""

@@ -46,7 +46,7 @@ class RLTrainerConfig(TrainerConfig):
     step k) or ``fully_async`` (up to ``max_staleness`` steps ahead, default 1); see
     ``trellis.recipes.rl.ahead``. Generation ahead needs an engine with weights of its own.
     async_schedule: ``exact`` (step t generates from exactly the weights of step t-1-max_staleness,
-    whatever the timing; the sampled tokens may still differ run to run, see docs/async.md) or
+    whatever the timing; runs with one seed, and resumed runs, are bit-identical: docs/async.md) or
     ``opportunistic`` (from whatever weights were last synced when its generation starts, at most
     that old: never waits for generation)."""
 

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -21,7 +23,7 @@ from trellis.multiturn.scoring import ConversationScorer
 from trellis.recipes.options import without_adapter
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
 from trellis.recipes.reward_model import ModelReward, reward_inputs
-from trellis.recipes.rl.ahead import Producer, TrainedPosition, partial_chunk
+from trellis.recipes.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
 from trellis.recipes.rl.checks import needs, reward_services
 from trellis.recipes.rl.dynamic_sampling import fill
 from trellis.recipes.rl.partial import generate_in_chunks
@@ -47,6 +49,48 @@ class StepSamples:
     first: RewardResult
     metrics: dict[str, float]
 
+    def state_dict(self) -> dict[str, Any]:
+        """In the types a checkpoint reads back with ``weights_only``."""
+        batch = None if self.batch is None else self.batch.state_dict()
+        return {"batch": batch, "params": dataclasses.asdict(self.params), "first": self.first._asdict(), "metrics": self.metrics}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> StepSamples:
+        batch = None if state["batch"] is None else Batch.from_state_dict(state["batch"])
+        return cls(batch, SamplingParams(**state["params"]), RewardResult(**state["first"]), state["metrics"])
+
+
+class MadeAhead:
+    """What checkpoints keep of a run generating ahead under the exact schedule: the steps made
+    and not yet trained (their weights are gone by a resume, so they cannot be made again), the
+    loader's position after their prompts and the groups carried past them. A resumed run trains
+    on the very samples an uninterrupted one does, and makes the next steps from the same state."""
+
+    def __init__(self, source: SampleSource) -> None:
+        self.source = source
+        self.resumed: list[Produced] = []  # a checkpoint's steps, handed to the producer first
+
+    def state_dict(self) -> dict[str, Any]:
+        source = self.source
+        made = source.ahead.settled() if source.ahead is not None else []
+        return {
+            "loader": source.loader.state_dict(),
+            "made": [p.state_dict(StepSamples.state_dict) for p in made],
+            "carry": [(batch.state_dict(), scored._asdict()) for batch, scored in source.carry],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        source = self.source
+        if "made" not in state:  # a checkpoint from before the steps made ahead were kept: the loader alone
+            source.loader.load_state_dict(state)
+            return
+        source.loader.load_state_dict(state["loader"])
+        self.resumed = [Produced.from_state_dict(p, StepSamples.from_state_dict) for p in state["made"]]
+        source.carry[:] = [(Batch.from_state_dict(batch), RewardResult(**scored)) for batch, scored in state["carry"]]
+
+    def took(self, produced: Produced) -> None:
+        """The trainer took ``produced`` (nothing to note: the producer's state is read when saved)."""
+
 
 class SampleSource:
     """Each step's samples, from the loader's next prompts: generated (single-turn, through the
@@ -69,8 +113,9 @@ class SampleSource:
         self.carry: list[tuple[Batch, RewardResult]] = []  # kept groups a step ahead of training did not need
         self.chunk = partial_chunk(cfg.trainer, cfg.multi_turn.enable)
         self.stops = stop_ids(cfg.model.path, tokenizer) if self.chunk is not None else set()  # where a chunked sample ends
-        # generating ahead, checkpoints keep the loader's position after the last trained step
-        self.position = TrainedPosition(loader) if bound is not None else loader
+        # generating ahead, checkpoints keep the steps made ahead (exact schedule), else the loader's
+        # position after the last trained step (the steps ahead are made again on resume)
+        self.position = loader if bound is None else MadeAhead(self) if cfg.trainer.async_schedule == "exact" else TrainedPosition(loader)
         self.zero_rounds: int | None = 0  # rounds whose samples all scored 0 (None: no longer watched)
         self.ahead: Producer | None = None
 
@@ -81,7 +126,8 @@ class SampleSource:
         if self.bound is None:
             yield self
             return
-        with Producer(self.make, self.loader, first, self.cfg.trainer.total_steps, self.bound) as self.ahead:
+        made = self.position.resumed if isinstance(self.position, MadeAhead) else []
+        with Producer(self.make, self.loader, first, self.cfg.trainer.total_steps, self.bound, made) as self.ahead:
             yield self
 
     def take(self, step: int) -> tuple[StepSamples, dict[str, float]]:
@@ -91,7 +137,7 @@ class SampleSource:
             with self.run.generating(self.rollout):
                 return self.make(step, self.run.timer), {}
         produced, handover = self.ahead.take(step)
-        self.position.trained = produced.loader_state
+        self.position.took(produced)
         return produced.value, {**handover, **produced.timings, "timing/wait_trainer_s": produced.waited_s}
 
     def before_sync(self, version: int) -> None:
