@@ -156,10 +156,11 @@ def test_a_run_killed_while_generating_ahead_resumes_with_every_prompt_trained_o
     "mode",
     [
         ("trainer.async_mode=one_step",),
+        ("trainer.async_mode=fully_async", "trainer.max_staleness=1"),
         ("trainer.async_mode=fully_async", "trainer.max_staleness=2"),
         ("trainer.async_mode=fully_async", "trainer.max_staleness=2", "algorithm.dynamic_sampling.enable=true"),
     ],
-    ids=["one_step", "s2", "s2-dynamic-sampling"],
+    ids=["one_step", "s1", "s2", "s2-dynamic-sampling"],
 )
 def test_async_runs_are_bit_identical_run_to_run_and_after_a_kill(tiny_model_path, data_files, tmp_path, with_signal, mode):
     """The exact schedule: two runs with one seed log the same figures and end with the same

@@ -168,6 +168,21 @@ def test_sft_recipe_with_dft_loss_saves_loadable_model(tiny_model_path, data_fil
     assert (run_dir / "config.yaml").read_text().count("name: dft") == 1
 
 
+def test_sft_data_without_messages_or_prompt_is_refused_naming_the_sft_rows(tiny_model_path, tmp_path):
+    """A file with neither chat messages nor a prompt stops the dry run naming what the sft recipe
+    reads (it recommended verl's RL schema)."""
+    from trellis.data import DataError
+    from trellis.examples.tasks import write_rows
+
+    path = write_rows([{"question": "1+1=", "answer": "2"}], tmp_path / "qa.jsonl")
+    with pytest.raises(DataError) as refused:
+        train(None, ["recipe=sft", f"model.path={tiny_model_path}", f"data.train_path={path}", f"trainer.run_dir={tmp_path / 'run'}"], dry_run=True)
+    assert str(refused.value) == (
+        f"data file {str(path)!r}: row 0 has no column 'prompt' (columns: ['answer', 'question']); add it to every row (the sft "
+        "recipe's rows: chat messages (loss on the assistant turns), or a prompt plus its target in data.response_key)"
+    )
+
+
 @pytest.mark.parametrize(
     "overrides",
     [["algorithm.advantage.name=grpo", "actor.entropy_coeff=0.01"], ["algorithm.advantage.name=gae"], ["algorithm.use_kl_in_reward=true"]],

@@ -41,12 +41,15 @@ def check(cfg: DictConfig, registry) -> None:
     check_inputs(cfg)
 
 
+SFT_SCHEMA = "the sft recipe's rows: chat messages (loss on the assistant turns), or a prompt plus its target in data.response_key"
+
+
 def load_data(cfg: DictConfig, tokenizer) -> tuple[SFTLoader, SFTDataset | None]:
     """The training loader and the held-out samples (None without ``data.val_path``)."""
     data = cfg.data
 
     def dataset(path: str | list[str]) -> SFTDataset:
-        return SFTDataset(load_rows(path), tokenizer, max_length=data.max_length, response_key=data.response_key)
+        return SFTDataset(load_rows(path, schema=SFT_SCHEMA), tokenizer, max_length=data.max_length, response_key=data.response_key)
 
     train = SFTLoader(dataset(data.train_path), data.batch_samples, seed=cfg.seed, shuffle=data.shuffle, pack=data.pack)
     return train, dataset(data.val_path) if data.val_path else None
