@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -107,7 +108,7 @@ class WithTrainer:
 def test_the_ray_controller_without_its_package_names_the_install_command(yaml_file, monkeypatch):
     """trainer.controller names a registered controller: core has 'local'; 'ray' comes with trellis-ray."""
     registry = load_plugins(entry_points=False).registry
-    registry.add("recipe", "placed", object(), options=WithTrainer)
+    registry.add("recipe", "placed", SimpleNamespace(Config=WithTrainer, run=lambda cfg, ctx: {}), options=WithTrainer)
     monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
     with pytest.raises(ConfigError) as err:
         compose(yaml_file("recipe: placed\n"), ["trainer.controller=ray"], registry)

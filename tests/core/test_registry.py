@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,8 +26,23 @@ def test_duplicate_names_both_plugins():
 
 def test_same_name_in_another_kind_is_fine():
     reg = make_registry()
-    reg.add("recipe", "grpo", object())
+    reg.add("recipe", "grpo", SimpleNamespace(Config=dict, run=lambda cfg, ctx: {}))
     assert reg.get("recipe", "grpo").plugin == "first"
+
+
+def test_a_kind_s_interface_is_read_once_at_registration():
+    """What a recipe declares is read when it registers (left-out capabilities get their
+    defaults); a missing required attribute, or one a typo away from a capability (which no caller
+    would read), is refused there, naming it."""
+    reg = make_registry()
+    reg.add("recipe", "mine", SimpleNamespace(Config=dict, run=lambda cfg, ctx: {}, resume_safe_keys=("data.val_path",)))
+    assert reg.get("recipe", "mine").declared == {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": ("data.val_path",)}
+    with pytest.raises(RegistryError, match=r"recipe 'norun' \(plugin 'first'\) has no run; a recipe declares Config, run"):
+        reg.add("recipe", "norun", SimpleNamespace(Config=dict))
+    with pytest.raises(RegistryError, match=r"recipe 'typo' \(plugin 'first'\) has 'check_date', which no caller reads; did you mean 'check_data'\?"):
+        reg.add("recipe", "typo", SimpleNamespace(Config=dict, run=lambda cfg, ctx: {}, check_date=lambda cfg, registry: ""))
+    reg.add("advantage", "plain", lambda data, options: None)
+    assert reg.get("advantage", "plain").declared == {"needs": ()}
 
 
 def test_unknown_trellis_name_gives_pip_command_and_installed_names():

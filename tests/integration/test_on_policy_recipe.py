@@ -8,7 +8,7 @@ import pytest
 
 from trellis.recipes import rl
 from trellis.recipes.rl import learner
-from trellis.recipes.rl.checks import on_policy_update
+from trellis.recipes.rl.checks import needs, on_policy_update
 
 # a reward that differs between samples of a prompt, so advantages and gradients are not 0
 VARIED_REWARD = """
@@ -62,5 +62,4 @@ def test_the_shortcut_is_taken_only_when_exact(overrides, expected):
 
     registry = load_plugins().registry
     cfg = validate(OmegaConf.merge(OmegaConf.structured(rl.RLConfig), OmegaConf.from_dotlist(overrides)), rl.RLConfig, registry)
-    estimator = registry.get("advantage", cfg.algorithm.advantage.name).obj
-    assert on_policy_update(cfg, registry, estimator, samples=16) is expected
+    assert on_policy_update(cfg, registry, needs(registry, cfg.algorithm.advantage.name), samples=16) is expected

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.metadata
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 # the kinds core defines; a plugin adds its own through ``trellis_add_kinds``
@@ -64,14 +65,44 @@ class RegistryError(LookupError):
 
 
 @dataclass(frozen=True)
+class Interface:
+    """What the components of a kind declare: ``required`` attributes, and ``optional`` ones (with
+    the value a component that leaves one out gets). Read once, when a component is registered,
+    into :attr:`Entry.declared`, so callers never probe the object; an attribute a letter or two
+    off an optional one's name is refused as a typo (it would be silently ignored)."""
+
+    required: tuple[str, ...] = ()
+    optional: Mapping[str, Any] = field(default_factory=dict)
+
+    def read(self, kind: str, name: str, obj: Any, plugin: str) -> dict[str, Any]:
+        missing = [a for a in self.required if not hasattr(obj, a)]
+        if missing:
+            raise RegistryError(f"{kind} {name!r} (plugin {plugin!r}) has no {', '.join(missing)}; a {kind} declares {', '.join(self.required)}")
+        for attr in (a for a in dir(obj) if not a.startswith("_") and a not in self.optional and a not in self.required):
+            close = difflib.get_close_matches(attr, list(self.optional), n=1, cutoff=0.85)
+            if close:
+                raise RegistryError(f"{kind} {name!r} (plugin {plugin!r}) has {attr!r}, which no caller reads; did you mean {close[0]!r}?")
+        return {a: getattr(obj, a, default) for a, default in self.optional.items()}
+
+
+# what the components of a kind declare (trellis.recipes.train.Recipe, trellis.interfaces.signatures.AdvantageEstimator)
+INTERFACES: dict[str, Interface] = {
+    "recipe": Interface(("Config", "run"), {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": ()}),
+    "advantage": Interface(optional={"needs": ()}),
+}
+
+
+@dataclass(frozen=True)
 class Entry:
-    """One registered component: the object, its options dataclass and the plugin that added it."""
+    """One registered component: the object, its options dataclass, the plugin that added it and
+    what it declares of its kind's :class:`Interface` (``declared``: attribute -> value)."""
 
     kind: str
     name: str
     obj: Any
     options: type | None
     plugin: str
+    declared: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Registry:
@@ -125,7 +156,9 @@ class Registry:
                 f"{kind} {name!r} is registered twice: by plugin {existing.plugin!r} and by "
                 f"plugin {self._plugin!r}; uninstall one of them or rename the component"
             )
-        self._entries[kind][name] = Entry(kind, name, obj, options, self._plugin)
+        interface = INTERFACES.get(kind)
+        declared = interface.read(kind, name, obj, self._plugin) if interface is not None else {}
+        self._entries[kind][name] = Entry(kind, name, obj, options, self._plugin, declared)
 
     def remove_plugin(self, plugin: str) -> None:
         """Drop every entry and kind that ``plugin`` added (used when its registration fails midway)."""

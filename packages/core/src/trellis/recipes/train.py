@@ -18,7 +18,7 @@ from trellis import config as config_mod
 from trellis.interfaces.backend import Backend
 from trellis.interfaces.hf import linear_layers
 from trellis.plugins import Plugins, load_plugins
-from trellis.registry import Registry
+from trellis.registry import Entry, Registry
 from trellis.runtime.checkpoint import checkpoint_step, find_resume, read_manifest
 from trellis.runtime.harness import RunContext, make_threads
 from trellis.runtime.threads import parse_threads
@@ -36,7 +36,9 @@ class Recipe(Protocol):
     anything is written or built; ``check_data(cfg, registry) -> str`` reads the data files with
     the tokenizer (columns, prompt lengths; no model) for ``trellis train --dry-run`` and returns a
     one-line summary; ``resume_safe_keys``: config keys (beyond the trainer's pacing keys) that may
-    change between a checkpoint and the run resuming it.
+    change between a checkpoint and the run resuming it. The registry reads them once, when the
+    recipe registers (``trellis.registry.INTERFACES``, ``Entry.declared``), and refuses a name a
+    typo away from one of them.
     """
 
     Config: type
@@ -100,7 +102,7 @@ def run_dir_for(cfg: DictConfig) -> Path:
     return Path("runs") / f"{cfg.recipe}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
 
-def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Path | None:
+def check(recipe: Entry, cfg: DictConfig, registry: Registry, run_dir: Path) -> Path | None:
     """Everything that needs no model: ``trainer.threads``, the trackers ``trainer.trackers`` names
     (installed, their library imports), the recipe's own checks, the LoRA adapters, then the
     checkpoint to resume from (checked against the config). Returns that checkpoint, or None for a
@@ -109,13 +111,12 @@ def check(recipe: Any, cfg: DictConfig, registry: Registry, run_dir: Path) -> Pa
         make_threads(registry, cfg.trainer)
     if "trackers" in (cfg.get("trainer") or {}):
         Trackers.check(cfg.trainer.trackers, registry)
-    recipe_check = getattr(recipe, "check", None)
-    if recipe_check is not None:
-        recipe_check(cfg, registry)  # model.path exists and is a model folder: the adapters' check reads it
+    if recipe.declared["check"] is not None:
+        recipe.declared["check"](cfg, registry)  # model.path exists and is a model folder: the adapters' check reads it
     check_adapters(cfg, registry)
     if "resume" not in (cfg.get("trainer") or {}):
         return None
-    return find_resume(cfg, run_dir, tuple(getattr(recipe, "resume_safe_keys", ())))
+    return find_resume(cfg, run_dir, tuple(recipe.declared["resume_safe_keys"]))
 
 
 def check_adapters(cfg: DictConfig, registry: Registry) -> None:
@@ -181,18 +182,18 @@ def train(config_path: str | None, overrides: list[str], plugins: Plugins | None
     if not plugins.registry.names("recipe"):
         raise config_mod.ConfigError("no recipe is installed; the rl and sft recipes come with trellis-core: pip install trellis-core")
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
-    recipe = plugins.registry.get("recipe", cfg.recipe).obj
+    recipe = plugins.registry.get("recipe", cfg.recipe)
     run_dir = run_dir_for(cfg)
     resume_from = check(recipe, cfg, plugins.registry, run_dir)  # a refused run leaves the run folder as it was
     if dry_run:
-        check_data = getattr(recipe, "check_data", None)
+        check_data = recipe.declared["check_data"]
         data = check_data(cfg, plugins.registry) if check_data is not None else "not checked (the recipe has no check_data)"
         return {"recipe": cfg.recipe, "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None, "data": data}
     if resume_from is not None:
         keep_recorded_threads(cfg, resume_from)
     ctx = RunContext(plugins, run_dir, resume_from, config=cfg)
     with interrupts_named(run_dir):
-        summary = recipe.run(cfg, ctx)
+        summary = recipe.obj.run(cfg, ctx)
     ctx.write_config()  # for recipes that do not use the run harness
     return summary
 
@@ -203,10 +204,9 @@ def evaluate(config_path: str | None, overrides: list[str], plugins: Plugins | N
     plugins = plugins or load_plugins()
     warn_failed_plugins(plugins)
     cfg = config_mod.compose(config_path, overrides, plugins.registry)
-    recipe = plugins.registry.get("recipe", cfg.recipe).obj
-    if getattr(recipe, "evaluate", None) is None:
+    declared = plugins.registry.get("recipe", cfg.recipe).declared
+    if declared["evaluate"] is None:
         raise config_mod.ConfigError(f"config key 'recipe': recipe {cfg.recipe!r} has no validation to run; trellis eval runs the rl recipe's")
-    recipe_check = getattr(recipe, "check", None)
-    if recipe_check is not None:
-        recipe_check(cfg, plugins.registry)
-    return recipe.evaluate(cfg, RunContext(plugins, run_dir_for(cfg), config=cfg))
+    if declared["check"] is not None:
+        declared["check"](cfg, plugins.registry)
+    return declared["evaluate"](cfg, RunContext(plugins, run_dir_for(cfg), config=cfg))

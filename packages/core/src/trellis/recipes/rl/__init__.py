@@ -54,7 +54,7 @@ class RLRecipe:
                          "with weights of its own", cfg.trainer.async_mode, bound)  # fmt: skip
             rollout = run.spawn_rollout(learner.actor, tokenizer, max_len=longest_sequence(cfg), own_weights=bound is not None)
             learner.watch(rollout)
-            samples = SampleSource(cfg, run, rollout, train, agent, reward_fn, tokenizer, learner.estimator, bound)
+            samples = SampleSource(cfg, run, rollout, train, agent, reward_fn, tokenizer, learner.needs, bound)
             start = run.start(
                 roles=learner.roles,
                 state={"data": samples.position, "kl": learner.kl_in_reward, "sync_probe": learner.probe},

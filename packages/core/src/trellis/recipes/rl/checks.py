@@ -28,10 +28,10 @@ log = logging.getLogger("trellis")
 JUDGE_SERVICE = "judge_engine"  # the reward service that serves reward.judge (trellis-judges)
 
 
-def needs(estimator) -> tuple[str, ...]:
-    """What a registered advantage estimator declares in its ``needs`` attribute
-    (``trellis.interfaces.signatures.AdvantageEstimator``)."""
-    return tuple(getattr(estimator, "needs", ()))
+def needs(registry, estimator: str) -> tuple[str, ...]:
+    """What the advantage estimator named ``estimator`` declares in its ``needs`` attribute
+    (``trellis.interfaces.signatures.AdvantageEstimator``; read when it was registered)."""
+    return tuple(registry.get("advantage", estimator).declared["needs"])
 
 
 def check(cfg: DictConfig, registry) -> None:
@@ -52,7 +52,7 @@ def check(cfg: DictConfig, registry) -> None:
     check_auto_reward(cfg)
     check_multi_turn(cfg, registry)
     check_streaming(cfg)
-    declared = needs(registry.get("advantage", cfg.algorithm.advantage.name).obj)
+    declared = needs(registry, cfg.algorithm.advantage.name)
     check_length_shaping(cfg)
     check_teacher(cfg, declared)
     check_reward_model(cfg)
@@ -170,7 +170,7 @@ def check_rollout_placement(cfg: DictConfig, registry) -> None:
     controller_class(registry, cfg.trainer).check(cfg.trainer, getattr(options, "tensor_parallel_size", 1))
 
 
-def on_policy_update(cfg: DictConfig, registry, estimator, samples: int) -> bool:
+def on_policy_update(cfg: DictConfig, registry, estimator_needs: tuple[str, ...], samples: int) -> bool:
     """Whether the actor's update can take the old log-probs from its own first forward instead of
     a separate pass (exact): the policy objective declares it can (``first_forward``), one
     optimizer step per batch, and nothing before the update reads them (the in-reward KL, an
@@ -180,7 +180,7 @@ def on_policy_update(cfg: DictConfig, registry, estimator, samples: int) -> bool
         getattr(objective, "first_forward", None) == "old_log_probs"
         and Plan.of(cfg.actor).one_update(samples)  # the same rule the actor's worker checks the batch against
         and not cfg.algorithm.use_kl_in_reward
-        and not {"old_log_probs", "sum_sq_probs", TEACHER_NEED} & set(needs(estimator))
+        and not {"old_log_probs", "sum_sq_probs", TEACHER_NEED} & set(estimator_needs)
     )
 
 

@@ -47,7 +47,7 @@ class Learner:
         registry = run.registry
         self.cfg, self.run, self.tokenizer = cfg, run, tokenizer
         self.estimator, self.estimator_options = resolve_component(registry, "advantage", cfg.algorithm.advantage)
-        self.needs = needs(self.estimator)
+        self.needs = needs(registry, cfg.algorithm.advantage.name)
         use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
         self.actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
@@ -62,7 +62,7 @@ class Learner:
         # (a critic's values or a teacher's log-probs give advantages whatever the rewards), and
         # leave a distillation loss without the policy loss training all the same
         run.signals.watch_reward = "groups" in self.needs and cfg.actor.distill.use_policy_loss
-        self.on_policy = on_policy_update(cfg, registry, self.estimator, cfg.data.train_batch_prompts * cfg.sampling.n)
+        self.on_policy = on_policy_update(cfg, registry, self.needs, cfg.data.train_batch_prompts * cfg.sampling.n)
         self.async_run = async_run
 
     @property
@@ -118,7 +118,7 @@ class Learner:
             with timer("values"):
                 batch["values"] = self.critic.values(batch)["values"]
         with timer("adv"):
-            kl_metrics = compute_advantages(batch, self.estimator, self.estimator_options, self.kl_in_reward)
+            kl_metrics = compute_advantages(batch, self.estimator, self.estimator_options, self.kl_in_reward, self.needs)
         update_metrics: dict[str, float] = {}
         if self.critic is not None:
             with timer("update_critic"):
@@ -152,12 +152,11 @@ class Learner:
         }
 
 
-def compute_advantages(batch: Batch, estimator, options, kl_in_reward) -> dict[str, float]:
+def compute_advantages(batch: Batch, estimator, options, kl_in_reward, declared: tuple[str, ...]) -> dict[str, float]:
     """Token rewards (minus the in-reward KL penalty when ``kl_in_reward`` is given), then the
     estimator's advantages and returns into ``batch``; samples are grouped by prompt ``uid``.
-    The estimator gets the inputs it declares in ``needs`` and no others."""
+    The estimator gets the inputs it declares in ``needs`` (``declared``) and no others."""
     token_rewards, metrics = kl_in_reward(batch) if kl_in_reward is not None else (batch["token_scores"], {})
-    declared = needs(estimator)
     fields = {field: batch.get(key) for need, (field, key) in ADVANTAGE_FIELDS.items() if need in declared}
     if "reward_components" in declared:
         fields["reward_components"] = {k.removeprefix(COMPONENT): batch[k] for k in batch.keys() if k.startswith(COMPONENT)} or None

@@ -24,7 +24,7 @@ from trellis.recipes.options import without_adapter
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
 from trellis.recipes.reward_model import ModelReward, reward_inputs
 from trellis.recipes.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
-from trellis.recipes.rl.checks import needs, reward_services
+from trellis.recipes.rl.checks import reward_services
 from trellis.recipes.rl.dynamic_sampling import fill
 from trellis.recipes.rl.partial import generate_in_chunks
 from trellis.recipes.rl.streaming import generate_scored
@@ -101,9 +101,9 @@ class SampleSource:
     thread makes them up to ``bound`` steps ahead; :attr:`position` is what checkpoints keep."""
 
     def __init__(self, cfg: DictConfig, run: Run, rollout: RolloutGroup, loader: PromptLoader, agent: AgentRollout | None,
-                 reward_fn: Scorer, tokenizer, estimator, bound: int | None) -> None:  # fmt: skip
+                 reward_fn: Scorer, tokenizer, estimator_needs: tuple[str, ...], bound: int | None) -> None:  # fmt: skip
         self.cfg, self.run, self.rollout, self.loader, self.agent = cfg, run, rollout, loader, agent
-        self.reward_fn, self.tokenizer, self.needs, self.bound = reward_fn, tokenizer, needs(estimator), bound
+        self.reward_fn, self.tokenizer, self.needs, self.bound = reward_fn, tokenizer, estimator_needs, bound
         self.scorer = scorer_of(reward_fn, agent, cfg.reward.max_error_rate)
         self.sampling = SamplingParams(**cfg.sampling)
         self.samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
