@@ -29,7 +29,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RECIPES = ("rl", "sft", "spin", "rm")
 
 ALLOWED = {
-    ("docs/architecture.md", "data.path"): "an example error message (a required key left unset)",
+    ("docs/config.md", "data.path"): "an example error message (a required key left unset)",
     ("docs/plugins.md", "algorithm.advantage.scal"): "a deliberate typo, to show the error",
     ("docs/plugins.md", "data.batch_prompts"): "a key of the guide's own example recipe best_of_n",
     ("docs/plugins.md", "actor.policy_loss.max_ratio"): "an option of the guide's own example policy loss clipped_reinforce",
@@ -216,7 +216,7 @@ def names_under(schema: type, registry) -> set[str]:
 
 def test_the_config_tables_list_every_section_and_only_real_fields(registry, schemas):
     tables = config_tables()
-    assert [(doc, recipe) for doc, recipe, _ in tables] == [("docs/architecture.md", "rl"), ("docs/reward-models.md", "rm")]
+    assert [(doc, recipe) for doc, recipe, _ in tables] == [("docs/config.md", "rl"), ("docs/reward-models.md", "rm")]
     words = {n for kind in registry.kinds() for n in registry.names(kind)} | set(registry.kinds()) | set(NOT_FIELDS)
     for doc, recipe, rows in tables:
         schema = schemas[recipe]
