@@ -85,10 +85,13 @@ class Interface:
         return {a: getattr(obj, a, default) for a, default in self.optional.items()}
 
 
-# what the components of a kind declare (trellis.recipes.train.Recipe, trellis.interfaces.signatures.AdvantageEstimator)
+# what the components of a kind declare (trellis.recipes.train.Recipe, trellis.interfaces.signatures.AdvantageEstimator,
+# the tool schema of trellis.interfaces.agents, a tracker's (module, pip requirement) in trellis.runtime.trackers)
 INTERFACES: dict[str, Interface] = {
     "recipe": Interface(("Config", "run"), {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": ()}),
     "advantage": Interface(optional={"needs": ()}),
+    "tool": Interface(optional={"schema": None}),
+    "tracker": Interface(optional={"requires": None}),
 }
 
 

@@ -63,7 +63,7 @@ def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpe
             if tcfg.verl_class and not tcfg.schema:
                 raise ConfigError(f"config key '{key}.schema' is required for a verl tool; give its OpenAI function schema")
             tools.append((_factory(tcfg, "tool", registry, key), tcfg))
-            schema = tcfg.schema or getattr(registry.get("tool", tcfg.component).obj, "schema", None)
+            schema = tcfg.schema or registry.get("tool", tcfg.component).declared["schema"]
             name = check_tool_schema(schema, f"{key}.schema")
         else:
             schema = tcfg.schema

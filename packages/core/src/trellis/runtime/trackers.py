@@ -264,10 +264,10 @@ class Trackers:
         for i, name in enumerate(names):
             key = f"trainer.trackers[{i}]"
             try:
-                factory = registry.get("tracker", name).obj
+                declared = registry.get("tracker", name).declared
             except RegistryError as exc:
                 raise ConfigError(f"config key {key!r}: {exc}") from None
-            module, requirement = getattr(factory, "requires", None) or (None, None)
+            module, requirement = declared["requires"] or (None, None)
             if module is not None:
                 try:
                     importlib.import_module(module)
