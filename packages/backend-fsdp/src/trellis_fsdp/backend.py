@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 from trellis import Batch, choice, ranged
 from trellis.kit.backend import (
     ADAPTER_BASE_FILE,
+    ADAPTER_VERBS,
     IMPLEMENTATIONS,
     OUTPUTS,
     Backend,
@@ -123,6 +124,7 @@ class FSDPBackend(Backend):
 
     adapters = True
     adapter_requires = ("peft", "trellis-backend-fsdp[lora]")
+    verbs = ADAPTER_VERBS
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -303,6 +305,8 @@ class FSDPBackend(Backend):
     def export_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The adapter alone under PEFT's saved names, gathered whole on CPU on every rank (it is
         small, and each rank's rollout engine takes it)."""
+        if self.adapter is None:
+            raise ValueError(f"role {self.spec.role!r} trains full weights: there is no adapter to export alone; export the merged model")
         self._reshard()
         tensors = {saved_name(n): _full(t, None).cpu() for n, t in self.model.state_dict(keep_vars=True).items() if is_adapter(n)}
         return saved_config(self.adapter, self.layers, self.spec.model_path), tensors

@@ -14,7 +14,7 @@ parallel groups (default: every rank data-parallel).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
-from trellis.interfaces.dispatch import Mesh
+from trellis.interfaces.dispatch import RANK0, Mesh, Route
 
 WeightBucket = list[tuple[str, torch.Tensor]]
 
@@ -143,6 +143,10 @@ class BackendSpec:
     adapter: Any = None
 
 
+# the verb a backend that trains adapters serves: the adapter alone, gathered on rank 0's side
+ADAPTER_VERBS: dict[str, Route] = {"export_adapter": Route(RANK0)}
+
+
 class Backend(ABC):
     """One role's model on one rank. Tensors in and out are on CPU. ``build`` and ``forward`` are
     required; a backend that only scores or only serves a reference may leave the rest out.
@@ -151,12 +155,16 @@ class Backend(ABC):
     model_inputs: the ``Batch`` fields its forwards read (default :data:`MODEL_INPUTS`);
     controllers ship these (and what the objective reads) to the ranks, nothing more.
     adapters: it trains a LoRA adapter when ``BackendSpec.adapter`` is set (else such a role is refused).
-    adapter_requires: ``(module, pip requirement)`` that adapters need, imported by the config check."""
+    adapter_requires: ``(module, pip requirement)`` that adapters need, imported by the config check.
+    verbs: the verbs it serves beyond the role worker's, each with how it is dealt over the ranks
+    (``Route``): the role worker serves it by calling the backend's method of that name, in-process
+    and through every controller (a LoRA backend declares :data:`ADAPTER_VERBS`)."""
 
     outputs: tuple[str, ...] = OUTPUTS
     model_inputs: tuple[str, ...] = MODEL_INPUTS
     adapters: bool = False
     adapter_requires: tuple[str, str] | None = None
+    verbs: Mapping[str, Route] = {}
 
     @abstractmethod
     def build(self) -> None:
@@ -199,7 +207,7 @@ class Backend(ABC):
         """The LoRA adapter alone, as PEFT saves one: ``adapter_config.json``'s fields and the
         tensors under PEFT's names (``base_model.model.<module>.lora_A.weight``), whole, on CPU,
         on every rank (every rank must call it: shards are gathered). Only for a role that trains an
-        adapter (``BackendSpec.adapter``)."""
+        adapter (``BackendSpec.adapter``); served as a verb by backends that declare :data:`ADAPTER_VERBS`."""
         raise NotImplementedError(f"backend {type(self).__name__} trains no adapter to export")
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:

@@ -1,8 +1,19 @@
 """What a training backend (kind ``backend``) needs: its interface, the optimizer, HF model helpers, the process group, RNG state,
 an adapter's base model fingerprint."""
 
-from trellis.interfaces.backend import MODEL_INPUTS, OUTPUTS, Backend, BackendSpec, DistInfo, LossFn, WeightBucket, backward_each, weight_buckets
-from trellis.interfaces.dispatch import Mesh
+from trellis.interfaces.backend import (
+    ADAPTER_VERBS,
+    MODEL_INPUTS,
+    OUTPUTS,
+    Backend,
+    BackendSpec,
+    DistInfo,
+    LossFn,
+    WeightBucket,
+    backward_each,
+    weight_buckets,
+)
+from trellis.interfaces.dispatch import RANK0, Mesh, Route
 from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model, value_outputs
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, lr_factor, make_optimizer, schedule_step
 from trellis.interfaces.process_group import device_for, join_process_group, leave_process_group
@@ -18,6 +29,10 @@ __all__ = [
     "LossFn",
     "OUTPUTS",
     "MODEL_INPUTS",
+    # verbs a backend serves beyond the role worker's (Backend.verbs), and how each is dealt over the ranks
+    "Route",
+    "RANK0",
+    "ADAPTER_VERBS",
     # forward/backward and weight export
     "backward_each",
     "WeightBucket",

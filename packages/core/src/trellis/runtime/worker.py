@@ -34,7 +34,6 @@ FORWARD_VERBS = ("forward", "log_prob", "values", "score")
 STATE_ROUTES = {
     "export_weights": Route(RANK0),
     "weight_shapes": Route(RANK0),
-    "export_adapter": Route(RANK0),
     "load_weights": Route(ALL),
     "offload": Route(ALL),
     "onload": Route(ALL),
@@ -126,6 +125,10 @@ class RoleWorker(Worker):
 
     def routes(self) -> dict[str, Route]:
         routes = super().routes()
+        taken = sorted(set(self.backend.verbs) & {*routes, *FORWARD_VERBS, *self.objectives, "train", "evaluate"})
+        if taken:
+            raise ValueError(f"backend {type(self.backend).__name__} declares verbs {taken}, which the role worker serves; name them otherwise")
+        routes.update(self.backend.verbs)
         reads = (*self.backend.model_inputs, "responses")
         routes.update({verb: Route(DP_SPLIT, reads) for verb in FORWARD_VERBS})
         for verb, objective in self.objectives.items():
@@ -285,11 +288,12 @@ class RoleWorker(Worker):
         ``Backend.export_weights``)."""
         return self.backend.export_weights(bucket_bytes, all_ranks, dtype=dtype)
 
-    def export_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The role's LoRA adapter alone, as PEFT saves it (see ``Backend.export_adapter``)."""
-        if self.adapter is None:
-            raise ValueError(f"role {self.spec.role!r} trains full weights: there is no adapter to export alone; export the merged model")
-        return self.backend.export_adapter()
+    def __getattr__(self, verb: str) -> Any:
+        """A verb the backend declares (``Backend.verbs``) is its method of that name."""
+        backend = self.__dict__.get("backend")  # not yet built, or being unpickled: no verb of its own
+        if backend is None or verb not in backend.verbs:
+            raise AttributeError(f"{type(self).__name__} has no attribute or backend verb {verb!r}")
+        return getattr(backend, verb)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """Name -> full shape of every exported tensor in export order, without gathering (checked
