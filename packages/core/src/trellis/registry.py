@@ -74,14 +74,15 @@ class Interface:
     required: tuple[str, ...] = ()
     optional: Mapping[str, Any] = field(default_factory=dict)
 
-    def read(self, kind: str, name: str, obj: Any, plugin: str) -> dict[str, Any]:
+    def read(self, kind: str, name: str, obj: Any, plugin: str | None = None) -> dict[str, Any]:
+        who = f"{kind} {name!r}" + (f" (plugin {plugin!r})" if plugin else "")
         missing = [a for a in self.required if not hasattr(obj, a)]
         if missing:
-            raise RegistryError(f"{kind} {name!r} (plugin {plugin!r}) has no {', '.join(missing)}; a {kind} declares {', '.join(self.required)}")
+            raise RegistryError(f"{who} has no {', '.join(missing)}; every {kind} declares {', '.join(self.required)}")
         for attr in (a for a in dir(obj) if not a.startswith("_") and a not in self.optional and a not in self.required):
             close = difflib.get_close_matches(attr, list(self.optional), n=1, cutoff=0.85)
             if close:
-                raise RegistryError(f"{kind} {name!r} (plugin {plugin!r}) has {attr!r}, which no caller reads; did you mean {close[0]!r}?")
+                raise RegistryError(f"{who} has {attr!r}, which no caller reads; did you mean {close[0]!r}?")
         return {a: getattr(obj, a, default) for a, default in self.optional.items()}
 
 

@@ -17,6 +17,7 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.backend import MODEL_INPUTS
+from trellis.registry import Interface
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -204,6 +205,8 @@ class Objective(Protocol):
     first_forward (optional): the field of the sampling policy's log-probs it reads (e.g.
         ``old_log_probs``) that, when a batch lacks it, may be the update's own first forward of
         ``log_probs``, detached (exact with one optimizer step per batch); None or absent: never.
+    The role worker reads these once, when the role is built (:data:`OBJECTIVE`): a missing
+    required part, or a name a typo away from an optional one, stops the build naming it.
     """
 
     outputs: tuple[str, ...]
@@ -220,3 +223,7 @@ class Objective(Protocol):
     def loss(self, micro: Batch, outputs: dict[str, torch.Tensor], agg: Aggregation) -> tuple[torch.Tensor, dict[str, float]]:
         """The micro-batch's share of the mini-batch loss (a scalar with gradient) and metrics.
         ``outputs`` are the forward outputs for ``rows(micro)``."""
+
+
+# what a training objective (made by a factory of kind ``objective``) declares, read once when a role is built
+OBJECTIVE = Interface(("outputs", "inputs", "summed", "rows", "counts", "loss"), {"prefix": None, "first_forward": None})

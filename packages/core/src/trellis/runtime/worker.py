@@ -23,6 +23,7 @@ import torch
 from trellis.batch import Batch, pad_columns
 from trellis.interfaces.backend import Backend, BackendSpec, DistInfo, WeightBucket
 from trellis.interfaces.dispatch import ALL, DP_SPLIT, RANK0, Route
+from trellis.interfaces.signatures import OBJECTIVE
 from trellis.rng import stream_seed
 from trellis.runtime.plan import Plan
 
@@ -102,11 +103,14 @@ class RoleWorker(Worker):
         self.spec = spec
         self.plan = Plan.of(spec.role_options)
         self.objectives: dict[str, Any] = {}
+        self.declared: dict[str, dict[str, Any]] = {}
         self.adapter = None  # the role's AdapterConfig once built, when it trains one
 
     def build(self) -> None:
         spec = self.spec
         self.objectives = {verb: spec.registry.get("objective", name).obj(spec.role_options, spec.registry) for verb, name in spec.objectives.items()}
+        # what each declares of the Objective interface (prefix, first_forward), read once
+        self.declared = {verb: OBJECTIVE.read("objective", spec.objectives[verb], objective) for verb, objective in self.objectives.items()}
         trainable = bool(self.objectives)  # a role with objectives trains: it gets an optimizer
         optim = spec.role_options.optim if trainable else None
         adapter = getattr(spec.role_options, "adapter", None)
@@ -220,8 +224,8 @@ class RoleWorker(Worker):
         when the batch has none (one optimizer step per batch only); ``<prefix>/entropy`` is then
         that forward's token-mean entropy."""
         objective = self._objective(verb)
-        first_forward = self._first_forward(verb, objective, batch)
-        prefix = getattr(objective, "prefix", None) or self.spec.role
+        first_forward = self._first_forward(verb, batch)
+        prefix = self.declared[verb]["prefix"] or self.spec.role
         outputs = objective.outputs + ("entropy",) * (first_forward is not None and "entropy" not in objective.outputs)
         seed = stream_seed(self.spec.seed, 7919 * (int(batch.meta.get("step", 1)) - 1))
         metrics: dict[str, list[float]] = defaultdict(list)
@@ -248,11 +252,11 @@ class RoleWorker(Worker):
         metrics["lr"].append(self.backend.lr_step())
         return {f"{prefix}/{k}": sum(v) / len(v) for k, v in metrics.items()} | {f"{prefix}/optimizer_steps": float(steps)}
 
-    def _first_forward(self, verb: str, objective: Any, batch: Batch) -> str | None:
+    def _first_forward(self, verb: str, batch: Batch) -> str | None:
         """The field this update fills from its own first forward (see :meth:`train`), or None
         when the objective declares none or the batch has it. Exact only with one optimizer
         step per batch, when that forward runs on the weights that would have computed it."""
-        name = getattr(objective, "first_forward", None)
+        name = self.declared[verb]["first_forward"]
         if name is None or name in batch:
             return None
         samples = len(batch) * self.spec.dist.dp_size

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from trellis.config import ConfigError, instantiate_options, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
+from trellis.interfaces.signatures import OBJECTIVE
 from trellis.memory import check_activation_memory, text_config
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.environment import agent_spec
@@ -175,9 +176,9 @@ def on_policy_update(cfg: DictConfig, registry, estimator_needs: tuple[str, ...]
     a separate pass (exact): the policy objective declares it can (``first_forward``), one
     optimizer step per batch, and nothing before the update reads them (the in-reward KL, an
     estimator that needs them or a teacher's, which are compared with them)."""
-    objective = registry.get("objective", "policy").obj(cfg.actor, registry)
+    policy = OBJECTIVE.read("objective", "policy", registry.get("objective", "policy").obj(cfg.actor, registry))
     return (
-        getattr(objective, "first_forward", None) == "old_log_probs"
+        policy["first_forward"] == "old_log_probs"
         and Plan.of(cfg.actor).one_update(samples)  # the same rule the actor's worker checks the batch against
         and not cfg.algorithm.use_kl_in_reward
         and not {"old_log_probs", "sum_sq_probs", TEACHER_NEED} & set(estimator_needs)
