@@ -4,11 +4,13 @@ whose results come back, in which order; modes a backend declares itself."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from trellis.batch import Batch
+from trellis.interfaces.backend import MODEL_INPUTS
 from trellis.interfaces.dispatch import ALL, DP_CHUNKS, DP_SPLIT, RANK0, Mesh, Route
 from trellis.interfaces.rollout import SamplingParams
 from trellis.runtime.controller import LocalController, WorkerGroup
@@ -132,7 +134,7 @@ class AsyncDoubling(Doubling):
 def test_rollout_runs_the_callers_function_beside_the_engine(fn):
     """The function gets the engine and the fields it names; the other fields stay with the caller
     and are repeated onto each prompt's samples, which carry the weight version."""
-    engine = object()
+    engine = SimpleNamespace(weight_dtype=None, model_inputs=MODEL_INPUTS)  # all a rollout reads of an engine it never calls
     rollout = LocalController().spawn_rollout(lambda: engine, None)
     rollout.version = 3
     prompts = Batch({"input_ids": torch.tensor([[1, 2], [3, 4]]), "attention_mask": torch.ones(2, 2, dtype=torch.long)},

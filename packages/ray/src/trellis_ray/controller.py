@@ -190,7 +190,7 @@ class RayController(Controller):
         pool = self._pool("actor")
         built = pool.get([r.add_rollout.remote(make_engine) for r in pool.ranks], "building the rollout", "rollout")
         rollout = RayRollout(pool, actor.role, mesh or Mesh.data_parallel(self.world))
-        rollout.weight_dtype, rollout.engine_name = built[0]
+        rollout.described_by(built[0])
         return rollout
 
     def copy_weights(self, source: WorkerGroup, target: WorkerGroup) -> None:

@@ -87,5 +87,5 @@ def spawn_pool(ctrl: RayController, make_engine: Callable[[], RolloutEngine], ac
     pool.get([r.join_transport.remote(transport, i, len(ends), (ip, port)) for i, r in enumerate(ends)], "joining the weight transport")
     log.info("rollout: %d engine process(es) of their own, weights by %s", n, type(transport).__name__)
     rollout = PoolRollout(pool, actor, transport)
-    rollout.weight_dtype, rollout.engine_name = built[0]
+    rollout.described_by(built[0])
     return rollout

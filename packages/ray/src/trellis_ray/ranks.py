@@ -33,6 +33,7 @@ from trellis.kit.controller import (
     WeightTransport,
     Worker,
     WorkerGroup,
+    describe_engine,
     exported_update,
     run_rollout_fn,
     sync_engine,
@@ -90,10 +91,10 @@ class RankProcess:
     def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
         return _timed(getattr(self.workers[role], method), *args, **kwargs)
 
-    def add_rollout(self, make_engine: Callable[[], RolloutEngine]) -> tuple[torch.dtype | None, str]:
-        """Build this rank's engine; returns its weight dtype and class name."""
+    def add_rollout(self, make_engine: Callable[[], RolloutEngine]) -> tuple[torch.dtype | None, str, tuple[str, ...]]:
+        """Build this rank's engine; returns what its rollout group keeps of it (``describe_engine``)."""
         self.engine = make_engine()
-        return self.engine.weight_dtype, type(self.engine).__name__
+        return describe_engine(self.engine)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> tuple[Batch, float]:
         if not len(prompts):  # a short batch left this engine group without prompts

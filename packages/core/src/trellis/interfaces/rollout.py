@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from trellis.batch import Batch, position_ids
+from trellis.interfaces.backend import MODEL_INPUTS
 
 log = logging.getLogger("trellis")
 
@@ -210,10 +211,14 @@ class RolloutEngine(ABC):
     weight_dtype: the dtype the engine holds its weights in, when its options name one (a weight
     sync has the trainer export in it, e.g. bfloat16); None: unknown (``auto``), sent as trained.
     adapter_sync: a policy's LoRA adapter reaches this engine alone (:meth:`load_adapter`), on the
-    base weights it loaded once; False: as merged full weights (:meth:`load_weights`)."""
+    base weights it loaded once; False: as merged full weights (:meth:`load_weights`).
+    model_inputs: the prompt fields :meth:`generate` reads (default ``MODEL_INPUTS``: token ids,
+    attention mask, positions); the rollout ships these to the engine and nothing more, so an
+    engine that reads more (an image's ``pixel_values``) declares them."""
 
     weight_dtype: torch.dtype | None = None
     adapter_sync: bool = False
+    model_inputs: tuple[str, ...] = MODEL_INPUTS
 
     @abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:

@@ -5,7 +5,16 @@ from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
 from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams, sync_engine
 from trellis.interfaces.transport import Bucket, Manifest, StaleWeights, WeightTransport, buckets, digest_dtype, tensor_digest, unpack
-from trellis.runtime.controller import Controller, LocalController, RolloutGroup, WorkerGroup, exported_update, run_rollout_fn, sync_from
+from trellis.runtime.controller import (
+    Controller,
+    LocalController,
+    RolloutGroup,
+    WorkerGroup,
+    describe_engine,
+    exported_update,
+    run_rollout_fn,
+    sync_from,
+)
 from trellis.runtime.sync_probe import SyncCheckFailed
 from trellis.runtime.worker import Worker
 
@@ -23,6 +32,7 @@ __all__ = [
     "Batch",
     # a rank's rollout engine: generation, rollout functions, its weights from the colocated actor
     "RolloutEngine",
+    "describe_engine",
     "RolloutFn",
     "SamplingParams",
     "Generation",

@@ -139,6 +139,12 @@ class WorkerGroup:
         raise NotImplementedError
 
 
+def describe_engine(engine: RolloutEngine) -> tuple[torch.dtype | None, str, tuple[str, ...]]:
+    """What a rollout group keeps of its engines (:meth:`RolloutGroup.described_by`), from one of them
+    wherever it runs: its weight dtype, class name and model inputs."""
+    return engine.weight_dtype, type(engine).__name__, tuple(engine.model_inputs)
+
+
 class RolloutGroup:
     """The rollout engine(s), colocated with the actor's ranks (hybrid engine): ``generate`` deals
     the prompts over the engines' data-parallel groups; ``rollout`` runs a function of the caller's
@@ -154,16 +160,21 @@ class RolloutGroup:
     engines = 1  # engine groups the prompts are dealt over, in contiguous chunks
     weight_dtype: torch.dtype | None = None  # what the engines hold their weights in (None: unknown)
     engine_name = ""  # the engines' class, for messages
+    model_inputs: tuple[str, ...] = MODEL_INPUTS  # the prompt fields the engines read
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._syncs_waiting = 0  # weight syncs waiting for the lock (a partial rollout lets them in)
         self._turns = threading.Condition()
 
+    def described_by(self, description: tuple[torch.dtype | None, str, tuple[str, ...]]) -> None:
+        """Keep what :func:`describe_engine` says of the engines."""
+        self.weight_dtype, self.engine_name, self.model_inputs = description
+
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """The engines get the prompts' token ids only; the other fields (data source, ground
-        truth, ``uid``...) stay here and are repeated onto each prompt's samples."""
-        return self._sample(prompts, params, MODEL_INPUTS, self._generate)
+        """The engines get the prompts' model inputs only (their ``model_inputs``); the other fields
+        (data source, ground truth, ``uid``...) stay here and are repeated onto each prompt's samples."""
+        return self._sample(prompts, params, self.model_inputs, self._generate)
 
     def rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
         """``fn(engine, prompts, params)`` next to each engine, on the engine's share of the
@@ -333,7 +344,7 @@ class LocalRollout(RolloutGroup):
         super().__init__()
         self.engine = engine
         self.actor = actor  # None: generation alone, nothing to sync from
-        self.weight_dtype, self.engine_name = getattr(engine, "weight_dtype", None), type(engine).__name__
+        self.described_by(describe_engine(engine))
         module = actor.workers[0].full_module() if actor is not None and adopt else None
         self.shared = module is not None and engine.adopt_module(module)
         if self.shared:
