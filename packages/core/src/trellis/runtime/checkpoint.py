@@ -13,6 +13,7 @@ and *intact* when every file also has its recorded SHA-256; a run resumes from t
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import logging
@@ -207,14 +208,23 @@ def base_fingerprint(model_path: str | Path) -> dict[str, str]:
     """The base model a LoRA adapter is trained on: its folder and the SHA-256 of its weight files
     (``*.safetensors``, ``*.bin``, in name order). A backend saving an adapter role writes it to
     :data:`ADAPTER_BASE_FILE` in the role's folder; a resume or export checks it before building
-    anything (:func:`adapter_base_mismatch`)."""
+    anything (:func:`adapter_base_mismatch`). The weights are read once per process while their
+    files keep their sizes and modification times (a resume's check, then the first save)."""
+    files = sorted(p for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin"))
+    stamps = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return {"path": str(model_path), "sha256": _weights_sha256(str(model_path), stamps)}
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_sha256(model_path: str, stamps: tuple[tuple[str, int, int], ...]) -> str:
+    """The SHA-256 of the weight files ``stamps`` names (name, size, mtime) in ``model_path``."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin")):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:
+    for name, _, _ in stamps:
+        digest.update(name.encode())
+        with (Path(model_path) / name).open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
-    return {"path": str(model_path), "sha256": digest.hexdigest()}
+    return digest.hexdigest()
 
 
 def adapter_base_mismatch(path: Path, model_path: str) -> str | None:
