@@ -197,10 +197,10 @@ class Producer:
     def settled(self) -> list[Produced]:
         """Once the producer made every step the trainer's progress lets it (and waits for the
         trainer), the steps made and not taken, in order; the loader is then past their prompts.
-        Under the exact schedule this is what a checkpoint keeps: their weights are gone by a resume."""
+        Under the exact schedule this is what a checkpoint keeps: their weights are gone by a resume.
+        Called from the trainer's thread, the one that moves ``done_through``."""
+        self.made(self.done_through + 1 + self.max_staleness)
         with self.cond:
-            allowed = min(self.done_through + 1 + self.max_staleness, self.last)
-            self.cond.wait_for(lambda: self.made_through >= allowed or self.error is not None or self.stopped)
             return [self.ready[step] for step in sorted(self.ready)]
 
     def finished(self, step: int) -> None:
