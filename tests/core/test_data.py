@@ -124,6 +124,19 @@ def test_prompt_as_plain_string_and_bad_prompt(tok):
         PromptDataset([{"prompt": [{"text": "hi"}]}], tok, 64)
 
 
+def test_a_prompt_encoder_tokenizes_the_rows_and_adds_each_samples_model_inputs(tok):
+    """The example plugin's encoder (kind ``prompt_encoder``; trellis-vision's ``images`` reads images
+    this way) replaces the tokenizer's rendering, and its per-sample inputs join the batch."""
+    from trellis.interfaces.backend import IMAGE_INPUTS
+    from trellis.plugins import load_plugins
+
+    encoder = load_plugins().registry.get("prompt_encoder", "example_marked").obj("unused", tok, None)
+    batch = PromptDataset([row("1+2="), row("3+45=")], tok, 64, encoder=encoder).as_batch()
+    assert batch["input_ids"][1].tolist() == [*prompt_tokens(tok, "3", "+", "4", "5", "="), tok.eos_token_id]
+    assert list(batch[IMAGE_INPUTS]) == [{}, {}]
+    assert IMAGE_INPUTS not in PromptDataset([row("1+2=")], tok, 64).as_batch()
+
+
 def _order(loader, batches):
     return [list(loader.next_batch()["index"]) for _ in range(batches)]
 

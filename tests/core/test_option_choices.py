@@ -23,6 +23,7 @@ OPEN_ENDED = {
     "InteractionConfig": {"name", "component", "verl_class"},  # component: a registered name, checked with the section
     "JudgeEngineConfig": {"model"},  # a folder; engine is a choice of the rollout kind's names
     "ModelConfig": {"path", "tokenizer_path"},
+    "PromptData": {"image_key"},  # a column of the user's rows
     "MultiTurnConfig": {"agent", "environment"},  # a function or class: path/to/file.py:name, checked with the section
     "RLConfig": {"recipe"},
     "RewardConfig": {"name", "path"},  # a registered reward or a function in reward.path

@@ -44,7 +44,9 @@ from trellis import Batch, choice, ranged
 from trellis.kit.backend import (
     ADAPTER_BASE_FILE,
     ADAPTER_VERBS,
+    IMAGE_INPUTS,
     IMPLEMENTATIONS,
+    MODEL_INPUTS,
     OUTPUTS,
     Backend,
     BackendSpec,
@@ -125,6 +127,7 @@ class FSDPBackend(Backend):
     adapters = True
     adapter_requires = ("peft", "trellis-backend-fsdp[lora]")
     verbs = ADAPTER_VERBS
+    model_inputs = (*MODEL_INPUTS, IMAGE_INPUTS)  # a vision-language model's images too
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec

@@ -140,6 +140,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
             tie_word_embeddings=not args.untied,
             seed=args.seed,
             max_position_embeddings=args.max_position_embeddings,
+            vision=args.vision,
         )
     except (ValueError, FileExistsError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
@@ -214,7 +215,7 @@ def all_commands(plugins: Plugins) -> Commands:
     p = add("eval", cmd_eval, help="validation alone, once, on model.path (the rl recipe's held-out data.val_path); prints its figures")
     p.add_argument("config", help="a YAML file, or the first key=value override (a run given by overrides alone)")
     p.add_argument("overrides", nargs="*", help="key=value")
-    p = add("make-tiny-model", cmd_make_tiny_model, help="build (or reuse) a tiny local Qwen2 model + tokenizer trained on your text")
+    p = add("make-tiny-model", cmd_make_tiny_model, help="build (or reuse) a tiny local Qwen2 (or Qwen2-VL) model + tokenizer trained on your text")
     p.add_argument("out_dir")
     p.add_argument("--text-file", help="tokenizer training text, one text per line (default: the arithmetic task's text)")
     p.add_argument("--hidden-size", type=int, default=64)
@@ -226,6 +227,7 @@ def all_commands(plugins: Plugins) -> Commands:
     p.add_argument("--max-position-embeddings", type=int, default=512)
     p.add_argument("--untied", action="store_true", help="separate output head (default: tied to the embeddings)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vision", action="store_true", help="a Qwen2-VL: a one-block vision tower, the vision tokens and an image processor")
     add("demo", cmd_demo, help="SFT then GRPO on arithmetic with a tiny model; prints a before/after table (see trellis demo -h)")
     p = add(
         "plot",

@@ -15,11 +15,12 @@ import os
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from trellis.batch import Batch, position_ids
+from trellis.interfaces.backend import IMAGE_INPUTS
 from trellis.interfaces.rollout import pad_id
 from trellis.rng import stream_seed
 
@@ -145,6 +146,18 @@ def require_pad_id(tokenizer: Any) -> int:
 
 
 # -- prompts (RL) ----------------------------------------------------------------------------------
+class PromptEncoder(Protocol):
+    """Renders and tokenizes prompts whose rows carry images (kind ``prompt_encoder``: trellis-vision's
+    ``images``, built as ``factory(model_path, tokenizer, data_section)`` for a model that takes images)."""
+
+    def encode(self, messages: list[dict[str, Any]], row: dict[str, Any], where: str) -> tuple[list[int], Any]:
+        """The prompt's token ids, each image's placeholder expanded, and what :meth:`model_inputs`
+        needs of the row later (kept with the item); a bad image is refused naming ``where`` (the row)."""
+
+    def model_inputs(self, kept: Any) -> dict[str, torch.Tensor]:
+        """The sample's :data:`~trellis.interfaces.backend.IMAGE_INPUTS` dict (empty: no image)."""
+
+
 class PromptDataset:
     """Prompts tokenized with the tokenizer's chat template (generation prompt added).
 
@@ -161,12 +174,15 @@ class PromptDataset:
         *,
         prompt_key: str = "prompt",
         chat_template_kwargs: dict[str, Any] | None = None,
+        image_key: str = "images",
+        encoder: PromptEncoder | None = None,
     ) -> None:
         if max_prompt_length <= 0:
             raise DataError(f"max_prompt_length={max_prompt_length} must be positive")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.pad_token_id = require_pad_id(tokenizer)
+        self.encoder = encoder
         kwargs = dict(chat_template_kwargs or {})
         self.items: list[dict[str, Any]] = []
         too_long: list[int] = []
@@ -174,7 +190,15 @@ class PromptDataset:
             if prompt_key not in row:
                 raise DataError(f"row {i} has no {prompt_key!r} column (columns: {sorted(row)}); {_SCHEMA_HINT}")
             messages = chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}")
-            ids = encode_text(tokenizer, render_chat(tokenizer, messages, True, kwargs))
+            if encoder is not None:
+                ids, kept = encoder.encode(messages, row, f"row {i}")
+            elif _has_images(row.get(image_key)):
+                raise DataError(
+                    f"row {i} holds images in column {image_key!r}, but the model takes text only (no vision tower in its config.json); "
+                    "train a vision-language model (Qwen2-VL, Qwen2.5-VL) on it, or drop the column"
+                )
+            else:
+                ids, kept = encode_text(tokenizer, render_chat(tokenizer, messages, True, kwargs)), None
             if len(ids) > max_prompt_length:
                 too_long.append(len(ids))
                 continue
@@ -189,6 +213,7 @@ class PromptDataset:
                     "ability": row.get("ability"),
                     "agent_name": row.get("agent_name"),
                     "index": i,
+                    "kept": kept,
                 }
             )
         if too_long and not self.items:
@@ -222,9 +247,10 @@ class PromptDataset:
         items = [self.items[i] for i in indices]
         input_ids, attention_mask, position_ids = left_pad([it["input_ids"] for it in items], self.pad_token_id)
         fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "agent_name", "index")
+        images = {IMAGE_INPUTS: [self.encoder.model_inputs(it["kept"]) for it in items]} if self.encoder is not None else {}
         return Batch(
             {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-            {**{k: [it[k] for it in items] for k in fields}, "uid": [uuid.uuid4().hex for _ in items]},
+            {**{k: [it[k] for it in items] for k in fields}, **images, "uid": [uuid.uuid4().hex for _ in items]},
         )
 
     def as_batch(self) -> Batch:
@@ -233,18 +259,18 @@ class PromptDataset:
 
 
 def load_prompt_data(
-    data: Any, tokenizer: Any, seed: int, template_kwargs: dict[str, Any] | None = None
+    data: Any, tokenizer: Any, seed: int, template_kwargs: dict[str, Any] | None = None, encoder: PromptEncoder | None = None
 ) -> tuple[PromptLoader, PromptDataset | None]:
     """The training prompt loader and the held-out prompts (None without ``val_path``) of a
-    ``PromptData`` config section; ``template_kwargs`` go to the chat template (e.g. ``tools``)."""
+    ``PromptData`` config section; ``template_kwargs`` go to the chat template (e.g. ``tools``);
+    ``encoder``: the prompt encoder of a model that takes images (None: text)."""
     train_rows, val_rows = load_prompt_rows(data)
-    train = PromptLoader(
-        PromptDataset(train_rows, tokenizer, data.max_prompt_length, chat_template_kwargs=template_kwargs),
-        data.train_batch_prompts,
-        seed=seed,
-        shuffle=data.shuffle,
-    )
-    return train, PromptDataset(val_rows, tokenizer, data.max_prompt_length, chat_template_kwargs=template_kwargs) if val_rows else None
+
+    def dataset(rows: list[dict[str, Any]]) -> PromptDataset:
+        return PromptDataset(rows, tokenizer, data.max_prompt_length, chat_template_kwargs=template_kwargs, image_key=data.image_key, encoder=encoder)
+
+    train = PromptLoader(dataset(train_rows), data.train_batch_prompts, seed=seed, shuffle=data.shuffle)
+    return train, dataset(val_rows) if val_rows else None
 
 
 def load_prompt_rows(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -252,6 +278,11 @@ def load_prompt_rows(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, An
     before anything is built)."""
     val_rows = load_rows(data.val_path, required=PROMPT_COLUMNS)[: data.val_max_prompts or None] if data.val_path else []
     return load_rows(data.train_path, required=PROMPT_COLUMNS), val_rows
+
+
+def _has_images(value: Any) -> bool:
+    """Whether a row's image column holds any image (None, an empty list or array: none)."""
+    return value is not None and len(value) > 0
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

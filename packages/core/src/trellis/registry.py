@@ -31,6 +31,7 @@ KINDS = (
     "dataset",
     "controller",
     "reward_service",
+    "prompt_encoder",
 )
 
 # Names that Trellis's own packages provide, so that a missing one can be met with the install
@@ -57,6 +58,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("controller", "ray"): "trellis-ray",
     ("reward", "judge"): "trellis-judges",
     ("reward_service", "judge_engine"): "trellis-judges",
+    ("prompt_encoder", "images"): "trellis-vision",
 }
 
 

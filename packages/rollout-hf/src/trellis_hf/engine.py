@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     LogitsProcessor,
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -21,11 +20,15 @@ from transformers import (
 
 from trellis import Batch, choice, ranged
 from trellis.kit.engine import (
+    IMAGE_INPUTS,
+    MODEL_INPUTS,
     Generation,
     RolloutEngine,
     RolloutSpec,
     SamplingParams,
+    causal_lm_class,
     engine_dtype,
+    image_kwargs,
     left_pad,
     pad_id,
     prepare_update,
@@ -59,6 +62,8 @@ def make_engine(spec: RolloutSpec) -> RolloutEngine:
 
 
 class HFRollout(RolloutEngine):
+    model_inputs = (*MODEL_INPUTS, IMAGE_INPUTS)  # a vision-language model's images too
+
     def __init__(self, spec: RolloutSpec) -> None:
         self.opts: HFRolloutOptions = spec.options if spec.options is not None else HFRolloutOptions()
         if self.opts.dtype is not None and self.opts.dtype not in DTYPES:
@@ -79,7 +84,7 @@ class HFRollout(RolloutEngine):
     @property
     def model(self) -> torch.nn.Module:
         if self._model is None:
-            self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.weight_dtype).to(self.device).eval()
+            self._model = causal_lm_class(self.model_path).from_pretrained(self.model_path, dtype=self.weight_dtype).to(self.device).eval()
         return self._model
 
     def adopt_module(self, module: torch.nn.Module) -> bool:
@@ -111,6 +116,8 @@ class HFRollout(RolloutEngine):
         """Sampled tokens ``(b*n, new)`` and their log-probs under softmax(logits / temperature)."""
         ids = prompts["input_ids"].repeat_interleave(params.n, dim=0).to(self.device)
         mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0).to(self.device)
+        per_prompt = prompts.get(IMAGE_INPUTS)
+        images = image_kwargs(self.model.config, ids, None if per_prompt is None else [x for x in per_prompt for _ in range(params.n)])
         greedy = params.greedy or params.temperature == 0
         recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
         processors = [recorder] if greedy else [recorder, _Sampler(params, generator)]
@@ -122,6 +129,7 @@ class HFRollout(RolloutEngine):
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
+                    **{k: v for k, v in images.items() if k not in ("input_ids", "position_ids")},  # generate lays out the positions
                     do_sample=False,
                     temperature=None,
                     top_p=None,

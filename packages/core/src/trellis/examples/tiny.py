@@ -60,6 +60,23 @@ TOOLS_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# A vision-language model's tokens (Qwen2-VL's): an image is ``<|vision_start|><|image_pad|><|vision_end|>`` in the
+# rendered prompt, its pad token repeated once per merged patch when tokenized (ids 3..6 of a tiny vision model).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+# CHAT_TEMPLATE for content that is text or a list of parts ({"type": "image"} or {"type": "text", "text": ...}).
+VISION_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '" + IMAGE_PLACEHOLDER + "' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# A tiny vision model's images: 14-pixel patches merged 2 x 2, between 2 x 2 and 8 x 8 patches (56 to 112 pixels a side).
+PATCH, MERGE = 14, 2
+MIN_PIXELS, MAX_PIXELS = (2 * PATCH) ** 2 * 4, (2 * PATCH) ** 2 * 16
+
 # Role words the chat template adds, so that BPE learns them as whole tokens.
 _SCAFFOLD = "system\nuser\nassistant\n"
 
@@ -77,8 +94,14 @@ def make_tiny_model(
     tie_word_embeddings: bool = True,
     seed: int = 0,
     max_position_embeddings: int = 512,
+    vision: bool = False,
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model folder at ``out_dir`` and return its path.
+
+    vision: a Qwen2-VL instead: a one-block vision tower (14-pixel patches, merged 2 x 2 into the
+        language model's width) before the same language model, the vision tokens in the tokenizer
+        (:data:`VISION_TOKENS`), a chat template that renders image parts, and the image processor
+        (``preprocessor_config.json``: 56 to 112 pixels a side); texts are still the tokenizer's.
 
     texts: the text the tokenizer is trained on (e.g. ``trellis.examples.tasks.task_texts()``).
     intermediate_size: MLP width; None = ``4 * hidden_size``.
@@ -109,6 +132,7 @@ def make_tiny_model(
         "tie_word_embeddings": bool(tie_word_embeddings),
         "seed": seed,
         "max_position_embeddings": max_position_embeddings,
+        **({"vision": True} if vision else {}),
     }
     fingerprint = _fingerprint(args, texts)
     if _read_fingerprint(out) == fingerprint:
@@ -163,14 +187,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int | None = None) -> Any:
     return tok
 
 
-def make_tiny_tokenizer(texts: Iterable[str], vocab_size: int | None = None) -> Any:
+def make_tiny_tokenizer(texts: Iterable[str], vocab_size: int | None = None, vision: bool = False) -> Any:
     """A ``transformers`` fast tokenizer around :func:`train_tokenizer`: eos ``<|im_end|>``, pad
-    ``<|endoftext|>``, the ChatML template. In memory only (tests that need no model use it)."""
+    ``<|endoftext|>``, the ChatML template; ``vision``: with :data:`VISION_TOKENS` added and
+    :data:`VISION_CHAT_TEMPLATE`. In memory only (tests that need no model use it)."""
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(texts, vocab_size), eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, chat_template=CHAT_TEMPLATE
-    )
+    tok = train_tokenizer(texts, vocab_size)
+    if vision:
+        tok.add_special_tokens(list(VISION_TOKENS))
+    template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, chat_template=template)
 
 
 def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
@@ -178,7 +205,7 @@ def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
-    fast = make_tiny_tokenizer(texts, args["vocab_size"])
+    fast = make_tiny_tokenizer(texts, args["vocab_size"], args.get("vision", False))
     tok = fast.backend_tokenizer
     eos_id, pad_id = tok.token_to_id(IM_END), tok.token_to_id(PAD_TOKEN)
     config = Qwen2Config(
@@ -196,15 +223,19 @@ def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
         pad_token_id=pad_id,
         dtype="float32",
     )
+    if args.get("vision"):
+        config = _vision_config(config, tok)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args["seed"])
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = (_vision_model_class() if args.get("vision") else Qwen2ForCausalLM)(config).to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(folder)
         fast.save_pretrained(folder)
+        if args.get("vision"):
+            _image_processor().save_pretrained(folder)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -214,6 +245,45 @@ def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
     tok_cfg = json.loads(cfg_path.read_text())
     tok_cfg.update({"tokenizer_class": "Qwen2Tokenizer", "model_max_length": args["max_position_embeddings"]})
     cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _vision_config(text: Any, tok: Any) -> Any:
+    """Qwen2-VL around the text config ``text``: a one-block vision tower merged into its width, the
+    rotary half-dimensions split over time, height and width as Qwen2-VL splits them (1/4, 3/8, 3/8)."""
+    from transformers import Qwen2VLConfig
+
+    half = text.hidden_size // text.num_attention_heads // 2
+    t = half // 4
+    section = [t, (half - t) // 2, half - t - (half - t) // 2]
+    ids = {name: tok.token_to_id(token) for name, token in zip(("vision_start", "vision_end", "image", "video"), VISION_TOKENS)}
+    text_config = text.to_dict() | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}}
+    vision_config = {"depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": text.hidden_size}
+    vision_config |= {"patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2}
+    return Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"],
+        tie_word_embeddings=text.tie_word_embeddings,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
+        dtype="float32",
+    )
+
+
+def _vision_model_class() -> Any:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration
+
+
+def _image_processor() -> Any:
+    """Qwen2-VL's image processor on PIL (its default backend needs torchvision, which the CPU build of torch here lacks)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2)
 
 
 def _swap_into_place(tmp: Path, out: Path, fingerprint: dict) -> None:

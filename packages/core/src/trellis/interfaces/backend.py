@@ -69,6 +69,22 @@ OUTPUTS = ("log_probs", "entropy", "sum_sq_probs", "values", "label_log_probs", 
 # Batch fields the built-in backends' forwards read (``Backend.model_inputs``), and what a rollout
 # engine reads of a prompt batch; log_probs/entropy/sum_sq_probs/values also read ``responses``.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# A sample's image inputs (a Python field, one dict per sample: ``pixel_values`` ``(patches, patch_dim)``,
+# ``image_grid_thw`` ``(images, 3)``; empty for a text-only sample), as a vision-language model's image
+# processor makes them; a micro-batch's are joined on dimension 0, in sample order. A backend or engine
+# that takes images lists it in its ``model_inputs``; prompts with images are refused by the others.
+IMAGE_INPUTS = "multi_modal_inputs"
+
+
+def refuse_lost_images(batch: Batch, reads: tuple[str, ...], who: str) -> None:
+    """Refuse ``batch`` when it holds images and ``who`` runs the model on it (``reads`` has
+    ``input_ids``) without taking them (no :data:`IMAGE_INPUTS`): it would see the prompts' image
+    placeholders without the images."""
+    if IMAGE_INPUTS in batch and IMAGE_INPUTS not in reads and "input_ids" in reads and any(batch[IMAGE_INPUTS]):
+        raise ValueError(
+            f"{who} takes no images ({IMAGE_INPUTS} is not among its model_inputs), but these prompts have images; "
+            "use one that takes them (backend fsdp, rollout hf) for a vision-language model"
+        )
 
 
 def backward_each(

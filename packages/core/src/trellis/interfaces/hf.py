@@ -9,10 +9,11 @@ import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, modeling_utils
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification, modeling_utils
 
 from trellis.batch import Batch, last_valid_index
-from trellis.interfaces.backend import MODEL_INPUTS
+from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS
+from trellis.interfaces.rollout import placeholder_ids
 
 # transformers 5.21 on: models take a (batch, seq_len) boolean `logits_to_keep` (its
 # `slice_logits_to_keep`); before, only an int or 1-D positions (vLLM 0.32 pins < 5.20)
@@ -186,8 +187,47 @@ def value_outputs(head: torch.Tensor, micro: Batch, outputs: tuple[str, ...]) ->
 SCALAR_HEADS = ("value", "reward")
 
 
-def _model_class(head: str):
-    return AutoModelForTokenClassification if head in SCALAR_HEADS else AutoModelForCausalLM
+def takes_images(config) -> bool:
+    """Whether a model config has a vision tower (``vision_config``: Qwen2-VL, Qwen2.5-VL, ...)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def _model_class(head: str, config):
+    if head not in SCALAR_HEADS:
+        return AutoModelForImageTextToText if takes_images(config) else AutoModelForCausalLM
+    if takes_images(config):
+        raise ValueError(
+            f"a {head} head on the vision-language model {config.model_type!r} is not supported (its body is no token-classification "
+            "model); give the critic or reward model a text model's folder"
+        )
+    return AutoModelForTokenClassification
+
+
+def causal_lm_class(path: str):
+    """The ``transformers`` auto class that loads the folder ``path`` with its LM head: image-text-to-text
+    for a vision-language model (its vision tower included), else causal LM."""
+    return _model_class("lm", AutoConfig.from_pretrained(path))
+
+
+def image_kwargs(config, input_ids: torch.Tensor, per_sample, response_len: int = 0) -> dict:
+    """What a vision-language model takes for the images of a micro-batch (``per_sample``: its
+    :data:`IMAGE_INPUTS` field, None without one), empty when no sample has an image: each image
+    input joined on dimension 0 in sample order; ``input_ids`` with a placeholder token sampled in
+    the last ``response_len`` columns read as token 0 (the response ended at it,
+    :func:`~trellis.interfaces.rollout.stop_ids`, so no output read depends on it, and it has no
+    image); ``mm_token_type_ids`` ``(batch, seq_len)`` (1 on image placeholders, 2 on video ones);
+    ``position_ids`` None, so the model lays out its multimodal rotary positions (mrope) itself."""
+    given = [inputs for inputs in (per_sample if per_sample is not None else ()) if inputs]
+    if not given:
+        return {}
+    image, video = config.image_token_id, getattr(config, "video_token_id", None)
+    if response_len:
+        response = input_ids[:, -response_len:]
+        sampled = torch.isin(response, torch.tensor(placeholder_ids(config), device=input_ids.device))
+        input_ids = torch.cat([input_ids[:, :-response_len], response.masked_fill(sampled, 0)], 1)
+    types = (input_ids == image).int() + (2 * (input_ids == video).int() if video is not None else 0)
+    joined = {name: torch.cat([inputs[name] for inputs in given]).to(input_ids.device) for name in given[0]}
+    return {**joined, "input_ids": input_ids, "mm_token_type_ids": types, "position_ids": None}
 
 
 def _config(path: str, head: str):
@@ -220,7 +260,8 @@ def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     """The model of a Hugging Face folder: a causal LM (head ``lm``) or the same body with a
     one-label token-classification head (``value``: a critic; ``reward``: a reward model, whose
     ``score`` layer a sequence-classification folder's fills), no dropout before it; KV cache off."""
-    model = _model_class(head).from_pretrained(path, config=_config(path, head), dtype=dtype)
+    config = _config(path, head)
+    model = _model_class(head, config).from_pretrained(path, config=config, dtype=dtype)
     return _checked(model, path, head)
 
 
@@ -231,7 +272,7 @@ def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     ``inv_freq`` and the like, which no checkpoint holds): see :func:`keep_buffers`."""
     config = _config(path, head)
     with _parameters_on_meta():
-        model = _model_class(head).from_config(config, dtype=dtype)
+        model = _model_class(head, config).from_config(config, dtype=dtype)
     return _checked(model, path, head)
 
 
@@ -307,7 +348,10 @@ def packed_outputs(
     """:func:`forward_outputs` without padding: the micro-batch's attended tokens run as one packed
     sequence, and only the positions that predict a real token go through the LM head. The
     results equal the padded forward's at every attended position and are 0 at padding. Needs
-    each sample's ``position_ids`` to count 0, 1, 2... over its attended tokens."""
+    each sample's ``position_ids`` to count 0, 1, 2... over its attended tokens. Samples with images
+    are refused: a packed row would need the multimodal positions of each sample."""
+    if any(micro.get(IMAGE_INPUTS, ())):
+        raise ValueError("padding-free forwards do not take images; set the role's backend.padding_free=false for image prompts")
     device = next(model.parameters()).device
     inputs, mask, index = _packed_inputs(micro, device)
     if head in SCALAR_HEADS:
@@ -381,6 +425,9 @@ def forward_outputs(
         return packed_outputs(model, micro, outputs, head, chunk_size)
     device = next(model.parameters()).device
     inputs = {k: micro[k].to(device) for k in MODEL_INPUTS}
+    inputs.update(
+        image_kwargs(model.config, inputs["input_ids"], micro.get(IMAGE_INPUTS), micro["responses"].shape[1] if "responses" in micro else 0)
+    )
     if head in SCALAR_HEADS:
         return value_outputs(model(**inputs).logits[..., 0], micro, outputs)
     if "label_log_probs" not in outputs:

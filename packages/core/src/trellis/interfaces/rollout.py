@@ -38,17 +38,26 @@ def sleep_skipped(engine: str, why: str) -> None:
 
 def stop_ids(model_path: str | Path, tokenizer, hf_config=None) -> set[int]:
     """The model's end-of-sequence ids (its ``generation_config.json``, else its config) plus the
-    tokenizer's EOS: generation stops at any of them."""
+    tokenizer's EOS, and a vision-language model's image and video placeholders: generation stops
+    at any of them. (A placeholder is an image's slot to the model; one sampled mid-response would
+    have the trainer's forward look for an image there. Ending the response at it keeps every
+    trained position's log-prob exact: see :func:`trellis.interfaces.hf.image_kwargs`.)"""
     from transformers import AutoConfig, GenerationConfig
 
+    config = hf_config or AutoConfig.from_pretrained(model_path)
     try:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
-        eos = (hf_config or AutoConfig.from_pretrained(model_path)).eos_token_id
+        eos = config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    return ids
+    return ids | set(placeholder_ids(config))
+
+
+def placeholder_ids(config) -> list[int]:
+    """The image and video placeholder token ids of a vision-language model's config (none for a text model)."""
+    return [t for t in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if t is not None]
 
 
 def pad_id(tokenizer) -> int:

@@ -3,6 +3,7 @@ an adapter's base model fingerprint."""
 
 from trellis.interfaces.backend import (
     ADAPTER_VERBS,
+    IMAGE_INPUTS,
     MODEL_INPUTS,
     OUTPUTS,
     Backend,
@@ -29,6 +30,7 @@ __all__ = [
     "LossFn",
     "OUTPUTS",
     "MODEL_INPUTS",
+    "IMAGE_INPUTS",
     # verbs a backend serves beyond the role worker's (Backend.verbs), and how each is dealt over the ranks
     "Route",
     "RANK0",

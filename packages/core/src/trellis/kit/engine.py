@@ -1,7 +1,8 @@
 """What a rollout engine (kind ``rollout``) needs: its interface, stop tokens and padding, the sample layout, checked weight updates."""
 
 from trellis.data import left_pad
-from trellis.interfaces.backend import WeightBucket, weight_buckets
+from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, WeightBucket, weight_buckets
+from trellis.interfaces.hf import causal_lm_class, image_kwargs
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
     KV_CACHE,
@@ -36,6 +37,12 @@ __all__ = [
     "context_length",
     "stop_ids",
     "pad_id",
+    # the prompt fields an engine reads (RolloutEngine.model_inputs): token ids, and images for one that takes them
+    "MODEL_INPUTS",
+    "IMAGE_INPUTS",
+    # a Hugging Face folder's model class (vision-language or text) and a micro-batch's image inputs to it
+    "causal_lm_class",
+    "image_kwargs",
     # prompts in, samples out: (batch, prompt_len) left-padded, (batch, response_len) right-padded
     "left_pad",
     "rollout_batch",

@@ -64,6 +64,7 @@ class PromptData:
     train_batch_prompts: int = ranged(8, ge=1)
     val_max_prompts: int = ranged(0, ge=0)  # 0: every held-out prompt
     shuffle: bool = True
+    image_key: str = "images"  # the column of a row's images (verl's data.image_key), for a vision-language model
 
 
 @dataclass

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from trellis.batch import Batch
 from trellis.config import ConfigError
-from trellis.interfaces.backend import MODEL_INPUTS, DistInfo
+from trellis.interfaces.backend import MODEL_INPUTS, DistInfo, refuse_lost_images
 from trellis.interfaces.dispatch import Mesh, Route, batch_position
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
@@ -121,6 +121,7 @@ class WorkerGroup:
         at = batch_position(args)
         if at is not None and route.inputs is not None:
             given = args[at]
+            refuse_lost_images(given, route.inputs, f"the backend serving {method!r}")
             shipped = given.select(*[k for k in route.inputs if k in given])
             if self.ships:
                 self.bytes_given += batch_bytes(given)
@@ -191,6 +192,8 @@ class RolloutGroup:
             yield self.generate(prompts[start : start + size], params.skip(start * params.n))
 
     def _sample(self, prompts: Batch, params: SamplingParams, inputs: tuple[str, ...] | None, run: Callable[[Batch, SamplingParams], Batch]) -> Batch:
+        if inputs is not None:
+            refuse_lost_images(prompts, inputs, f"rollout engine {self.engine_name}")
         shipped = prompts if inputs is None else prompts.select(*[k for k in inputs if k in prompts])
         with self.lock:
             out = run(shipped, params)

@@ -9,6 +9,7 @@ import torch
 
 from trellis.batch import Batch, position_ids
 from trellis.config import ranged
+from trellis.interfaces.backend import IMAGE_INPUTS
 from trellis.interfaces.rollout import SamplingParams
 from trellis.runtime.controller import RolloutGroup, WorkerGroup
 from trellis.runtime.invariants import InvariantFailed, describe, gap_bound
@@ -60,14 +61,19 @@ class SyncProbe:
 
     def check(self, actor: WorkerGroup, batch: Batch, step: int) -> dict[str, float]:
         """``{"sync/probe_gap": ...}`` after the sync of ``step``; the first call fixes the probe to
-        the prompt of ``batch``'s first sample (``prompts`` ``(batch, prompt_len)``, left-padded).
+        the prompt of ``batch``'s first sample with images if it has any (the vision tower's weights
+        then count), else its first (``prompts`` ``(batch, prompt_len)``, left-padded).
         Raises :class:`SyncCheckFailed` naming the engine above ``max_gap``."""
         if not self.active:
             return {}
         if self.prompt is None:
+            first = next((i for i, images in enumerate(batch.get(IMAGE_INPUTS, ())) if images), 0)
             width = batch["prompts"].shape[1]
-            mask = batch["attention_mask"][:1, :width]
-            self.prompt = Batch({"input_ids": batch["prompts"][:1], "attention_mask": mask, "position_ids": position_ids(mask)})
+            mask = batch["attention_mask"][first : first + 1, :width]
+            images = {IMAGE_INPUTS: batch[IMAGE_INPUTS][first : first + 1]} if IMAGE_INPUTS in batch else {}
+            self.prompt = Batch(
+                {"input_ids": batch["prompts"][first : first + 1], "attention_mask": mask, "position_ids": position_ids(mask)}, images
+            )
         engines = self.rollout.engines
         # one copy per engine: the rollout deals prompts to its engines in contiguous chunks
         sampled = self.rollout.generate(self.prompt[[0] * engines], self.params)

@@ -236,6 +236,20 @@ class ScoredBatches:
         pass
 
 
+class MarkedPrompts:
+    """A prompt encoder: the chat template's text with a marker token after it, and no images."""
+
+    def __init__(self, model_path, tokenizer, data):
+        self.tokenizer = tokenizer
+
+    def encode(self, messages, row, where):
+        ids = trellis.encode_text(self.tokenizer, trellis.render_chat(self.tokenizer, messages, True, {}))
+        return [*ids, self.tokenizer.eos_token_id], None
+
+    def model_inputs(self, kept):
+        return {}
+
+
 def json_lines_dataset(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -263,6 +277,7 @@ def trellis_register(registry):
     registry.add("reward_service", "example_scored_batches", ScoredBatches)
     registry.add("recipe", "example_echo", EchoRecipe(), options=EchoConfig)
     registry.add("dataset", "example_jsonl", json_lines_dataset)
+    registry.add("prompt_encoder", "example_marked", MarkedPrompts)
 
 
 steps_seen: list[int] = []

@@ -10,9 +10,9 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis.config import ConfigError, instantiate_options, resolve_component
-from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
+from trellis.data import PromptDataset, PromptEncoder, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.interfaces.signatures import OBJECTIVE
-from trellis.memory import check_activation_memory, text_config
+from trellis.memory import check_activation_memory, model_config, text_config
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
@@ -210,16 +210,33 @@ def _lookup(registry, kind: str, name: str, key: str):
 def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None, PromptLoader, PromptDataset | None]:
     """The rollout function of conversations (multi-turn runs: the agent loops the rows pick), the
     training prompt loader and the held-out prompts."""
+    encoder = image_encoder(cfg, registry, tokenizer)
     if not cfg.multi_turn.enable:
-        return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed))
+        return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed, encoder=encoder))
     spec = agent_spec(cfg.multi_turn, registry, tokenizer)
-    train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs)
+    train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs, encoder)
     names = {
         f"data.{key} {cfg.data[key]!r}": [(item["index"], item[AGENT_COLUMN]) for item in dataset.items]
         for key, dataset in (("train_path", train.dataset), ("val_path", val))
         if dataset is not None
     }
     return agent_rollout(spec, registry, names), train, val
+
+
+def image_encoder(cfg: DictConfig, registry, tokenizer) -> PromptEncoder | None:
+    """The prompt encoder (kind ``prompt_encoder``, ``images``) of a ``model.path`` that takes images
+    (a vision tower in its config.json); None for a text model."""
+    if "vision_config" not in model_config(cfg.model.path):
+        return None
+    try:
+        factory = registry.get("prompt_encoder", "images").obj
+    except RegistryError as exc:
+        raise ConfigError(f"config key 'model.path': {cfg.model.path!r} is a vision-language model; reading its image prompts: {exc}") from None
+    if cfg.multi_turn.enable:
+        raise ConfigError(
+            f"config key 'multi_turn.enable': conversations with a vision-language model ({cfg.model.path!r}) are not supported yet; set it to false"
+        )
+    return factory(cfg.model.path, tokenizer, cfg.data)
 
 
 def check_data(cfg: DictConfig, registry) -> str:

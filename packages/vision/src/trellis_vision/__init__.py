@@ -1,0 +1,1 @@
+"""Trellis vision: image prompts for vision-language models."""

@@ -1,0 +1,89 @@
+"""Image prompts through the HF engine and the FSDP backend: the trainer's log-probs equal the
+engine's token for token (the images are read: without them they differ), a placeholder sampled in a
+response ends it and trains exactly, and an engine or backend that takes no images is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from images import image_row, squares
+from transformers import AutoTokenizer
+from trellis_vision.prompts import ImagePrompts
+
+from trellis.batch import Batch
+from trellis.data import PromptDataset
+from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS
+from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+from trellis.runtime.controller import RolloutGroup
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "fsdp"))
+from test_fsdp_worker import OBJECTIVES, actor_options, make_worker  # noqa: E402
+
+
+def prompts(path: str) -> Batch:
+    """Mixed prompt widths: one image, two images of other sizes, a text-only row."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = [
+        image_row("<image>how many squares?", [squares("red", 2)], "2"),
+        image_row("red <image> green <image>?", [squares("blue", 1, (112, 56)), squares("green", 3, (56, 84))], "4", 1),
+        {**image_row("how many squares?", [], "1", 2), "images": None},
+    ]
+    encoder = ImagePrompts(path, tokenizer, type("Data", (), {"image_key": "images"}))
+    return PromptDataset(rows, tokenizer, 256, encoder=encoder).as_batch()
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_vision_model_path, registry):
+    engine = registry.get("rollout", "hf").obj(
+        RolloutSpec(tiny_vision_model_path, None, AutoTokenizer.from_pretrained(tiny_vision_model_path), seed=0)
+    )
+    batch = prompts(tiny_vision_model_path)
+    return engine.generate(batch.select(*engine.model_inputs), SamplingParams(n=2, temperature=1.0, max_new_tokens=8))
+
+
+def test_trainer_log_probs_equal_the_engines_on_image_prompts(tiny_vision_model_path, registry, sampled):
+    worker = make_worker(
+        registry, tiny_vision_model_path, "actor", actor_options(registry), OBJECTIVES["actor"]
+    )  # micro-batches of 2 samples: rows with 1, 2 and 0 images mixed
+    assert IMAGE_INPUTS in sampled.keys() and len(sampled) == 6
+    mask = sampled["response_mask"].bool()
+    trainer = worker.forward(sampled, ("log_probs",))["log_probs"]
+    assert float((trainer - sampled["rollout_log_probs"])[mask].abs().max()) < 1e-5
+    # the images are read: the image rows' log-probs move without them, the text row's do not
+    blind = worker.forward(sampled.select(*MODEL_INPUTS, "responses", "response_mask"), ("log_probs",))["log_probs"]
+    gaps = ((blind - trainer).abs() * mask).amax(-1)
+    assert (gaps[:4] > 1e-3).all() and float(gaps[4:].max()) < 1e-5
+
+
+def test_a_placeholder_sampled_in_a_response_ends_it_and_its_log_probs_stay_exact(tiny_vision_model_path, registry, sampled):
+    worker = make_worker(registry, tiny_vision_model_path, "actor", actor_options(registry), OBJECTIVES["actor"])
+    pad = AutoTokenizer.from_pretrained(tiny_vision_model_path).convert_tokens_to_ids("<|image_pad|>")
+    batch = sampled[[0, 2]]
+    last = batch["response_mask"].sum(-1) - 1
+    ended = batch["responses"].clone()
+    ended[torch.arange(2), last] = pad  # each response ends at a sampled image placeholder
+    batch["responses"] = ended
+    batch["input_ids"] = torch.cat([batch["prompts"], ended], 1)
+    log_probs = worker.forward(batch, ("log_probs",))["log_probs"]
+    # equal, at every response position, to the log-probs of the same tokens with an ordinary last token
+    # (no output read comes after it), and the placeholder's own log-prob is the model's
+    ordinary = batch[torch.arange(2)]
+    ordinary["input_ids"] = torch.cat([batch["prompts"], sampled[[0, 2]]["responses"]], 1)
+    reference = worker.forward(ordinary, ("log_probs",))["log_probs"]
+    before = torch.arange(ended.shape[1])[None] < last[:, None]
+    torch.testing.assert_close(log_probs[before], reference[before])
+    assert torch.isfinite(log_probs).all() and (log_probs[torch.arange(2), last] < 0).all()
+
+
+def test_an_engine_that_takes_no_images_is_refused_before_it_generates(tiny_vision_model_path):
+    class TextOnly(RolloutGroup):
+        def _generate(self, prompts, params):
+            raise AssertionError("generated from image prompts without the images")
+
+    group = TextOnly()
+    group.described_by((torch.float32, "TextOnlyEngine", MODEL_INPUTS))
+    with pytest.raises(ValueError, match="rollout engine TextOnlyEngine takes no images"):
+        group.generate(prompts(tiny_vision_model_path), SamplingParams(n=1))
