@@ -87,3 +87,44 @@ def test_an_engine_that_takes_no_images_is_refused_before_it_generates(tiny_visi
     group.described_by((torch.float32, "TextOnlyEngine", MODEL_INPUTS))
     with pytest.raises(ValueError, match="rollout engine TextOnlyEngine takes no images"):
         group.generate(prompts(tiny_vision_model_path), SamplingParams(n=1))
+
+
+def update_batch(sampled: Batch) -> Batch:
+    """The samples with random sequence advantages and the engine's log-probs as the old ones."""
+    batch = sampled[torch.arange(len(sampled))]
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0])[:, None]
+    batch["advantages"] = signs * batch["response_mask"]
+    batch["old_log_probs"] = batch["rollout_log_probs"]
+    return batch
+
+
+def weights_moved_by_one_update(registry, path, sampled, role_options=None, **backend_options) -> dict[str, bool]:
+    """Exported tensor name -> whether one policy update on image samples changed it."""
+    worker = make_worker(registry, path, "actor", role_options or actor_options(registry), OBJECTIVES["actor"], **backend_options)
+    before = {name: t.clone() for bucket in worker.export_weights() for name, t in bucket}
+    worker.train("update", update_batch(sampled))
+    return {name: not torch.equal(t, before[name]) for bucket in worker.export_weights() for name, t in bucket}
+
+
+def test_the_vision_tower_trains_with_the_images_unless_frozen(tiny_vision_model_path, registry, sampled):
+    moved = weights_moved_by_one_update(registry, tiny_vision_model_path, sampled)
+    assert all(moved[name] for name in moved if ".visual." in name and name.endswith("weight") and "norm" not in name)
+    frozen = weights_moved_by_one_update(registry, tiny_vision_model_path, sampled, freeze_vision_tower=True)
+    assert not any(frozen[name] for name in frozen if ".visual." in name)
+    assert frozen["model.language_model.layers.0.self_attn.q_proj.weight"] and frozen["model.language_model.embed_tokens.weight"]
+
+
+def test_lora_on_the_language_model_leaves_the_frozen_vision_tower_out(tiny_vision_model_path, registry, sampled):
+    lora = actor_options(registry, adapter={"rank": 4, "alpha": 8, "target_modules": ["all-linear"]})
+    worker = make_worker(registry, tiny_vision_model_path, "actor", lora, OBJECTIVES["actor"], freeze_vision_tower=True)
+    assert worker.backend.layers and not [name for name in worker.backend.layers if ".visual" in name]
+    moved = weights_moved_by_one_update(registry, tiny_vision_model_path, sampled, lora, freeze_vision_tower=True)
+    assert not any(moved[name] for name in moved if ".visual." in name)
+    assert moved["model.language_model.layers.0.self_attn.q_proj.weight"]  # the adapter, merged on export
+    config, _ = worker.export_adapter()
+    assert config["exclude_modules"] == r"model\.visual(\..*)?"
+
+
+def test_freezing_the_vision_tower_of_a_text_model_is_refused(tiny_model_path, registry):
+    with pytest.raises(ValueError, match="'actor.backend.freeze_vision_tower' is true, but .* has no vision tower; set it to false"):
+        make_worker(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"], freeze_vision_tower=True)

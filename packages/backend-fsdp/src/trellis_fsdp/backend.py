@@ -65,6 +65,7 @@ from trellis.kit.backend import (
     make_optimizer,
     schedule_step,
     set_rng_state,
+    vision_tower,
     weight_buckets,
 )
 from trellis_fsdp.distributed import all_reduce_sum, ensure_process_group
@@ -101,7 +102,9 @@ class FSDPOptions:
     mask; pays off with varlen attention kernels, costs ``(tokens, tokens)`` masks with sdpa).
     optimizer: AdamW kernels (``auto``: fused on CUDA, foreach elsewhere). offload_optimizer /
     offload_params: while a rollout engine generates, keep this role's optimizer state /
-    parameter shards in host memory (``offload`` / ``onload``)."""
+    parameter shards in host memory (``offload`` / ``onload``). freeze_vision_tower: a
+    vision-language model's vision tower keeps its weights (no gradient, not in the optimizer; a
+    LoRA adapter leaves it out too), as verl's ``freeze_vision_tower``."""
 
     dtype: str = choice("float32", tuple(DTYPES))
     param_dtype: str | None = choice("auto", (*DTYPES, "auto"))
@@ -112,6 +115,7 @@ class FSDPOptions:
     optimizer: str = choice("auto", IMPLEMENTATIONS)
     offload_optimizer: bool = False
     offload_params: bool = False
+    freeze_vision_tower: bool = False
 
     def activation_dtype(self, device_type: str) -> str:
         """The dtype the forward computes in on ``device_type`` (``cuda`` or ``cpu``): ``param_dtype``,
@@ -168,7 +172,9 @@ class FSDPBackend(Backend):
         self.mesh = ensure_process_group(self.spec.dist)
         torch.manual_seed(self.spec.seed)
         # no weights yet: shard the meta-device model, then give each rank room for its shards only
-        self.model = self._with_adapter(empty_hf_model(self.spec.model_path, self.spec.head, dtype))
+        empty = empty_hf_model(self.spec.model_path, self.spec.head, dtype)
+        self.frozen = self._frozen_tower(empty)
+        self.model = self._with_adapter(empty)
         self.layers = adapted_layers(self.model) if self.adapter is not None else {}
         self.merges = {f"{name}.weight": layer for name, layer in self.layers.items()}  # exported weight -> its LoRA layer
         if self.opts.activation_checkpointing and self.spec.trainable:
@@ -187,6 +193,9 @@ class FSDPBackend(Backend):
         full = self._with_adapter(load_hf_model(self.spec.model_path, self.spec.head, dtype)).state_dict() if dist.get_rank() == 0 else {}
         self._set_full_state(full, broadcast=True)
         del full
+        if self.opts.freeze_vision_tower:
+            for name, param in self.model.named_parameters():
+                param.requires_grad_(param.requires_grad and not name.startswith(self.frozen + "."))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self.scheduler = None
         if self.spec.trainable:
@@ -197,7 +206,19 @@ class FSDPBackend(Backend):
             self.model.eval()
 
     def _with_adapter(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model if self.adapter is None else add_adapter(model, self.adapter, self.spec.role, self.spec.seed)
+        return model if self.adapter is None else add_adapter(model, self.adapter, self.spec.role, self.spec.seed, self.frozen)
+
+    def _frozen_tower(self, model: torch.nn.Module) -> str | None:
+        """The vision tower ``freeze_vision_tower`` freezes (None when off); refused for a model without one."""
+        if not self.opts.freeze_vision_tower:
+            return None
+        tower = vision_tower(model)
+        if tower is None:
+            raise ValueError(
+                f"config key '{self.spec.role}.backend.freeze_vision_tower' is true, but {self.spec.model_path!r} "
+                f"({type(model).__name__}) has no vision tower; set it to false"
+            )
+        return tower
 
     def _report_trainable(self) -> None:
         """Log trainable / total parameters; refuse a trained role where nothing would train."""
@@ -312,7 +333,7 @@ class FSDPBackend(Backend):
             raise ValueError(f"role {self.spec.role!r} trains full weights: there is no adapter to export alone; export the merged model")
         self._reshard()
         tensors = {saved_name(n): _full(t, None).cpu() for n, t in self.model.state_dict(keep_vars=True).items() if is_adapter(n)}
-        return saved_config(self.adapter, self.layers, self.spec.model_path), tensors
+        return saved_config(self.adapter, self.layers, self.spec.model_path, self.frozen), tensors
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors (every rank gets all of them) into this rank's shards."""

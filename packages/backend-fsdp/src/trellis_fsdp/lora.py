@@ -11,6 +11,7 @@ original as ``<name>.base_layer`` and the adapter as ``<name>.lora_A.default`` /
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import torch
@@ -20,9 +21,10 @@ BASE = ".base_layer"
 PEFT_INIT = {"default": True, "gaussian": "gaussian"}
 
 
-def add_adapter(model: torch.nn.Module, adapter, role: str, seed: int) -> torch.nn.Module:
+def add_adapter(model: torch.nn.Module, adapter, role: str, seed: int, frozen: str | None = None) -> torch.nn.Module:
     """``model`` with a LoRA adapter as the role's ``AdapterConfig`` says (initialised from
-    ``seed``, whatever the global RNG holds), its base weights frozen."""
+    ``seed``, whatever the global RNG holds), its base weights frozen; ``frozen``: a module (a
+    frozen vision tower) the adapter leaves out."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
         from peft.utils.error import NoMatchingPeftModuleError
@@ -37,6 +39,7 @@ def add_adapter(model: torch.nn.Module, adapter, role: str, seed: int) -> torch.
         lora_dropout=adapter.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         init_lora_weights=PEFT_INIT[adapter.init],
+        exclude_modules=_excluded(frozen),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -47,6 +50,11 @@ def add_adapter(model: torch.nn.Module, adapter, role: str, seed: int) -> torch.
                 f"config key '{role}.adapter.target_modules'={targets}: {e}; name linear layers of the model "
                 f"(e.g. q_proj, v_proj) or use ['all-linear']"
             ) from e
+
+
+def _excluded(frozen: str | None) -> str | None:
+    """PEFT's ``exclude_modules`` (a pattern matched against whole module names) for a module and everything in it."""
+    return None if frozen is None else rf"{re.escape(frozen)}(\..*)?"
 
 
 def is_adapter(name: str) -> bool:
@@ -99,9 +107,10 @@ def saved_name(name: str) -> str:
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
-def saved_config(adapter, layers: dict[str, torch.nn.Module], base_path: str) -> dict:
+def saved_config(adapter, layers: dict[str, torch.nn.Module], base_path: str, frozen: str | None = None) -> dict:
     """``adapter_config.json``'s fields for ``adapter`` on ``layers``: the module names it wraps
-    spelled out (their last parts), so loading it adapts the same layers however it was targeted."""
+    spelled out (their last parts), and the module it left out (``frozen``), so loading it adapts
+    the same layers however it was targeted."""
     from peft import LoraConfig
 
     config = LoraConfig(
@@ -109,6 +118,7 @@ def saved_config(adapter, layers: dict[str, torch.nn.Module], base_path: str) ->
         lora_alpha=adapter.alpha,
         lora_dropout=adapter.dropout,
         target_modules=sorted({name.rsplit(".", 1)[-1] for name in layers}),
+        exclude_modules=_excluded(frozen),
         init_lora_weights=PEFT_INIT[adapter.init],
         task_type="CAUSAL_LM",
         base_model_name_or_path=str(base_path),

@@ -203,6 +203,12 @@ def _model_class(head: str, config):
     return AutoModelForTokenClassification
 
 
+def vision_tower(model: torch.nn.Module) -> str | None:
+    """The module name of a vision-language model's vision tower (``model.visual`` in the Qwen2-VL
+    family; ``vision_tower`` or ``vision_model`` in others); None for a text model."""
+    return next((name for name, _ in model.named_modules() if name.rpartition(".")[2] in ("visual", "vision_tower", "vision_model")), None)
+
+
 def causal_lm_class(path: str):
     """The ``transformers`` auto class that loads the folder ``path`` with its LM head: image-text-to-text
     for a vision-language model (its vision tower included), else causal LM."""

@@ -15,7 +15,7 @@ from trellis.interfaces.backend import (
     weight_buckets,
 )
 from trellis.interfaces.dispatch import RANK0, Mesh, Route
-from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model, value_outputs
+from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model, value_outputs, vision_tower
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, lr_factor, make_optimizer, schedule_step
 from trellis.interfaces.process_group import device_for, join_process_group, leave_process_group
 from trellis.rng import get_rng_state, set_rng_state
@@ -41,6 +41,7 @@ __all__ = [
     "weight_buckets",
     # Hugging Face models
     "load_hf_model",
+    "vision_tower",
     "empty_hf_model",
     "keep_buffers",
     "forward_outputs",
