@@ -30,6 +30,9 @@ PROMPT_COLUMNS = ("prompt", "data_source", "reward_model.ground_truth")
 _SCHEMA_HINT = "verl's schema: prompt (chat messages), data_source, reward_model.ground_truth, optional ability and extra_info"
 
 
+_TEXT_ONLY_FIX = "its config.json has no vision tower: train a vision-language model (Qwen2-VL, Qwen2.5-VL) on these rows, or drop the column"
+
+
 class DataError(ValueError):
     """A data file or row is unusable; the message names the file, the row or column, and the fix."""
 
@@ -193,10 +196,7 @@ class PromptDataset:
             if encoder is not None:
                 ids, kept = encoder.encode(messages, row, f"row {i}")
             elif _has_images(row.get(image_key)):
-                raise DataError(
-                    f"row {i} holds images in column {image_key!r}, but the model takes text only (no vision tower in its config.json); "
-                    "train a vision-language model (Qwen2-VL, Qwen2.5-VL) on it, or drop the column"
-                )
+                raise DataError(f"row {i} holds images in column {image_key!r}, but the model takes text only; {_TEXT_ONLY_FIX}")
             else:
                 ids, kept = encode_text(tokenizer, render_chat(tokenizer, messages, True, kwargs)), None
             if len(ids) > max_prompt_length:
@@ -420,21 +420,35 @@ class SFTDataset:
         prompt_key: str = "prompt",
         messages_key: str = "messages",
         chat_template_kwargs: dict[str, Any] | None = None,
+        image_key: str = "images",
+        encoder: PromptEncoder | None = None,
     ) -> None:
         if max_length is not None and max_length <= 1:
             raise DataError(f"SFT max_length={max_length} must be at least 2")
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.pad_token_id = require_pad_id(tokenizer)
+        self.encoder = encoder
         kwargs = dict(chat_template_kwargs or {})
         self.items: list[dict[str, Any]] = []
         truncated = dropped = 0
         for i, row in enumerate(rows):
+            images, kept = _has_images(row.get(image_key)), None
+            if images and encoder is None:
+                raise DataError(f"SFT row {i} holds images in column {image_key!r}, but the model takes text only; {_TEXT_ONLY_FIX}")
             if row.get(messages_key) is not None:
+                if images:
+                    raise DataError(f"SFT row {i}: chat messages with images are not supported yet; give a prompt and a response column")
                 ids, mask = _chat_sample(tokenizer, chat_messages(row[messages_key], f"row {i} column {messages_key!r}"), kwargs, i)
             elif row.get(prompt_key) is not None:
                 target = _target(row, response_key, i)
-                ids, mask = _prompt_response_sample(tokenizer, chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}"), target, kwargs)
+                messages = chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}")
+                if encoder is None:
+                    ids, mask = _prompt_response_sample(tokenizer, messages, target, kwargs)
+                else:
+                    prompt, kept = encoder.encode(messages, row, f"SFT row {i}")
+                    response = encode_response(tokenizer, target)
+                    ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
             else:
                 raise DataError(
                     f"SFT row {i} has neither {messages_key!r} nor {prompt_key!r} (columns: {sorted(row)}); "
@@ -443,11 +457,12 @@ class SFTDataset:
             mask[0] = 0  # nothing predicts the first token
             if max_length is not None and len(ids) > max_length:
                 truncated += 1
-                ids, mask = ids[:max_length], mask[:max_length]
+                # a cut row with images is dropped: the cut could split an image's placeholders
+                ids, mask = (ids[:max_length], mask[:max_length]) if not kept else ([], [])
             if not any(mask):
                 dropped += 1
                 continue
-            self.items.append({"input_ids": ids, "loss_mask": mask, "index": i})
+            self.items.append({"input_ids": ids, "loss_mask": mask, "index": i, "kept": kept})
         if truncated:
             logger.warning(
                 "SFT: %d of %d samples were longer than max_length=%s and were cut on the right (%d lost every "
@@ -619,6 +634,8 @@ class SFTLoader(EpochLoader):
         self.max_length = max_length if max_length is not None else dataset.max_length
         if pack and self.max_length is None:
             raise DataError("SFT packing needs a row length: set max_length (on the loader or the SFTDataset)")
+        if pack and dataset.encoder is not None:
+            raise DataError("SFT packing does not take samples with images (a packed row would need their image positions); set data.pack=false")
 
     def collate(self, indices: Sequence[int]) -> Batch:
         items = [self.dataset.items[i] for i in indices]
@@ -627,7 +644,9 @@ class SFTLoader(EpochLoader):
         else:
             tensors, index = _right_pad(items, self.dataset.pad_token_id), [it["index"] for it in items]
         meta = {"num_samples": len(items), "num_loss_tokens": int(tensors["loss_mask"].sum()), "packed": self.pack}
-        return Batch(tensors, {"index": index}, meta)
+        encoder = self.dataset.encoder
+        images = {IMAGE_INPUTS: [encoder.model_inputs(it["kept"]) for it in items]} if encoder is not None else {}
+        return Batch(tensors, {"index": index, **images}, meta)
 
 
 def sft_batches(

@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trellis.config import ConfigError
+from trellis.interfaces.hf import causal_lm_class
 from trellis.outdir import check_replaceable
 from trellis.plugins import Plugins, load_plugins
 from trellis.runtime.checkpoint import CONFIG_FILE, adapter_base_mismatch, read_manifest, resolve_checkpoint
@@ -27,6 +28,8 @@ from trellis.runtime.harness import policy_section, spawn_worker
 MARKER_FILE = "trellis_export.json"  # in every folder save_hf_folder writes: only such a folder is replaced
 # the roles a checkpoint's export writes (the first it holds), with their heads: the policy, or the rm recipe's reward model
 EXPORTED = {"actor": "lm", "reward_model": "reward"}
+# what a vision-language model's folder holds beside its weights for its images, copied into an export
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins | None = None, adapter_only: bool = False) -> Path:
@@ -101,7 +104,7 @@ def save_hf_folder(config_source: str, weights: Iterable[tuple[str, torch.Tensor
     reads each sequence's score at its last token that is not padding). Written to a temporary
     folder and renamed, so a crash never leaves half a model; a folder already at ``out_dir`` is
     replaced only when an earlier call wrote it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+    from transformers import AutoConfig, AutoModelForSequenceClassification, GenerationConfig
 
     check_replaceable(out_dir, MARKER_FILE, "trellis export")
     if head == "reward":
@@ -109,7 +112,7 @@ def save_hf_folder(config_source: str, weights: Iterable[tuple[str, torch.Tensor
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         config = AutoConfig.from_pretrained(config_source)
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm_class(config_source).from_config(config)
     missing, unexpected = model.load_state_dict(dict(weights), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings and head == "lm")]
     if missing or unexpected:
@@ -120,6 +123,9 @@ def save_hf_folder(config_source: str, weights: Iterable[tuple[str, torch.Tensor
         if head == "lm":
             with contextlib.suppress(OSError):
                 GenerationConfig.from_pretrained(config_source).save_pretrained(tmp)
+            for name in PROCESSOR_FILES:  # a vision-language model's image processor
+                if (Path(config_source) / name).is_file():
+                    shutil.copy2(Path(config_source) / name, tmp / name)
 
     return _write_folder(out_dir, write, tokenizer, {"architecture_from": str(config_source)})
 

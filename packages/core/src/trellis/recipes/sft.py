@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from trellis.config import ranged
 from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
 from trellis.export import save_hf_folder
-from trellis.recipes.options import RecipeConfig, SFTTrainConfig, TrainerConfig, check_inputs
+from trellis.recipes.options import RecipeConfig, SFTTrainConfig, TrainerConfig, check_inputs, prompt_images
 from trellis.runtime.harness import Run, RunContext
 
 
@@ -27,6 +27,7 @@ class SFTData:
     batch_samples: int = ranged(32, ge=1)
     pack: bool = False
     shuffle: bool = True
+    image_key: str = "images"  # the column of a row's images, for a vision-language model (trellis-vision)
 
 
 @dataclass
@@ -44,12 +45,14 @@ def check(cfg: DictConfig, registry) -> None:
 SFT_SCHEMA = "the sft recipe's rows: chat messages (loss on the assistant turns), or a prompt plus its target in data.response_key"
 
 
-def load_data(cfg: DictConfig, tokenizer) -> tuple[SFTLoader, SFTDataset | None]:
+def load_data(cfg: DictConfig, tokenizer, registry) -> tuple[SFTLoader, SFTDataset | None]:
     """The training loader and the held-out samples (None without ``data.val_path``)."""
     data = cfg.data
+    encoder = prompt_images(cfg.model.path, data, registry, tokenizer)
 
     def dataset(path: str | list[str]) -> SFTDataset:
-        return SFTDataset(load_rows(path, schema=SFT_SCHEMA), tokenizer, max_length=data.max_length, response_key=data.response_key)
+        rows = load_rows(path, schema=SFT_SCHEMA)
+        return SFTDataset(rows, tokenizer, max_length=data.max_length, response_key=data.response_key, image_key=data.image_key, encoder=encoder)
 
     train = SFTLoader(dataset(data.train_path), data.batch_samples, seed=cfg.seed, shuffle=data.shuffle, pack=data.pack)
     return train, dataset(data.val_path) if data.val_path else None
@@ -57,7 +60,7 @@ def load_data(cfg: DictConfig, tokenizer) -> tuple[SFTLoader, SFTDataset | None]
 
 def check_data(cfg: DictConfig, registry) -> str:
     """The samples read and tokenized as training would (columns, responses, lengths)."""
-    train, val = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path))
+    train, val = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path), registry)
     held_out = f", {len(val)} held-out" if val is not None else ""
     return f"{len(train.dataset)} training samples{held_out}"
 
@@ -75,7 +78,7 @@ class SFTRecipe:
             if run.finished:
                 return run.finished_summary()
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-            train, val_set = load_data(cfg, tokenizer)
+            train, val_set = load_data(cfg, tokenizer, ctx.registry)
             val = sft_batches(val_set, cfg.data.batch_samples) if val_set is not None else None
             model = run.spawn("actor", cfg.model.path, cfg.train, objectives={"sft_update": "sft"})
             start = run.start(roles={"actor": model}, state={"data": train})

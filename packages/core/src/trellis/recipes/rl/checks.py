@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 from trellis.config import ConfigError, instantiate_options, resolve_component
 from trellis.data import PromptDataset, PromptEncoder, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.interfaces.signatures import OBJECTIVE
-from trellis.memory import check_activation_memory, model_config, text_config
+from trellis.memory import check_activation_memory, text_config
 from trellis.multiturn.checks import check_multi_turn
 from trellis.multiturn.environment import agent_spec
 from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
-from trellis.recipes.options import check_inputs
+from trellis.recipes.options import check_inputs, prompt_images
 from trellis.recipes.reward_model import check_reward_model
 from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
 from trellis.recipes.teacher import TEACHER_NEED, check_teacher
@@ -224,19 +224,11 @@ def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None
 
 
 def image_encoder(cfg: DictConfig, registry, tokenizer) -> PromptEncoder | None:
-    """The prompt encoder (kind ``prompt_encoder``, ``images``) of a ``model.path`` that takes images
-    (a vision tower in its config.json); None for a text model."""
-    if "vision_config" not in model_config(cfg.model.path):
-        return None
-    try:
-        factory = registry.get("prompt_encoder", "images").obj
-    except RegistryError as exc:
-        raise ConfigError(f"config key 'model.path': {cfg.model.path!r} is a vision-language model; reading its image prompts: {exc}") from None
-    if cfg.multi_turn.enable:
-        raise ConfigError(
-            f"config key 'multi_turn.enable': conversations with a vision-language model ({cfg.model.path!r}) are not supported yet; set it to false"
-        )
-    return factory(cfg.model.path, tokenizer, cfg.data)
+    """The prompt encoder of a ``model.path`` that takes images (:func:`prompt_images`); conversations with one are refused."""
+    encoder = prompt_images(cfg.model.path, cfg.data, registry, tokenizer)
+    if encoder is not None and cfg.multi_turn.enable:
+        raise ConfigError(f"config key 'multi_turn.enable': conversations with a vision-language model ({cfg.model.path!r}) are not supported yet")
+    return encoder
 
 
 def check_data(cfg: DictConfig, registry) -> str:
