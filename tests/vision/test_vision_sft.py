@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+from trellis_vision.prompts import ImagePrompts
 
 from trellis.data import DataError, SFTDataset, SFTLoader
 from trellis.examples.shapes import make_shapes_split
 from trellis.examples.tasks import write_rows
 from trellis.interfaces.backend import IMAGE_INPUTS
 from trellis.recipes.train import train
-from trellis_vision.prompts import ImagePrompts
 
 
 @pytest.fixture(scope="module")
