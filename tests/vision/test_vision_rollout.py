@@ -128,3 +128,20 @@ def test_lora_on_the_language_model_leaves_the_frozen_vision_tower_out(tiny_visi
 def test_freezing_the_vision_tower_of_a_text_model_is_refused(tiny_model_path, registry):
     with pytest.raises(ValueError, match="'actor.backend.freeze_vision_tower' is true, but .* has no vision tower; set it to false"):
         make_worker(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"], freeze_vision_tower=True)
+
+
+def test_padding_free_forwards_lay_out_each_samples_image_positions(tiny_vision_model_path, registry, sampled):
+    """verl's use_remove_padding: the packed row's log-probs, entropies and gradients equal the padded forward's."""
+    padded = make_worker(registry, tiny_vision_model_path, "actor", actor_options(registry), OBJECTIVES["actor"])
+    packed = make_worker(registry, tiny_vision_model_path, "actor", actor_options(registry), OBJECTIVES["actor"], padding_free=True)
+    mask = sampled["response_mask"].bool()
+    a, b = (w.forward(sampled, ("log_probs", "entropy")) for w in (padded, packed))
+    for name in ("log_probs", "entropy"):
+        torch.testing.assert_close(b[name][mask], a[name][mask], atol=1e-5, rtol=1e-5)
+    assert float((b["log_probs"] - sampled["rollout_log_probs"])[mask].abs().max()) < 1e-5
+    moved = {}
+    for name, worker in (("padded", padded), ("packed", packed)):
+        worker.train("update", update_batch(sampled))
+        moved[name] = {n: t.clone() for bucket in worker.export_weights() for n, t in bucket}
+    for name, tensor in moved["padded"].items():
+        torch.testing.assert_close(moved["packed"][name], tensor, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

@@ -31,10 +31,10 @@ def test_sft_samples_with_images_learn_the_answer_alone(encoder):
     pad = encoder.image_token_id
     for r, row in enumerate(rows):
         ids, loss = batch["input_ids"][r], batch["loss_mask"][r]
-        assert int((ids == pad).sum()) == 4  # 56 x 56 pixels: 4 x 4 patches merged 2 x 2
+        assert int((ids == pad).sum()) == 6  # 84 x 56 pixels: 6 x 4 patches merged 2 x 2
         learned = encoder.tokenizer.decode(ids[loss.bool()])
         assert learned == row["extra_info"]["answer"] + "<|im_end|>"
-        assert batch[IMAGE_INPUTS][r]["image_grid_thw"].tolist() == [[1, 4, 4]]
+        assert batch[IMAGE_INPUTS][r]["image_grid_thw"].tolist() == [[1, 4, 6]]
 
 
 def test_sft_rows_with_images_that_cannot_train_are_refused_or_dropped(encoder, tiny_model_path, caplog):

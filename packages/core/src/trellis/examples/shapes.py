@@ -1,8 +1,9 @@
 """A visual task with checkable answers, in verl's multimodal schema: count the colored squares of a
 generated image (the vision demo and tests; nothing downloaded).
 
-An image is a 4 x 4 grid of 14-pixel cells (56 x 56 pixels: one patch of the tiny vision model per
-cell), 1 to ``max_count`` of them filled with red, green or blue on white. A row reads::
+An image is a 3 x 2 grid of 28-pixel cells (84 x 56 pixels: one merged 2 x 2 patch of the tiny
+vision model per cell, so one image token), 1 to ``max_count`` of them holding a red, green or blue
+square on white. A row reads::
 
     {"data_source": "shapes", "prompt": [{"role": "user", "content": "<image>How many squares?"}],
      "images": [{"bytes": b"\\x89PNG..."}], "ability": "vision", "reward_model": {"style": "rule", "ground_truth": "3"},
@@ -19,26 +20,26 @@ import io
 import random
 from typing import Any
 
-GRID, CELL = 4, 14
+COLUMNS, ROWS, CELL = 3, 2, 28
 COLORS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 60, 220)}
 QUESTION = "<image>How many squares?"
 
 
 def make_shapes_split(
-    n: int, seed: int, *, split: str = "train", max_count: int = 6, noisy_answer: float = 0.0, test_fraction: float = 0.1
+    n: int, seed: int, *, split: str = "train", max_count: int = COLUMNS * ROWS, noisy_answer: float = 0.0, test_fraction: float = 0.2
 ) -> list[dict[str, Any]]:
     """``n`` rows of square-counting questions, deterministic by ``seed``; ``noisy_answer``: the
     probability that a row's taught answer (``extra_info.answer``) is another count (its
     ``ground_truth`` stays right), as the arithmetic task's, so an SFT model samples a mixture RL can sharpen."""
     if split not in ("train", "test"):
         raise ValueError(f"make_shapes_split: split={split!r}; use 'train' or 'test'")
-    if not 1 < max_count <= GRID * GRID:
-        raise ValueError(f"make_shapes_split: max_count={max_count} must be in 2..{GRID * GRID}")
+    if not 1 < max_count <= COLUMNS * ROWS:
+        raise ValueError(f"make_shapes_split: max_count={max_count} must be in 2..{COLUMNS * ROWS}")
     rng = random.Random(f"shapes:{split}:{seed}")
     rows: list[dict[str, Any]] = []
     while len(rows) < n:
         count = rng.randint(1, max_count)
-        layout = tuple(sorted((cell, rng.choice(sorted(COLORS))) for cell in rng.sample(range(GRID * GRID), count)))
+        layout = tuple(sorted((cell, rng.choice(sorted(COLORS))) for cell in rng.sample(range(COLUMNS * ROWS), count)))
         if _in_test(layout, test_fraction) != (split == "test"):
             continue
         taught, noisy = count, False
@@ -59,18 +60,18 @@ def make_shapes_split(
 
 def shape_texts() -> list[str]:
     """Text to train the tiny vision model's tokenizer on: the question and every answer."""
-    return [QUESTION.replace("<image>", ""), *(f"#### {k}" for k in range(GRID * GRID + 1)), "0123456789 ####"]
+    return [QUESTION.replace("<image>", ""), *(f"#### {k}" for k in range(COLUMNS * ROWS + 1)), "0123456789 ####"]
 
 
 def draw(layout: tuple[tuple[int, str], ...]) -> bytes:
     """PNG bytes of a layout: ``(cell, color)`` pairs, cells numbered row by row."""
     from PIL import Image, ImageDraw
 
-    image = Image.new("RGB", (GRID * CELL, GRID * CELL), (255, 255, 255))
+    image = Image.new("RGB", (COLUMNS * CELL, ROWS * CELL), (255, 255, 255))
     pen = ImageDraw.Draw(image)
     for cell, color in layout:
-        x, y = (cell % GRID) * CELL, (cell // GRID) * CELL
-        pen.rectangle([x + 2, y + 2, x + CELL - 3, y + CELL - 3], fill=COLORS[color])
+        x, y = (cell % COLUMNS) * CELL, (cell // COLUMNS) * CELL
+        pen.rectangle([x + 3, y + 3, x + CELL - 4, y + CELL - 4], fill=COLORS[color])
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()

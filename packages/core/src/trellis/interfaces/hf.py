@@ -252,7 +252,9 @@ def _config(path: str, head: str):
 def _checked(model: torch.nn.Module, path: str, head: str) -> torch.nn.Module:
     """``model`` with its KV cache off; for the ``reward`` head, refused unless its head is the
     bias-free ``score`` layer a sequence-classification folder holds."""
-    model.config.use_cache = False
+    for config in (model.config, getattr(model.config, "text_config", None)):  # a vision-language model's language model reads its own
+        if config is not None:
+            config.use_cache = False
     score = getattr(model, "score", None)
     if head == "reward" and not (isinstance(score, torch.nn.Linear) and score.bias is None):
         raise ValueError(
@@ -340,6 +342,30 @@ def _packed_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.
     return inputs, mask, index
 
 
+def _packed_images(model: torch.nn.Module, micro: Batch, text_positions: torch.Tensor, mask: torch.Tensor) -> dict:
+    """:func:`image_kwargs` for the packed row: the images in sample order, the input ids with a
+    response's sampled placeholder read as token 0, and ``position_ids`` ``(4, 1, tokens)``: the
+    text positions (from which transformers builds the block-diagonal mask) over each sample's
+    multimodal ones, laid out by the model's own ``get_rope_index`` on the padded micro-batch (the
+    text positions four times over for a micro-batch without images: a vision-language model builds
+    the packed mask only from that layout). Nothing for a text model."""
+    if not takes_images(model.config):
+        return {}
+    device = text_positions.device
+    response_len = micro["responses"].shape[1] if "responses" in micro else 0
+    images = image_kwargs(model.config, micro["input_ids"].to(device), micro.get(IMAGE_INPUTS), response_len)
+    if not images:
+        return {"position_ids": text_positions[None].expand(4, -1, -1)}
+    rope = next(m for m in model.modules() if hasattr(m, "get_rope_index")).get_rope_index
+    grids = {k: images[k] for k in ("image_grid_thw", "video_grid_thw") if k in images}
+    positions, _ = rope(
+        images["input_ids"], **grids, attention_mask=micro["attention_mask"].to(device), mm_token_type_ids=images["mm_token_type_ids"]
+    )
+    mask = mask.to(device)
+    packed = {k: v for k, v in images.items() if k not in ("input_ids", "mm_token_type_ids", "position_ids")}
+    return {**packed, "input_ids": images["input_ids"][mask][None], "position_ids": torch.cat([text_positions[None], positions[:, mask][:, None]])}
+
+
 def _unpack(rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """Rows ``(k, ...)`` back into a zero ``where.shape + (...)`` layout at the True entries of
     ``where`` (differentiable)."""
@@ -355,11 +381,10 @@ def packed_outputs(
     sequence, and only the positions that predict a real token go through the LM head. The
     results equal the padded forward's at every attended position and are 0 at padding. Needs
     each sample's ``position_ids`` to count 0, 1, 2... over its attended tokens. Samples with images
-    are refused: a packed row would need the multimodal positions of each sample."""
-    if any(micro.get(IMAGE_INPUTS, ())):
-        raise ValueError("padding-free forwards do not take images; set the role's backend.padding_free=false for image prompts")
+    get their multimodal positions too (:func:`_packed_images`)."""
     device = next(model.parameters()).device
     inputs, mask, index = _packed_inputs(micro, device)
+    inputs.update(_packed_images(model, micro, inputs["position_ids"], mask))
     if head in SCALAR_HEADS:
         return value_outputs(_unpack(model(**inputs).logits[0, :, 0], mask), micro, outputs)
     out: dict[str, torch.Tensor] = {}
