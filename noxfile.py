@@ -130,7 +130,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     # the converted multi-turn example trains with trellis-interactions' gsm8k interaction; [lora]: a converted LoRA
     # script trains; [scoring] and verl itself (see _install_with_verl): the verl_default reward calls verl's own scoring;
-    # ray: a multi-GPU launch converts to trainer.controller=ray, which the converted config's checks look up
+    # ray: a multi-GPU launch converts to trainer.controller=ray, which the converted config's checks look up;
+    # vision: the converted geo3k script trains a tiny vision-language model
     "verl_compat": (
         [
             "packages/core",
@@ -139,6 +140,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/backend-fsdp[lora]",
             "packages/rollout-hf",
             "packages/interactions",
+            "packages/vision",
             "packages/verl-compat[scoring]",
         ],
         [],

@@ -57,6 +57,14 @@ def test_lora_script_trains_an_adapter_at_its_rank_and_alpha():
     assert cfg["actor"]["optim"]["lr"] == 3e-6 and "lora" not in err
 
 
+def test_geo3k_script_keeps_its_image_column_frozen_vision_tower_and_padding_free_forwards():
+    cfg, err = converted("geo3k.sh")
+    assert cfg["data"]["image_key"] == "images"
+    assert cfg["backend"] == {"activation_checkpointing": True, "padding_free": True, "freeze_vision_tower": True, "offload_params": False,
+                              "offload_optimizer": False}  # fmt: skip
+    assert "vision" not in err and "image_key" not in err
+
+
 def test_dapo_script_filters_groups_penalises_overlong_and_warms_up_from_zero():
     cfg, err = converted("dapo.sh")
     assert cfg["algorithm"]["dynamic_sampling"] == {"enable": True, "metric": "acc", "max_rounds": 10}

@@ -33,6 +33,7 @@ SCRIPT_NAMES = [
     "genrm_remote.sh",
     "reinforce_pp.sh",
     "sapo.sh",
+    "geo3k.sh",
     "multiturn/run.sh",
 ]
 
@@ -53,3 +54,6 @@ def test_the_table_says_what_converts_and_how_runs_differ():
     lora = parity("lora.sh")
     assert lora["actor_rollout_ref.model.lora_rank"] == ("SAME", "actor.adapter.rank")
     assert lora["trainer.max_actor_ckpt_to_keep"] == ("SAME", "trainer.keep_checkpoints")
+    geo3k = parity("geo3k.sh")
+    assert geo3k["data.image_key"] == ("SAME", "data.image_key")
+    assert geo3k["actor_rollout_ref.actor.freeze_vision_tower"] == ("SAME", "backend.freeze_vision_tower")

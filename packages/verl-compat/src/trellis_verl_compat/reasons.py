@@ -115,7 +115,6 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("*.checkpoint.*", "a trellis checkpoint holds every role's weights, optimizer state and the run's state (trainer.keep_checkpoints)"),
     ("*.qat.*", "quantisation-aware training has no trellis counterpart"),
     (ACTOR + "policy_loss.ppo_kl_coef", "read by verl's ppo_kl policy loss only (trellis: actor.use_kl_loss)"),
-    (ACTOR + "freeze_vision_tower", "trellis trains language models (no vision tower)"),
     (
         ROLLOUT + "logprobs_mode",
         "trellis's engines return the log-probs of the sampled tokens under the processed distribution (temperature applied), "
