@@ -516,3 +516,11 @@ def demo_multiturn(session: nox.Session) -> None:
     _pip(session, "project", TORCH)
     _pip(session, "project", *[f"./{p}" for p in DEMO_PACKAGES], "./packages/interactions")
     session.run("trellis", "demo", "--multiturn", "--out", "runs/demo-multiturn", *session.posargs)
+
+
+@nox.session(name="demo-vision")
+def demo_vision(session: nox.Session) -> None:
+    """The demo on images: a tiny vision-language model learns to count squares, SFT then GRPO."""
+    _pip(session, "project", TORCH)
+    _pip(session, "project", *[f"./{p}" for p in DEMO_PACKAGES], "./packages/vision")
+    session.run("trellis", "demo", "--vision", "--out", "runs/demo-vision", *session.posargs)

@@ -17,7 +17,8 @@ from trellis.batch import Batch
 from trellis.data import PromptDataset
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
-from trellis.runtime.controller import RolloutGroup
+from trellis.interfaces.dispatch import DP_SPLIT, Mesh, Route
+from trellis.runtime.controller import RolloutGroup, WorkerGroup
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fsdp"))
 from test_fsdp_worker import OBJECTIVES, actor_options, make_worker  # noqa: E402
@@ -76,6 +77,16 @@ def test_a_placeholder_sampled_in_a_response_ends_it_and_its_log_probs_stay_exac
     before = torch.arange(ended.shape[1])[None] < last[:, None]
     torch.testing.assert_close(log_probs[before], reference[before])
     assert torch.isfinite(log_probs).all() and (log_probs[torch.arange(2), last] < 0).all()
+
+
+def test_a_backend_that_takes_no_images_is_refused_before_its_forward(sampled):
+    class Ranks(WorkerGroup):
+        def _execute(self, method, per_rank_args, kwargs):
+            raise AssertionError("a forward without the images ran")
+
+    text_only = Ranks("actor", Mesh.data_parallel(1), {"log_prob": Route(DP_SPLIT, (*MODEL_INPUTS, "responses"))})
+    with pytest.raises(ValueError, match="the backend of role 'actor' takes no images .multi_modal_inputs is not among its model_inputs."):
+        text_only.log_prob(sampled)
 
 
 def test_an_engine_that_takes_no_images_is_refused_before_it_generates(tiny_vision_model_path):

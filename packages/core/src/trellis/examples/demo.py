@@ -7,6 +7,8 @@ With ``--multiturn`` the RL stage is a conversation: a wrong answer gets "Wrong,
 the ``gsm8k`` interaction (trellis-interactions) and a second try; the table shows the reward of
 the first answer alone (no feedback) and after feedback. Its SFT data shows the format: each row
 taught a wrong answer goes on with the feedback and the right answer.
+With ``--vision`` a tiny vision-language model (Qwen2-VL) learns to count the squares of generated
+images (``trellis.examples.shapes``; needs trellis-vision), with the same stages and table.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from trellis.examples.shapes import make_shapes_split, shape_texts
 from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
 from trellis.examples.tiny import make_tiny_model
 from trellis.plot import plot_metrics
@@ -42,57 +47,88 @@ MULTI_TURN = [  # a wrong first answer is told so and may try once more
     f"multi_turn.interactions=[{{name: gsm8k, component: gsm8k, options: {{feedback: '{FEEDBACK}'}}}}]",
 ]
 MULTI_TURN_SFT = ["data.max_length=64"]  # room for the corrected conversations
+CURVES = ("reward/mean", "val/reward_mean", "actor/entropy", "response/length_mean")
+MULTI_TURN_CURVES = ("reward/mean", "reward/first_turn_mean", "val/reward_mean", "val/first_turn_reward_mean", "multiturn/num_turns_mean")
+# an image prompt is 6 image tokens plus the chat template's; the tiny model counts the squares within a few hundred steps
+VISION_SFT = ["data.max_length=48", "trainer.total_steps=500", "trainer.val_every_steps=250"]
+VISION_RL = ["data.max_prompt_length=48", "trainer.total_steps=100"]
 
 
 def config_path(name: str) -> str:
     return str(resources.files("trellis.examples") / "configs" / name)
 
 
-def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] = (), seed: int = 0, multiturn: bool = False) -> dict:
+@dataclass(frozen=True)
+class DemoTask:
+    """What a demo variant trains on: its rows by seed (``sft_train``, ``rl_train``, ``test``), the
+    tokenizer's text, the tiny model's sizes, each stage's overrides, the curves and the table."""
+
+    rows: Callable[[int], dict[str, list[dict]]]
+    texts: Callable[[int], list[str]]
+    model: dict
+    sft: tuple[str, ...] = ()
+    rl: tuple[str, ...] = ()
+    curves: tuple[str, ...] = CURVES
+    table: Callable[[dict], str] = lambda result: format_table(result)
+
+
+def _arithmetic_rows(seed: int, multiturn: bool = False) -> dict[str, list[dict]]:
+    sft = make_arithmetic_split(SFT_ROWS, seed, noisy_answer=FEEDBACK_NOISY_ANSWER if multiturn else NOISY_ANSWER, **TASK)
+    interaction = "gsm8k" if multiturn else None
+    return {
+        "sft_train": feedback_conversations(sft) if multiturn else sft,
+        "rl_train": make_arithmetic_split(RL_ROWS, seed + 1, interaction=interaction, **TASK),
+        "test": make_arithmetic_split(VAL_ROWS, seed, split="test", interaction=interaction, **TASK),
+    }
+
+
+def _shapes_rows(seed: int) -> dict[str, list[dict]]:
+    return {
+        "sft_train": make_shapes_split(SFT_ROWS, seed, noisy_answer=NOISY_ANSWER),
+        "rl_train": make_shapes_split(RL_ROWS, seed + 1),
+        "test": make_shapes_split(VAL_ROWS, seed, split="test"),
+    }
+
+
+MODEL = {"hidden_size": 128, "num_layers": 4, "num_heads": 4}
+TASKS = {
+    "arithmetic": DemoTask(_arithmetic_rows, lambda seed: task_texts(seed=seed, ops=TASK["ops"]), MODEL),
+    "multiturn": DemoTask(
+        lambda seed: _arithmetic_rows(seed, multiturn=True),
+        lambda seed: [*task_texts(seed=seed, ops=TASK["ops"]), FEEDBACK],
+        MODEL,
+        tuple(MULTI_TURN_SFT),
+        tuple(MULTI_TURN),
+        MULTI_TURN_CURVES,
+        lambda result: format_multiturn_table(result),
+    ),
+    "vision": DemoTask(_shapes_rows, lambda seed: shape_texts(), {**MODEL, "vision": True}, tuple(VISION_SFT), tuple(VISION_RL)),
+}
+
+
+def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] = (), seed: int = 0, task: str = "arithmetic") -> dict:
+    demo = TASKS[task]
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     start = time.perf_counter()
     data = out / "data"
-    sft_rows = make_arithmetic_split(SFT_ROWS, seed, noisy_answer=FEEDBACK_NOISY_ANSWER if multiturn else NOISY_ANSWER, **TASK)
-    write_rows(feedback_conversations(sft_rows) if multiturn else sft_rows, data / "sft_train.parquet")
-    interaction = "gsm8k" if multiturn else None
-    write_rows(make_arithmetic_split(RL_ROWS, seed + 1, interaction=interaction, **TASK), data / "rl_train.parquet")
-    write_rows(make_arithmetic_split(VAL_ROWS, seed, split="test", interaction=interaction, **TASK), data / "test.parquet")
-    texts = [*task_texts(seed=seed, ops=TASK["ops"]), *([FEEDBACK] if multiturn else [])]
-    model = make_tiny_model(out / "model", texts, hidden_size=128, num_layers=4, num_heads=4, seed=seed)
+    for name, rows in demo.rows(seed).items():
+        write_rows(rows, data / f"{name}.parquet")
+    model = make_tiny_model(out / "model", demo.texts(seed), seed=seed, **demo.model)
     times["setup_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
     sft_dir, rl_dir = out / "sft", out / "rl"
     for stage in (sft_dir, rl_dir):  # the demo always trains from scratch (a run folder would otherwise resume)
         shutil.rmtree(stage, ignore_errors=True)
-    train(
-        config_path("demo_sft.yaml"),
-        [
-            f"model.path={model}",
-            f"data.train_path={data / 'sft_train.parquet'}",
-            f"data.val_path={data / 'test.parquet'}",
-            f"trainer.run_dir={sft_dir}",
-            f"seed={seed}",
-            *(MULTI_TURN_SFT if multiturn else []),
-            *sft_overrides,
-        ],
-    )
+    held_out = [f"data.val_path={data / 'test.parquet'}", f"seed={seed}"]
+    sft = [f"model.path={model}", f"data.train_path={data / 'sft_train.parquet'}", f"trainer.run_dir={sft_dir}", *held_out, *demo.sft]
+    train(config_path("demo_sft.yaml"), [*sft, *sft_overrides])
     times["sft_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    summary = train(
-        config_path("demo_rl.yaml"),
-        [
-            f"model.path={sft_dir / 'hf_model'}",
-            f"data.train_path={data / 'rl_train.parquet'}",
-            f"data.val_path={data / 'test.parquet'}",
-            f"trainer.run_dir={rl_dir}",
-            f"seed={seed}",
-            *(MULTI_TURN if multiturn else []),
-            *rl_overrides,
-        ],
-    )
+    rl = [f"model.path={sft_dir / 'hf_model'}", f"data.train_path={data / 'rl_train.parquet'}", f"trainer.run_dir={rl_dir}", *held_out, *demo.rl]
+    summary = train(config_path("demo_rl.yaml"), [*rl, *rl_overrides])
     times["rl_s"] = time.perf_counter() - start
 
     before, after = summary["val_before"], summary["val_after"]
@@ -103,15 +139,13 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
         "wall_time_s": {**times, "total_s": sum(times.values())},
         "held_out_prompts": VAL_ROWS,
         "seed": seed,
-        "multiturn": multiturn,
+        "task": task,
+        "multiturn": task == "multiturn",
         "provenance": stage_provenance(sft_dir, rl_dir),
     }
     (out / "summary.json").write_text(json.dumps(result, indent=2))
-    curves = ["reward/mean", "val/reward_mean", "actor/entropy", "response/length_mean"]
-    if multiturn:
-        curves = ["reward/mean", "reward/first_turn_mean", "val/reward_mean", "val/first_turn_reward_mean", "multiturn/num_turns_mean"]
-    plot_metrics([rl_dir], out / "curves.png", curves)
-    print(format_multiturn_table(result) if multiturn else format_table(result))
+    plot_metrics([rl_dir], out / "curves.png", list(demo.curves))
+    print(demo.table(result))
     return result
 
 
@@ -178,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft", nargs="*", default=[], help="overrides for the SFT stage (key=value)")
     parser.add_argument("--rl", nargs="*", default=[], help="overrides for the RL stage (key=value)")
-    parser.add_argument(
+    variant = parser.add_mutually_exclusive_group()
+    variant.add_argument(
         "--multiturn", action="store_true", help="RL with feedback: a wrong answer is told so and tries again (needs trellis-interactions)"
     )
+    variant.add_argument("--vision", action="store_true", help="a tiny vision-language model counts squares in images (needs trellis-vision)")
     args = parser.parse_args(argv)
-    run_demo(Path(args.out), args.sft, args.rl, args.seed, args.multiturn)
+    run_demo(Path(args.out), args.sft, args.rl, args.seed, "multiturn" if args.multiturn else "vision" if args.vision else "arithmetic")
     return 0

@@ -121,7 +121,7 @@ class WorkerGroup:
         at = batch_position(args)
         if at is not None and route.inputs is not None:
             given = args[at]
-            refuse_lost_images(given, route.inputs, f"the backend serving {method!r}")
+            refuse_lost_images(given, route.inputs, f"the backend of role {self.role!r}")
             shipped = given.select(*[k for k in route.inputs if k in given])
             if self.ships:
                 self.bytes_given += batch_bytes(given)
