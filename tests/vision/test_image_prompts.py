@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from images import image_row, squares
-from omegaconf import OmegaConf
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 from trellis_vision.prompts import ImagePrompts
@@ -19,7 +18,7 @@ from trellis.data import DataError, PromptDataset, load_rows
 from trellis.examples.tasks import write_rows
 from trellis.interfaces.backend import IMAGE_INPUTS
 from trellis.interfaces.rollout import stop_ids
-from trellis.recipes.rl.checks import image_encoder
+from trellis.recipes.options import prompt_images
 from trellis.registry import Registry
 
 
@@ -101,17 +100,12 @@ def test_a_text_model_refuses_rows_with_images(tiny_model_path):
     assert len(PromptDataset(rows()[2:], tokenizer, 256)) == 1  # a null image column is no image
 
 
-def test_the_rl_recipe_picks_the_encoder_by_the_model_and_names_the_package_when_missing(
-    tiny_vision_model_path, tiny_model_path, tokenizer, registry
-):
-    cfg = OmegaConf.create({"model": {"path": tiny_vision_model_path}, "data": {"image_key": "images"}, "multi_turn": {"enable": False}})
-    assert isinstance(image_encoder(cfg, registry, tokenizer), ImagePrompts)
+def test_recipes_pick_the_encoder_by_the_model_and_name_the_package_when_missing(tiny_vision_model_path, tiny_model_path, tokenizer, registry):
+    data = SimpleNamespace(image_key="images")
+    assert isinstance(prompt_images(tiny_vision_model_path, data, registry, tokenizer), ImagePrompts)
     with pytest.raises(ConfigError, match="is a vision-language model; reading its image prompts: prompt_encoder 'images' is not installed"):
-        image_encoder(cfg, Registry(), tokenizer)
-    text = OmegaConf.create({"model": {"path": tiny_model_path}, "data": {"image_key": "images"}, "multi_turn": {"enable": False}})
-    assert image_encoder(text, registry, tokenizer) is None
-    with pytest.raises(ConfigError, match="multi_turn.enable': conversations with a vision-language model"):
-        image_encoder(OmegaConf.merge(cfg, {"multi_turn": {"enable": True}}), registry, tokenizer)
+        prompt_images(tiny_vision_model_path, data, Registry(), tokenizer)
+    assert prompt_images(tiny_model_path, data, registry, tokenizer) is None
 
 
 def test_a_vision_models_placeholders_end_a_response(tiny_vision_model_path, tokenizer):

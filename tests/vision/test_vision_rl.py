@@ -9,7 +9,9 @@ import json
 import pytest
 from images import image_row, squares
 
+from trellis.config import ConfigError
 from trellis.examples.tasks import write_rows
+from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 from trellis.runtime.sync_probe import SyncCheckFailed
 from trellis_fsdp.backend import FSDPBackend
@@ -29,7 +31,7 @@ def data(tmp_path_factory):
     return {"train": write_rows(rows, folder / "train.parquet"), "val": write_rows(rows[:4], folder / "val.parquet"), "reward": folder / "reward.py"}
 
 
-def run(path, data, run_dir, *overrides):
+def run(path, data, run_dir, *overrides, plugins=None):
     train(
         None,
         [
@@ -50,6 +52,7 @@ def run(path, data, run_dir, *overrides):
             f"trainer.run_dir={run_dir}",
             *overrides,
         ],
+        plugins,
     )
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -76,3 +79,27 @@ def test_a_sync_that_leaves_the_vision_tower_behind_stops_the_run(tiny_vision_mo
     monkeypatch.setattr(FSDPBackend, "weight_shapes", lambda self: {k: v for k, v in shapes(self).items() if ".visual." not in k})
     with pytest.raises(SyncCheckFailed, match="rollout engine 0 of 1 \\(HFRollout\\) gives the probe's tokens log-probs"):
         run(tiny_vision_model_path, data, tmp_path / "run")
+
+
+def test_conversations_on_image_prompts_train_on_the_tokens_sampled_with_the_images(tiny_vision_model_path, data, tmp_path):
+    """Each model turn of a conversation sees the prompt's images (the engine gets them with every
+    turn's ids); every trained token is a sampled one (the loop's check) and the trainer's log-probs
+    of all turns equal the engine's."""
+    import feedback
+
+    multi_turn = [
+        "multi_turn.enable=true",
+        "multi_turn.max_assistant_turns=2",
+        "multi_turn.max_user_turns=1",
+        "multi_turn.max_response_tokens=64",
+        "multi_turn.interactions=[{name: again, component: count_again}]",
+        "multi_turn.score=reward",  # the length reward, not the interaction's scores
+        "data.max_prompt_length=64",
+    ]
+    plugins = load_plugins(extra=[("feedback", feedback)])
+    rows = [r for r in run(tiny_vision_model_path, data, tmp_path / "run", *multi_turn, plugins=plugins) if "actor/grad_norm" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["multiturn/num_turns_mean"] > 1 and row["sync/batch_gap"] < 1e-4 and row["sync/probe_gap"] < 1e-4
+    with pytest.raises(ConfigError, match="agent loop 'one_turn' takes no images .AgentLoop.takes_images., and the prompts of"):
+        run(tiny_vision_model_path, data, tmp_path / "blind", *multi_turn, "multi_turn.agent_loop=one_turn", plugins=plugins)

@@ -153,9 +153,10 @@ class PromptEncoder(Protocol):
     """Renders and tokenizes prompts whose rows carry images (kind ``prompt_encoder``: trellis-vision's
     ``images``, built as ``factory(model_path, tokenizer, data_section)`` for a model that takes images)."""
 
-    def encode(self, messages: list[dict[str, Any]], row: dict[str, Any], where: str) -> tuple[list[int], Any]:
-        """The prompt's token ids, each image's placeholder expanded, and what :meth:`model_inputs`
-        needs of the row later (kept with the item); a bad image is refused naming ``where`` (the row)."""
+    def encode(self, messages: list[dict[str, Any]], row: dict[str, Any], where: str, template_kwargs: dict[str, Any]) -> tuple[list[int], Any]:
+        """The prompt's token ids (the chat template given ``template_kwargs``, e.g. ``tools``), each
+        image's placeholder expanded, and what :meth:`model_inputs` needs of the row later (kept with
+        the item); a bad image is refused naming ``where`` (the row)."""
 
     def model_inputs(self, kept: Any) -> dict[str, torch.Tensor]:
         """The sample's :data:`~trellis.interfaces.backend.IMAGE_INPUTS` dict (empty: no image)."""
@@ -194,7 +195,7 @@ class PromptDataset:
                 raise DataError(f"row {i} has no {prompt_key!r} column (columns: {sorted(row)}); {_SCHEMA_HINT}")
             messages = chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}")
             if encoder is not None:
-                ids, kept = encoder.encode(messages, row, f"row {i}")
+                ids, kept = encoder.encode(messages, row, f"row {i}", kwargs)
             elif _has_images(row.get(image_key)):
                 raise DataError(f"row {i} holds images in column {image_key!r}, but the model takes text only; {_TEXT_ONLY_FIX}")
             else:
@@ -446,7 +447,7 @@ class SFTDataset:
                 if encoder is None:
                     ids, mask = _prompt_response_sample(tokenizer, messages, target, kwargs)
                 else:
-                    prompt, kept = encoder.encode(messages, row, f"SFT row {i}")
+                    prompt, kept = encoder.encode(messages, row, f"SFT row {i}", kwargs)
                     response = encode_response(tokenizer, target)
                     ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
             else:

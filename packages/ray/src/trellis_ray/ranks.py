@@ -39,6 +39,7 @@ from trellis.kit.controller import (
     sync_engine,
     sync_from,
     tensor_digest,
+    with_images,
 )
 
 log = logging.getLogger("trellis")
@@ -108,8 +109,8 @@ class RankProcess:
         out = await run_rollout_fn(fn, self.engine, prompts, params)
         return out, time.perf_counter() - start
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        return await self.engine.agenerate(prompt_ids, params)
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
+        return await self.engine.agenerate(prompt_ids, params, **with_images(images))
 
     def sync_rollout(self, role: str) -> tuple[None, float]:
         return _timed(sync_from, self.engine, self.workers[role])
@@ -326,9 +327,9 @@ class RayRollout(RolloutGroup):
         # groups pad responses to their own longest; gather pads to the longest overall
         return DP_CHUNKS.gather(self.pool.timed(refs, f"rollout.{method}", "rollout"), self.mesh)
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
         try:
-            return await asyncio.wait_for(next(self._next).agenerate.remote(prompt_ids, params), self.pool.timeout_s)
+            return await asyncio.wait_for(next(self._next).agenerate.remote(prompt_ids, params, **with_images(images)), self.pool.timeout_s)
         except asyncio.TimeoutError:
             raise RankFailure(f"pool {self.pool.name!r}: rollout.agenerate did not finish within {self.pool.timeout_s:g} s") from None
 

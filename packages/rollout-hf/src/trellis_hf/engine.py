@@ -38,7 +38,7 @@ from trellis.kit.engine import (
     tensor_digest,
 )
 
-_Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]"]  # prompt ids, sampling, result
+_Request = tuple[list[int], SamplingParams, "asyncio.Future[Generation]", dict]  # prompt ids, sampling, result, its images
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,13 +144,13 @@ class HFRollout(RolloutEngine):
             model.train(training)
         return out[:, ids.shape[1] :].cpu(), recorder.result(out).cpu()
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
         """One sample. Concurrent calls are batched: the requests waiting when a batch starts go
         into one ``generate`` call per sampling setting (each stops at its own token limit);
         requests that arrive meanwhile wait for the next batch."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.append((list(prompt_ids), params, future))
+        self._queue.append((list(prompt_ids), params, future, images or {}))
         if self._server is None or self._server.done():
             self._server = loop.create_task(self._serve())
         return await future
@@ -168,7 +168,7 @@ class HFRollout(RolloutEngine):
                     results = await asyncio.to_thread(self._generate_group, group)
                 except Exception as exc:  # noqa: BLE001 - every caller of this batch gets the error
                     results = [exc] * len(group)
-                for (_, _, future), result in zip(group, results):
+                for (_, _, future, _), result in zip(group, results):
                     if future.done():  # the caller was cancelled
                         continue
                     if isinstance(result, Exception):
@@ -181,7 +181,7 @@ class HFRollout(RolloutEngine):
         ids, mask, _ = left_pad([r[0] for r in group], self.pad_id)
         longest = max(r[1].max_new_tokens for r in group)
         tokens, log_probs = self._generate_tokens(
-            Batch({"input_ids": ids, "attention_mask": mask}),
+            Batch({"input_ids": ids, "attention_mask": mask}, {IMAGE_INPUTS: [r[3] for r in group]}),
             SamplingParams(**{**params.__dict__, "n": 1, "max_new_tokens": longest}),
             self._generator(params),
         )
@@ -189,7 +189,7 @@ class HFRollout(RolloutEngine):
         stops = self.eos_ids | set(params.stop_token_ids)
         lengths = _mask_through_first_stop(tokens, stops).sum(-1).tolist()
         out = []
-        for row, (_, p, _) in enumerate(group):
+        for row, (_, p, _, _) in enumerate(group):
             n = min(lengths[row], p.max_new_tokens)
             taken = tokens[row, :n].tolist()
             stopped = bool(taken) and taken[-1] in stops

@@ -35,9 +35,12 @@ class ImagePrompts:
         self.merge = self.processor.merge_size
         self.image_key = data.image_key
 
-    def encode(self, messages: list[dict[str, Any]], row: dict[str, Any], where: str) -> tuple[list[int], list[tuple[Any, dict]]]:
-        """Token ids of the rendered prompt, the image token repeated once per merged patch of each
-        image, and the row's images (sources and sizes) for :meth:`model_inputs`."""
+    def encode(
+        self, messages: list[dict[str, Any]], row: dict[str, Any], where: str, template_kwargs: dict[str, Any]
+    ) -> tuple[list[int], list[tuple[Any, dict]]]:
+        """Token ids of the prompt rendered by the chat template (given ``template_kwargs``), the image
+        token repeated once per merged patch of each image, and the row's images (sources and sizes)
+        for :meth:`model_inputs`."""
         images = [_source(image, f"{where} column {self.image_key!r} image {k}") for k, image in enumerate(_listed(row.get(self.image_key)))]
         parts = [{**m, "content": _parts(m["content"])} for m in messages]
         placed = sum(isinstance(m["content"], list) and sum(p["type"] == "image" for p in m["content"]) for m in parts)
@@ -50,7 +53,7 @@ class ImagePrompts:
             self._processed(source, size, f"{where} column {self.image_key!r} image {k}")["image_grid_thw"][0]
             for k, (source, size) in enumerate(images)
         ]
-        pieces = render_chat(self.tokenizer, parts, True, {}).split(self.image_token)
+        pieces = render_chat(self.tokenizer, parts, True, template_kwargs).split(self.image_token)
         if len(pieces) != len(images) + 1:
             raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image tokens {self.image_token!r} for {len(images)} images")
         counts = [int(grid.prod()) // self.merge**2 for grid in grids]

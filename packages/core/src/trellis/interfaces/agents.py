@@ -120,10 +120,14 @@ class AgentLoop:
     before any model is built). ``row_fields``: ``sample`` takes a keyword ``fields`` with the
     row's other columns (the engines are then shipped every column of the prompts). ``runs_agent``:
     the loop runs the user's function ``multi_turn.agent`` (set exactly when such a loop is used).
+    ``takes_images``: ``sample`` takes a keyword ``images``, the prompt's image inputs (a
+    vision-language model's), and hands them to every ``agenerate`` of the sample; a run with image
+    prompts refuses the loops that do not.
     :meth:`check` refuses the ``multi_turn`` settings a loop cannot run with.
     """
 
     runs_tools = False
+    takes_images = False
     # True: ``sample`` also gets ``fields``, the row's other columns (``data_source``,
     # ``reward_model``, ...), as verl hands its loops every column of the row
     row_fields = False

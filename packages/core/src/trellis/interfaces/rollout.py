@@ -60,6 +60,12 @@ def placeholder_ids(config) -> list[int]:
     return [t for t in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if t is not None]
 
 
+def with_images(images: dict | None) -> dict:
+    """``agenerate``'s keyword for a prompt's images, none without them (engines that take no
+    images need not accept the keyword)."""
+    return {"images": images} if images else {}
+
+
 def pad_id(tokenizer) -> int:
     """The id responses are right-padded with: the tokenizer's pad token, else its EOS."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -240,8 +246,10 @@ class RolloutEngine(ABC):
         ``attention_mask``, ``position_ids`` ``(batch*n, prompt_len + response_len)``.
         """
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """One sample for one prompt given as token ids (the multi-turn loop calls this)."""
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
+        """One sample for one prompt given as token ids (the multi-turn loop calls this); ``images``:
+        the prompt's :data:`~trellis.interfaces.backend.IMAGE_INPUTS` (only an engine that lists the
+        field in its ``model_inputs`` is given them)."""
         raise NotImplementedError(f"{type(self).__name__} has no async generation")
 
     @abstractmethod

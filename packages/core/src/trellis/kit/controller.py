@@ -3,7 +3,7 @@
 from trellis.batch import Batch
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh
-from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams, sync_engine
+from trellis.interfaces.rollout import Generation, RolloutEngine, RolloutFn, SamplingParams, sync_engine, with_images
 from trellis.interfaces.transport import Bucket, Manifest, StaleWeights, WeightTransport, buckets, digest_dtype, tensor_digest, unpack
 from trellis.runtime.controller import (
     Controller,
@@ -34,6 +34,7 @@ __all__ = [
     "RolloutEngine",
     "describe_engine",
     "RolloutFn",
+    "with_images",
     "SamplingParams",
     "Generation",
     "run_rollout_fn",

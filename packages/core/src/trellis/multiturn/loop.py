@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from trellis.interfaces.agents import AgentLoop, Trajectory
-from trellis.interfaces.rollout import RolloutEngine, SamplingParams
+from trellis.interfaces.rollout import RolloutEngine, SamplingParams, with_images
 from trellis.multiturn.chat import ChatDeltas
 from trellis.multiturn.environment import AgentSpec, Environment, interaction_name
 from trellis.multiturn.tool_calls import ToolCall
@@ -36,13 +36,16 @@ class ToolAgentLoop(AgentLoop):
     """
 
     runs_tools = True
+    takes_images = True
 
     def __init__(self, engine: RolloutEngine, spec: AgentSpec, env: Environment) -> None:
         super().__init__(engine, spec, env)
         self.chat = ChatDeltas(spec.tokenizer, spec.template_kwargs)
         self._logged_error = False
 
-    async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
+    async def sample(
+        self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams, images: dict | None = None
+    ) -> Trajectory:
         s = self.settings
         traj = Trajectory(interaction=interaction_name(extra_info, list(self.env.interactions)) or "")
         interaction = self.env.interactions.get(traj.interaction)
@@ -68,7 +71,7 @@ class ToolAgentLoop(AgentLoop):
                 await self._env(tool.create(instance, **create_kwargs), tool_timeout, f"tool {name!r} create")
             while True:
                 turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, budget - len(traj.response_ids)))
-                gen = await self.engine.agenerate(prompt_ids + traj.response_ids, turn_params)
+                gen = await self.engine.agenerate(prompt_ids + traj.response_ids, turn_params, **with_images(images))
                 traj.add_model(gen)
                 # decoded to be read by the environment only; the trajectory keeps the ids
                 messages.append({"role": "assistant", "content": self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)})

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from trellis.batch import Batch
 from trellis.config import ConfigError, instantiate_options, validate
 from trellis.interfaces.agents import AgentLoop, Trajectory
-from trellis.interfaces.backend import MODEL_INPUTS
+from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams, pad_id, rollout_batch
 from trellis.multiturn.environment import AgentSpec, Environment
 from trellis.multiturn.sampled import RecordingEngine, check_sampled, recording
@@ -44,7 +44,7 @@ class AgentRollout:
         ``agent_name``, or every field (None) when a loop takes the row's other columns."""
         if any(cls.row_fields for cls in self.loops.values()):
             return None
-        return (*MODEL_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
+        return (*MODEL_INPUTS, IMAGE_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
 
     async def __call__(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` conversations per prompt, every loop's samples in flight together (up to
@@ -62,20 +62,23 @@ class AgentRollout:
         names = self.loop_names(prompts)
         limit = asyncio.Semaphore(self.spec.settings.max_concurrent_samples)
 
-        async def one(name: str, *args: Any, fields: dict[str, Any]) -> Trajectory:
+        async def one(name: str, *args: Any, fields: dict[str, Any], images: dict) -> Trajectory:
             async with limit:
                 turns = recording()  # this sample's task's own record
-                traj = await built[name].sample(*args, **({"fields": fields} if self.loops[name].row_fields else {}))
+                loop = self.loops[name]
+                extra = {**({"fields": fields} if loop.row_fields else {}), **({"images": images} if loop.takes_images else {})}
+                traj = await built[name].sample(*args, **extra)
                 check_sampled(traj, turns, name, self.spec.tokenizer)
                 return traj
 
+        images = self.images(prompts, names)
         jobs = []
         for i in range(len(prompts)):
             ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
             for j in range(params.n):
                 single = dataclasses.replace(params, n=1, seed=params.sample_seed(i * params.n + j))
                 args = (ids, prompts["raw_prompt"][i], prompts["extra_info"][i] or {}, single)
-                jobs.append(one(names[i], *args, fields=row_fields(prompts, i)))
+                jobs.append(one(names[i], *args, fields=row_fields(prompts, i), images=images[i]))
         try:
             trajectories = await asyncio.gather(*jobs)
         finally:
@@ -84,6 +87,14 @@ class AgentRollout:
         out = assemble(prompts, params, trajectories, pad_id(self.spec.tokenizer))
         out[AGENT_COLUMN] = [name for name in names for _ in range(params.n)]
         return out
+
+    def images(self, prompts: Batch, names: list[str]) -> list[dict]:
+        """Each prompt's image inputs ({}: none); a prompt with images whose loop takes none is refused."""
+        given = list(prompts[IMAGE_INPUTS]) if IMAGE_INPUTS in prompts else [{}] * len(prompts)
+        blind = next((name for name, images in zip(names, given) if images and not self.loops[name].takes_images), None)
+        if blind is not None:
+            raise ValueError(f"agent loop {blind!r} takes no images (AgentLoop.takes_images), but its prompts have images")
+        return given
 
     def build(self, name: str, engine: RolloutEngine, env: Environment) -> AgentLoop:
         """Loop ``name`` for one rollout call, with its options where ``multi_turn.agent_loops`` gives them."""

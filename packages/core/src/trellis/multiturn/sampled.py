@@ -8,7 +8,7 @@ import contextvars
 from typing import Any
 
 from trellis.interfaces.agents import Trajectory
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams, with_images
 
 _TURNS: contextvars.ContextVar[list[Generation]] = contextvars.ContextVar("trellis_sampled_turns")
 
@@ -27,8 +27,8 @@ class RecordingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        gen = await self._engine.agenerate(prompt_ids, params)
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
+        gen = await self._engine.agenerate(prompt_ids, params, **with_images(images))
         turns = _TURNS.get(None)
         if turns is not None:  # None: called outside a sample's task (nothing to check it against)
             turns.append(gen)

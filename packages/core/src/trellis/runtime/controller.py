@@ -30,6 +30,7 @@ from trellis.interfaces.rollout import (
     SamplingParams,
     sync_engine,
     weights_awake,
+    with_images,
 )
 from trellis.runtime.worker import Worker
 
@@ -204,7 +205,7 @@ class RolloutGroup:
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
         return out
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
         raise NotImplementedError
 
     def sync_weights(self, version: int) -> None:
@@ -359,8 +360,8 @@ class LocalRollout(RolloutGroup):
     def _rollout(self, prompts: Batch, params: SamplingParams, fn: RolloutFn) -> Batch:
         return asyncio.run(run_rollout_fn(fn, self.engine, prompts, params))
 
-    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        return await self.engine.agenerate(prompt_ids, params)
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
+        return await self.engine.agenerate(prompt_ids, params, **with_images(images))
 
     def _sync(self) -> None:
         if not self.shared:

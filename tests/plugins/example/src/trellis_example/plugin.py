@@ -242,8 +242,8 @@ class MarkedPrompts:
     def __init__(self, model_path, tokenizer, data):
         self.tokenizer = tokenizer
 
-    def encode(self, messages, row, where):
-        ids = trellis.encode_text(self.tokenizer, trellis.render_chat(self.tokenizer, messages, True, {}))
+    def encode(self, messages, row, where, template_kwargs):
+        ids = trellis.encode_text(self.tokenizer, trellis.render_chat(self.tokenizer, messages, True, template_kwargs))
         return [*ids, self.tokenizer.eos_token_id], None
 
     def model_inputs(self, kept):

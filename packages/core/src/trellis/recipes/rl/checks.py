@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis.config import ConfigError, instantiate_options, resolve_component
-from trellis.data import PromptDataset, PromptEncoder, PromptLoader, load_prompt_data, load_prompt_rows
+from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.interfaces.signatures import OBJECTIVE
 from trellis.memory import check_activation_memory, text_config
 from trellis.multiturn.checks import check_multi_turn
@@ -210,7 +210,7 @@ def _lookup(registry, kind: str, name: str, key: str):
 def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None, PromptLoader, PromptDataset | None]:
     """The rollout function of conversations (multi-turn runs: the agent loops the rows pick), the
     training prompt loader and the held-out prompts."""
-    encoder = image_encoder(cfg, registry, tokenizer)
+    encoder = prompt_images(cfg.model.path, cfg.data, registry, tokenizer)
     if not cfg.multi_turn.enable:
         return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed, encoder=encoder))
     spec = agent_spec(cfg.multi_turn, registry, tokenizer)
@@ -220,15 +220,14 @@ def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None
         for key, dataset in (("train_path", train.dataset), ("val_path", val))
         if dataset is not None
     }
-    return agent_rollout(spec, registry, names), train, val
-
-
-def image_encoder(cfg: DictConfig, registry, tokenizer) -> PromptEncoder | None:
-    """The prompt encoder of a ``model.path`` that takes images (:func:`prompt_images`); conversations with one are refused."""
-    encoder = prompt_images(cfg.model.path, cfg.data, registry, tokenizer)
-    if encoder is not None and cfg.multi_turn.enable:
-        raise ConfigError(f"config key 'multi_turn.enable': conversations with a vision-language model ({cfg.model.path!r}) are not supported yet")
-    return encoder
+    rollout = agent_rollout(spec, registry, names)
+    blind = [name for name, loop in rollout.loops.items() if not loop.takes_images]
+    if encoder is not None and blind:
+        raise ConfigError(
+            f"config key 'multi_turn.agent_loop': agent loop {blind[0]!r} takes no images (AgentLoop.takes_images), and the prompts of "
+            f"{cfg.model.path!r}, a vision-language model, have them; use tool_agent (the default)"
+        )
+    return rollout, train, val
 
 
 def check_data(cfg: DictConfig, registry) -> str:
