@@ -191,3 +191,19 @@ def test_the_default_dtype_follows_the_device() -> None:
 
     assert engine_dtype(None, on_gpu=True) == "bfloat16" and engine_dtype(None, on_gpu=False) == "float32"
     assert engine_dtype("float16", on_gpu=True) == "float16" and engine_dtype("float32", on_gpu=True) == "float32"
+
+
+def test_a_generation_that_raises_stop_iteration_fails_its_callers_instead_of_hanging(engine, monkeypatch):
+    """StopIteration (transformers raises it for an image slot without an image) cannot be set on a
+    future: the callers of that batch would wait forever; they get a RuntimeError."""
+
+    def stop(group):
+        raise StopIteration
+
+    monkeypatch.setattr(engine, "_generate_group", stop)
+
+    async def call():
+        return await asyncio.wait_for(engine.agenerate([1, 2, 3], SamplingParams(greedy=True, max_new_tokens=2)), 30)
+
+    with pytest.raises(RuntimeError, match="generation failed: StopIteration"):
+        asyncio.run(call())

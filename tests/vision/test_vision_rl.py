@@ -103,3 +103,28 @@ def test_conversations_on_image_prompts_train_on_the_tokens_sampled_with_the_ima
         assert row["multiturn/num_turns_mean"] > 1 and row["sync/batch_gap"] < 1e-4 and row["sync/probe_gap"] < 1e-4
     with pytest.raises(ConfigError, match="agent loop 'one_turn' takes no images .AgentLoop.takes_images., and the prompts of"):
         run(tiny_vision_model_path, data, tmp_path / "blind", *multi_turn, "multi_turn.agent_loop=one_turn", plugins=plugins)
+
+
+def test_an_image_a_tool_returns_is_shown_to_the_next_turn_and_trained_token_exactly(tiny_vision_model_path, data, tmp_path):
+    """verl's multimodal tool responses: each tool result's image expands to its slots after the model
+    turn, the next turn is generated with the prompt's image and the tool's, and the trainer reads the
+    same images in the same order (the batch check holds the log-probs of every turn to the engine's)."""
+    import feedback
+
+    tools = [
+        "multi_turn.enable=true",
+        "multi_turn.max_assistant_turns=2",
+        "multi_turn.max_response_tokens=96",
+        "multi_turn.tools=[{component: look}]",
+        "multi_turn.tool_parser=always_look",
+        "multi_turn.score=reward",
+        "data.max_prompt_length=256",  # the tool's schema is in every prompt
+    ]
+    run_dir = tmp_path / "run"
+    rows = [
+        r for r in run(tiny_vision_model_path, data, run_dir, *tools, plugins=load_plugins(extra=[("feedback", feedback)])) if "actor/grad_norm" in r
+    ]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["multiturn/num_turns_mean"] == 2 and row["multiturn/tool_calls"] == 16 * 2 and row["multiturn/tool_errors"] == 0
+        assert row["sync/batch_gap"] < 1e-4 and row["sync/probe_gap"] < 1e-4

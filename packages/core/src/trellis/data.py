@@ -161,6 +161,10 @@ class PromptEncoder(Protocol):
     def model_inputs(self, kept: Any) -> dict[str, torch.Tensor]:
         """The sample's :data:`~trellis.interfaces.backend.IMAGE_INPUTS` dict (empty: no image)."""
 
+    def encode_turn(self, text: str, images: list[Any], where: str) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """An environment turn rendered as ``text`` (one image placeholder per image, in order) as token
+        ids with each placeholder expanded, and its images' ``IMAGE_INPUTS`` dict (a tool's images)."""
+
 
 class PromptDataset:
     """Prompts tokenized with the tokenizer's chat template (generation prompt added).

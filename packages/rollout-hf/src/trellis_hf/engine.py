@@ -165,7 +165,7 @@ class HFRollout(RolloutEngine):
                 groups.setdefault((p.greedy, p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids)), []).append(request)
             for group in groups.values():
                 try:
-                    results = await asyncio.to_thread(self._generate_group, group)
+                    results = await asyncio.to_thread(_stop_iteration_raised, self._generate_group, group)
                 except Exception as exc:  # noqa: BLE001 - every caller of this batch gets the error
                     results = [exc] * len(group)
                 for (_, _, future, _), result in zip(group, results):
@@ -259,6 +259,15 @@ class _SampledLogProbs(LogitsProcessor):
         """``(rows, generated)`` log-probs, given ``generate``'s output sequences."""
         self._take(sequences[:, -1:])
         return torch.cat(self.steps, dim=1) if self.steps else sequences.new_zeros((len(sequences), 0), dtype=torch.float32)
+
+
+def _stop_iteration_raised(fn, *args):
+    """``fn(*args)`` with a StopIteration it raises (transformers does, for an image slot without an
+    image) turned into a RuntimeError: a future cannot hold one, and its callers would wait forever."""
+    try:
+        return fn(*args)
+    except StopIteration as exc:
+        raise RuntimeError(f"generation failed: StopIteration {exc}") from exc
 
 
 def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:

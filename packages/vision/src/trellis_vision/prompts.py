@@ -49,27 +49,30 @@ class ImagePrompts:
                 f"{where}: its messages place {placed} {PLACEHOLDER} but column {self.image_key!r} holds {len(images)} images; "
                 f"put one {PLACEHOLDER} in the prompt's text where each image goes, in order"
             )
-        grids = [
-            self._processed(source, size, f"{where} column {self.image_key!r} image {k}")["image_grid_thw"][0]
-            for k, (source, size) in enumerate(images)
-        ]
-        pieces = render_chat(self.tokenizer, parts, True, template_kwargs).split(self.image_token)
-        if len(pieces) != len(images) + 1:
-            raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image tokens {self.image_token!r} for {len(images)} images")
-        counts = [int(grid.prod()) // self.merge**2 for grid in grids]
-        text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
-        ids = encode_text(self.tokenizer, text)
-        if ids.count(self.image_token_id) != sum(counts):
-            raise DataError(f"{where}: the tokenizer split the image token {self.image_token!r}; it must be one special token")
-        return ids, images
+        processed = [self._processed(source, size, f"{where} column {self.image_key!r} image {k}") for k, (source, size) in enumerate(images)]
+        return self._tokens(render_chat(self.tokenizer, parts, True, template_kwargs), processed, where), images
+
+    def encode_turn(self, text: str, images: list[Any], where: str) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """An environment turn (a tool's result) rendered as ``text``, one placeholder per image: its
+        token ids with each placeholder expanded, and the images' ``pixel_values`` / ``image_grid_thw``."""
+        processed = [self._processed(*_source(image, f"{where} image {k}"), f"{where} image {k}") for k, image in enumerate(images)]
+        return self._tokens(text, processed, where), _joined(processed)
 
     def model_inputs(self, kept: list[tuple[Any, dict]]) -> dict[str, torch.Tensor]:
         """The sample's ``pixel_values`` ``(patches, channels x temporal x patch x patch)`` and
         ``image_grid_thw`` ``(images, 3)``, its images in order; empty without one."""
-        if not kept:
-            return {}
-        processed = [self._processed(source, size, "an image") for source, size in kept]
-        return {name: torch.cat([p[name] for p in processed]) for name in ("pixel_values", "image_grid_thw")}
+        return _joined([self._processed(source, size, "an image") for source, size in kept])
+
+    def _tokens(self, text: str, processed: list[dict[str, torch.Tensor]], where: str) -> list[int]:
+        """``text``'s token ids, the image token repeated once per merged patch of each processed image, in order."""
+        pieces = text.split(self.image_token)
+        if len(pieces) != len(processed) + 1:
+            raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image tokens {self.image_token!r} for {len(processed)} images")
+        counts = [int(p["image_grid_thw"][0].prod()) // self.merge**2 for p in processed]
+        ids = encode_text(self.tokenizer, pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:])))
+        if ids.count(self.image_token_id) != sum(counts):
+            raise DataError(f"{where}: the tokenizer split the image token {self.image_token!r}; it must be one special token")
+        return ids
 
     def _processed(self, source: Any, size: dict[str, int], where: str) -> dict[str, torch.Tensor]:
         image = _opened(source, where)
@@ -78,6 +81,11 @@ class ImagePrompts:
             return self.processor(images=[image], return_tensors="pt", **bounds)
         except ValueError as exc:
             raise DataError(f"{where} ({image.width}x{image.height}): the image processor refused it: {exc}") from None
+
+
+def _joined(processed: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Processed images as one ``IMAGE_INPUTS`` dict (empty for none)."""
+    return {name: torch.cat([p[name] for p in processed]) for name in ("pixel_values", "image_grid_thw")} if processed else {}
 
 
 def _listed(value: Any) -> list[Any]:

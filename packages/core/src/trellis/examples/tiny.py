@@ -27,7 +27,7 @@ from trellis.outdir import check_replaceable
 logger = logging.getLogger("trellis")
 
 FINGERPRINT_FILE = "trellis_tiny_model.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the vision chat template renders tools
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -65,12 +65,18 @@ TOOLS_CHAT_TEMPLATE = (
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
-# CHAT_TEMPLATE for content that is text or a list of parts ({"type": "image"} or {"type": "text", "text": ...}).
+# TOOLS_CHAT_TEMPLATE for content that is text or a list of parts ({"type": "image"} or {"type": "text", "text": ...}),
+# in any role (a tool result may show images).
 VISION_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for part in message['content'] %}"
     "{%- if part['type'] == 'image' %}{{- '" + IMAGE_PLACEHOLDER + "' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}{{- '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>' + '\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # A tiny vision model's images: 14-pixel patches merged 2 x 2, between 2 x 2 and 8 x 8 patches (56 to 112 pixels a side).

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trellis.interfaces.backend import join_images
+
 if TYPE_CHECKING:
     from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 
@@ -43,9 +45,13 @@ class Interaction:
 
 @dataclass
 class ToolResult:
+    """What a tool call returns to the model: ``text``, and ``images`` (bytes, paths or PIL images,
+    as verl's tool responses give them) for a vision-language model, shown before the text."""
+
     text: str
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)
 
 
 class Tool:
@@ -88,6 +94,8 @@ class Trajectory:
     malformed_calls: int = 0
     finish: str = ""
     error: str = ""
+    # the images environment turns showed the model, processed (``IMAGE_INPUTS``' dict), in the order of their slots
+    image_inputs: dict[str, Any] = field(default_factory=dict)
 
     def add_model(self, gen: Generation) -> None:
         self.response_ids += gen.token_ids
@@ -95,9 +103,12 @@ class Trajectory:
         self.log_probs += gen.log_probs
         self.assistant_turns += 1
 
-    def add_environment(self, ids: list[int]) -> None:
+    def add_environment(self, ids: list[int], images: dict[str, Any] | None = None) -> None:
+        """An environment turn's token ids (mask 0) and the processed images whose slots they hold."""
         self.response_ids += ids
         self.response_mask += [0] * len(ids)
+        if images:
+            self.image_inputs = join_images(self.image_inputs, images)
         self.log_probs += [0.0] * len(ids)
 
 

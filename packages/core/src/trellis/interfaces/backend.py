@@ -74,6 +74,23 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # processor makes them; a micro-batch's are joined on dimension 0, in sample order. A backend or engine
 # that takes images lists it in its ``model_inputs``; prompts with images are refused by the others.
 IMAGE_INPUTS = "multi_modal_inputs"
+# how many of a sample's images are its prompt's (the rest, environment turns returned), where a conversation's tools returned images
+PROMPT_IMAGES = "prompt_images"
+
+
+def join_images(*inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:data:`IMAGE_INPUTS` dicts joined into one (each input on dimension 0, in order; empty ones skipped)."""
+    given = [x for x in inputs if x]
+    return {name: torch.cat([x[name] for x in given]) for name in given[0]} if given else {}
+
+
+def first_images(inputs: Mapping[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
+    """The first ``count`` images of an :data:`IMAGE_INPUTS` dict (an image's ``pixel_values`` are its
+    grid's ``t x h x w`` rows)."""
+    if not count:
+        return {}
+    grids = inputs["image_grid_thw"][:count]
+    return {"pixel_values": inputs["pixel_values"][: int(grids.prod(-1).sum())], "image_grid_thw": grids}
 
 
 def refuse_lost_images(batch: Batch, reads: tuple[str, ...], who: str) -> None:

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification, modeling_utils
 
 from trellis.batch import Batch, last_valid_index
-from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS
+from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, join_images
 from trellis.interfaces.rollout import placeholder_ids
 
 # transformers 5.21 on: models take a (batch, seq_len) boolean `logits_to_keep` (its
@@ -218,22 +218,49 @@ def causal_lm_class(path: str):
 def image_kwargs(config, input_ids: torch.Tensor, per_sample, response_len: int = 0) -> dict:
     """What a vision-language model takes for the images of a micro-batch (``per_sample``: its
     :data:`IMAGE_INPUTS` field, None without one), empty when no sample has an image: each image
-    input joined on dimension 0 in sample order; ``input_ids`` with a placeholder token sampled in
-    the last ``response_len`` columns read as token 0 (the response ended at it,
-    :func:`~trellis.interfaces.rollout.stop_ids`, so no output read depends on it, and it has no
-    image); ``mm_token_type_ids`` ``(batch, seq_len)`` (1 on image placeholders, 2 on video ones);
+    input joined on dimension 0 in sample order (a sample's images in the order of their slots: the
+    prompt's, then those environment turns returned); ``input_ids`` with each placeholder the model
+    sampled in the last ``response_len`` columns read as token 0 (:func:`sampled_placeholders`: it
+    ended its turn, :func:`~trellis.interfaces.rollout.stop_ids`, so no output read depends on it, and
+    it has no image); ``mm_token_type_ids`` ``(batch, seq_len)`` (1 on image slots, 2 on video ones);
     ``position_ids`` None, so the model lays out its multimodal rotary positions (mrope) itself."""
     given = [inputs for inputs in (per_sample if per_sample is not None else ()) if inputs]
     if not given:
         return {}
     image, video = config.image_token_id, getattr(config, "video_token_id", None)
     if response_len:
-        response = input_ids[:, -response_len:]
-        sampled = torch.isin(response, torch.tensor(placeholder_ids(config), device=input_ids.device))
-        input_ids = torch.cat([input_ids[:, :-response_len], response.masked_fill(sampled, 0)], 1)
+        sampled = sampled_placeholders(config, input_ids[:, -response_len - 1 :])[:, 1:]
+        input_ids = torch.cat([input_ids[:, :-response_len], input_ids[:, -response_len:].masked_fill(sampled, 0)], 1)
     types = (input_ids == image).int() + (2 * (input_ids == video).int() if video is not None else 0)
-    joined = {name: torch.cat([inputs[name] for inputs in given]).to(input_ids.device) for name in given[0]}
+    joined = {name: tensor.to(input_ids.device) for name, tensor in join_images(*given).items()}
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+    if merge and "image_grid_thw" in joined:
+        slots, filled = int((types == 1).sum()), int(joined["image_grid_thw"].prod(-1).sum()) // merge**2
+        if slots != filled:
+            raise ValueError(
+                f"these token ids hold {slots} image slots and their images fill {filled}: a sample's images (multi_modal_inputs) "
+                "and the image placeholders of its token ids disagree"
+            )
     return {**joined, "input_ids": input_ids, "mm_token_type_ids": types, "position_ids": None}
+
+
+def sampled_placeholders(config, ids: torch.Tensor) -> torch.Tensor:
+    """``(batch, len)`` bool: the placeholder tokens of ``ids`` that are no image's slot. A slot is a
+    run of placeholders right after the token that opens an image (``vision_start_token_id``: the
+    chat template renders each image so, for a prompt and for an environment turn alike); a model
+    that samples a placeholder ends its turn there, and one that samples the opening token too, so
+    its placeholders never follow one. Without an opening token every placeholder counts as sampled."""
+    pads = torch.isin(ids, torch.tensor(placeholder_ids(config), device=ids.device))
+    opening = getattr(config, "vision_start_token_id", None)
+    if opening is None:
+        return pads
+    before = torch.cat([torch.zeros_like(pads[:, :1]), pads[:, :-1]], 1)
+    previous = torch.cat([torch.full_like(ids[:, :1], -1), ids[:, :-1]], 1)
+    starts = pads & ~before  # the first placeholder of each run
+    run = torch.cumsum(starts, 1) * pads  # each run's number in its row (0: no placeholder)
+    opened = torch.zeros(len(ids), int(run.max()) + 1, dtype=torch.bool, device=ids.device)
+    opened.scatter_(1, run * starts, starts & (previous == opening))
+    return pads & ~opened.gather(1, run)
 
 
 def _config(path: str, head: str):

@@ -38,10 +38,12 @@ def sleep_skipped(engine: str, why: str) -> None:
 
 def stop_ids(model_path: str | Path, tokenizer, hf_config=None) -> set[int]:
     """The model's end-of-sequence ids (its ``generation_config.json``, else its config) plus the
-    tokenizer's EOS, and a vision-language model's image and video placeholders: generation stops
-    at any of them. (A placeholder is an image's slot to the model; one sampled mid-response would
-    have the trainer's forward look for an image there. Ending the response at it keeps every
-    trained position's log-prob exact: see :func:`trellis.interfaces.hf.image_kwargs`.)"""
+    tokenizer's EOS, and a vision-language model's image and video placeholders and the token that
+    opens an image: generation stops at any of them. (A placeholder is an image's slot to the
+    model; one sampled mid-response would have the trainer's forward look for an image there.
+    Ending the response at it keeps every trained position's log-prob exact, and since a sampled
+    image opening ends a turn too, a sampled placeholder never follows one, as each image an
+    environment turn renders does: see :func:`trellis.interfaces.hf.image_kwargs`.)"""
     from transformers import AutoConfig, GenerationConfig
 
     config = hf_config or AutoConfig.from_pretrained(model_path)
@@ -52,7 +54,8 @@ def stop_ids(model_path: str | Path, tokenizer, hf_config=None) -> set[int]:
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    return ids | set(placeholder_ids(config))
+    opening = getattr(config, "vision_start_token_id", None)
+    return ids | set(placeholder_ids(config)) | ({opening} if opening is not None else set())
 
 
 def placeholder_ids(config) -> list[int]:

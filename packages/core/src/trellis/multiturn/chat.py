@@ -33,10 +33,14 @@ class ChatDeltas:
     def after_model(self, model_ids: list[int], messages: list[dict[str, Any]]) -> list[int]:
         """Token ids that follow the model turn ``model_ids``: the rest of its closing, ``messages``
         rendered, and the generation prompt."""
+        return encode_text(self.tokenizer, self.text_after_model(model_ids, messages))
+
+    def text_after_model(self, model_ids: list[int], messages: list[dict[str, Any]]) -> str:
+        """:meth:`after_model` as text, before tokenizing (a turn with images has its placeholders expanded first)."""
         full = render_chat(self.tokenizer, _BASE + list(messages), True, self.kwargs)
         if not full.startswith(self.base):
             raise ValueError("the chat template renders earlier turns differently once more follow; cannot append turns token-exactly")
-        return encode_text(self.tokenizer, self._closing_rest(model_ids) + full[len(self.base) :])
+        return self._closing_rest(model_ids) + full[len(self.base) :]
 
     def sampled_closing(self, model_ids: list[int]) -> str:
         """The start of the template's closing that the model turn sampled itself (its stop

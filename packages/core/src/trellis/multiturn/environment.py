@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trellis.config import ConfigError, instantiate_options, validate
-from trellis.data import renders_tools
+from trellis.data import PromptEncoder, renders_tools
 from trellis.interfaces.agents import Interaction, Tool
 from trellis.multiturn.config import AgentLoopConfig, InteractionConfig, MultiTurnConfig, ToolConfig
 from trellis.multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
@@ -39,6 +39,7 @@ class AgentSpec:
     template_kwargs: dict[str, Any]
     environment: EnvironmentClass | None = None
     agent_tools: dict[str, str] = field(default_factory=dict)
+    images: PromptEncoder | None = None  # a vision-language model's prompt encoder: renders the images tools return
 
     @property
     def interaction_names(self) -> list[str]:

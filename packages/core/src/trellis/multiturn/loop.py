@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from trellis.interfaces.agents import AgentLoop, Trajectory
+from trellis.interfaces.backend import join_images
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams, with_images
 from trellis.multiturn.chat import ChatDeltas
 from trellis.multiturn.environment import AgentSpec, Environment, interaction_name
@@ -71,13 +72,15 @@ class ToolAgentLoop(AgentLoop):
                 await self._env(tool.create(instance, **create_kwargs), tool_timeout, f"tool {name!r} create")
             while True:
                 turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, budget - len(traj.response_ids)))
-                gen = await self.engine.agenerate(prompt_ids + traj.response_ids, turn_params, **with_images(images))
+                shown = join_images(images or {}, traj.image_inputs)  # the prompt's images, then those tools returned
+                gen = await self.engine.agenerate(prompt_ids + traj.response_ids, turn_params, **with_images(shown))
                 traj.add_model(gen)
                 # decoded to be read by the environment only; the trajectory keeps the ids
                 messages.append({"role": "assistant", "content": self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)})
                 calls = self.env.parser.parse(messages[-1]["content"]) if self.env.tools else []
+                returned: list[Any] = []  # images the turn's tool results show the model
                 if calls:
-                    reply = await self._tools(instance, calls, traj)
+                    reply, returned = await self._tools(instance, calls, traj)
                 elif interaction is not None:
                     turn = await self._env(interaction.respond(instance, messages), timeout, "reply")
                     traj.turn_scores.append(float(turn.score))
@@ -94,11 +97,11 @@ class ToolAgentLoop(AgentLoop):
                 if traj.assistant_turns >= s.max_assistant_turns:
                     traj.finish = "max_assistant_turns"
                     break
-                delta = self.chat.after_model(gen.token_ids, reply)
+                delta, seen = self._environment_turn(gen.token_ids, reply, returned, traj)
                 if len(traj.response_ids) + len(delta) >= budget:  # no room left for a model turn
                     traj.finish = "max_response_tokens"
                     break
-                traj.add_environment(delta)
+                traj.add_environment(delta, seen)
                 traj.user_turns += reply[0]["role"] == "user"
                 messages.extend(reply)
             if episodes is not None:
@@ -111,18 +114,32 @@ class ToolAgentLoop(AgentLoop):
                 await _close(close, instance, close_timeout)
         return traj
 
-    async def _tools(self, instance: str, calls: list[ToolCall], traj: Trajectory) -> list[dict[str, str]]:
+    def _environment_turn(self, model_ids: list[int], reply: list[dict], images: list[Any], traj: Trajectory) -> tuple[list[int], dict]:
+        """The token ids after a model turn and the processed images they show (a vision-language
+        model's prompt encoder expands each image's placeholder)."""
+        if not images:
+            return self.chat.after_model(model_ids, reply), {}
+        text = self.chat.text_after_model(model_ids, reply)
+        return self.spec.images.encode_turn(text, images, f"turn {traj.assistant_turns}'s tool results")
+
+    async def _tools(self, instance: str, calls: list[ToolCall], traj: Trajectory) -> tuple[list[dict], list[Any]]:
         """Run a turn's calls concurrently; every outcome (result, bad call, exception, timeout)
-        goes back to the model as a ``tool`` message, truncated with a visible marker."""
+        goes back to the model as a ``tool`` message, truncated with a visible marker, its images
+        (a vision-language model's) before its text; also every image, in order."""
         results = await asyncio.gather(*(self._call(instance, c, traj) for c in calls))
         traj.tool_calls += len(calls)
-        return [{"role": "tool", "content": truncate(text, self.settings.max_tool_response_chars)} for text in results]
+        messages = []
+        for text, images in results:
+            text = truncate(text, self.settings.max_tool_response_chars)
+            messages.append({"role": "tool", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}] if images else text})
+        return messages, [image for _, images in results for image in images]
 
-    async def _call(self, instance: str, call: ToolCall, traj: Trajectory) -> str:
+    async def _call(self, instance: str, call: ToolCall, traj: Trajectory) -> tuple[str, list[Any]]:
+        """One call's text for the model and the images it returned (none on an error)."""
         if call.error is not None or call.name not in self.env.tools:
             traj.malformed_calls += 1
             known = ", ".join(self.env.tools)
-            return f"Error: {call.error or f'unknown tool {call.name!r}; available: {known}'}"
+            return f"Error: {call.error or f'unknown tool {call.name!r}; available: {known}'}", []
         tool, cfg = self.env.tools[call.name], self.env.tool_configs[call.name]
         limit = self.env.limits.get(call.name)
         try:
@@ -133,12 +150,15 @@ class ToolAgentLoop(AgentLoop):
                     result = await asyncio.wait_for(tool.execute(instance, call.arguments), cfg.timeout_s)
         except asyncio.TimeoutError:
             traj.tool_errors += 1
-            return f"Error: tool {call.name!r} timed out after {cfg.timeout_s:g} s"
+            return f"Error: tool {call.name!r} timed out after {cfg.timeout_s:g} s", []
         except Exception as exc:  # noqa: BLE001 - the model is told, the run goes on
             traj.tool_errors += 1
-            return f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}"
+            return f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}", []
         traj.tool_reward += float(result.reward)
-        return result.text
+        if result.images and self.spec.images is None:
+            traj.tool_errors += 1
+            return f"Error: tool {call.name!r} returned images, which this model (text only) cannot see", []
+        return result.text, list(result.images)
 
     async def _env(self, coro: Any, timeout: float, what: str) -> Any:
         try:

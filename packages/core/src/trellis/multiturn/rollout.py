@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from trellis.batch import Batch
 from trellis.config import ConfigError, instantiate_options, validate
 from trellis.interfaces.agents import AgentLoop, Trajectory
-from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS
+from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, PROMPT_IMAGES, join_images
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams, pad_id, rollout_batch
 from trellis.multiturn.environment import AgentSpec, Environment
 from trellis.multiturn.sampled import RecordingEngine, check_sampled, recording
@@ -194,6 +194,10 @@ def assemble(prompts: Batch, params: SamplingParams, trajectories: list[Trajecto
         attention[i, :length] = 1
         log_probs[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
     out = rollout_batch(prompts, params, responses, mask, log_probs, response_attention=attention)
+    if any(t.image_inputs for t in trajectories):  # each sample's images: its prompt's, then those its tools returned
+        shown = list(out.get(IMAGE_INPUTS, [{}] * n))
+        out[IMAGE_INPUTS] = [join_images(images, t.image_inputs) for images, t in zip(shown, trajectories)]
+        out[PROMPT_IMAGES] = [len(images["image_grid_thw"]) if images else 0 for images in shown]
 
     def counts(attr: str) -> torch.Tensor:
         return torch.tensor([getattr(t, attr) for t in trajectories], dtype=torch.long)

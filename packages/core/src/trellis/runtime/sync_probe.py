@@ -9,7 +9,7 @@ import torch
 
 from trellis.batch import Batch, position_ids
 from trellis.config import ranged
-from trellis.interfaces.backend import IMAGE_INPUTS
+from trellis.interfaces.backend import IMAGE_INPUTS, PROMPT_IMAGES, first_images
 from trellis.interfaces.rollout import SamplingParams
 from trellis.runtime.controller import RolloutGroup, WorkerGroup
 from trellis.runtime.invariants import InvariantFailed, describe, gap_bound
@@ -34,6 +34,12 @@ class SyncCheckConfig:
     max_gap: float | None = ranged(None, gt=0)
     max_batch_gap: float | None = ranged(None, gt=0)
     tokens: int = ranged(4, ge=1)
+
+
+def prompt_images(batch: Batch, i: int) -> dict:
+    """Sample ``i``'s prompt's images: its ``IMAGE_INPUTS`` without those a conversation's tools returned (``PROMPT_IMAGES``)."""
+    images = batch[IMAGE_INPUTS][i]
+    return first_images(images, batch[PROMPT_IMAGES][i]) if PROMPT_IMAGES in batch else images
 
 
 class SyncProbe:
@@ -70,7 +76,7 @@ class SyncProbe:
             first = next((i for i, images in enumerate(batch.get(IMAGE_INPUTS, ())) if images), 0)
             width = batch["prompts"].shape[1]
             mask = batch["attention_mask"][first : first + 1, :width]
-            images = {IMAGE_INPUTS: batch[IMAGE_INPUTS][first : first + 1]} if IMAGE_INPUTS in batch else {}
+            images = {IMAGE_INPUTS: [prompt_images(batch, first)]} if IMAGE_INPUTS in batch else {}
             self.prompt = Batch(
                 {"input_ids": batch["prompts"][first : first + 1], "attention_mask": mask, "position_ids": position_ids(mask)}, images
             )

@@ -214,6 +214,7 @@ def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None
     if not cfg.multi_turn.enable:
         return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed, encoder=encoder))
     spec = agent_spec(cfg.multi_turn, registry, tokenizer)
+    spec.images = encoder  # renders the images tools return
     train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs, encoder)
     names = {
         f"data.{key} {cfg.data[key]!r}": [(item["index"], item[AGENT_COLUMN]) for item in dataset.items]
