@@ -31,7 +31,7 @@ OPEN_ENDED = {
     "RewardModelConfig": {"path", "key"},
     "RMConfig": {"recipe"},
     "SFTConfig": {"recipe"},
-    "SFTData": {"response_key"},
+    "SFTData": {"response_key", "image_key"},
     "TeacherConfig": {"path"},
     "ToolConfig": {"component", "verl_class"},
     "TrainerConfig": {"run_dir", "threads", "resume", "resume_allow_changes"},  # threads: auto or a count; resume: auto, never or a path

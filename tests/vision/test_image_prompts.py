@@ -76,6 +76,18 @@ def test_images_read_back_from_parquet_and_resized_by_their_own_bounds(tmp_path,
     assert grids.tolist() == [[1, 8, 8], [1, 4, 4]]
 
 
+def test_jsonl_rows_name_their_images_by_path(tmp_path, tokenizer, encoder):
+    """verl's JSONL rows: an image file's path (or ``file://`` URL, or ``{"image": path}``) per ``<image>``."""
+    paths = [tmp_path / "a.png", tmp_path / "b.png"]
+    for path, count in zip(paths, (1, 3)):
+        path.write_bytes(squares("red", count, (112, 56)))
+    row = {**image_row("<image> then <image>", [], "4"), "images": [str(paths[0]), {"image": f"file://{paths[1]}"}]}
+    (read,) = load_rows(str(write_rows([row], tmp_path / "rows.jsonl")))
+    inputs = PromptDataset([read], tokenizer, 256, encoder=encoder).as_batch()[IMAGE_INPUTS][0]
+    from_bytes = PromptDataset([image_row("<image> then <image>", [p.read_bytes() for p in paths], "4")], tokenizer, 256, encoder=encoder)
+    assert torch.equal(inputs["pixel_values"], from_bytes.as_batch()[IMAGE_INPUTS][0]["pixel_values"])
+
+
 @pytest.mark.parametrize(
     ("images", "message"),
     [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import importlib
 import logging
 import signal
@@ -116,7 +117,8 @@ def check(recipe: Entry, cfg: DictConfig, registry: Registry, run_dir: Path) -> 
     check_adapters(cfg, registry)
     if "resume" not in (cfg.get("trainer") or {}):
         return None
-    return find_resume(cfg, run_dir, tuple(recipe.declared["resume_safe_keys"]))
+    read = functools.partial(config_mod.validate_recipe_config, registry=registry)
+    return find_resume(cfg, run_dir, tuple(recipe.declared["resume_safe_keys"]), read)
 
 
 def check_adapters(cfg: DictConfig, registry: Registry) -> None:

@@ -12,6 +12,7 @@ and *intact* when every file also has its recorded SHA-256; a run resumes from t
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import hashlib
@@ -19,7 +20,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -242,11 +243,14 @@ def adapter_base_mismatch(path: Path, model_path: str) -> str | None:
     return None
 
 
-def find_resume(cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = ()) -> Path | None:
+def find_resume(
+    cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = (), read: Callable[[DictConfig], DictConfig] | None = None
+) -> Path | None:
     """The checkpoint to resume from per ``trainer.resume`` (``auto``: the latest intact one in
     ``run_dir``, if any; ``never``; or a checkpoint or run folder), checked against ``cfg`` (its
     adapters' base model against ``model.path``, then the config); ``safe_keys``: the recipe's
-    keys that may differ."""
+    keys that may differ. ``read``: the saved config as the current schema reads it (the options a
+    later version added get their defaults: a run saved before them resumes as it ran), when it can."""
     resume = str(cfg.trainer.resume)
     if resume == "never":
         if complete_checkpoints(run_dir):
@@ -273,6 +277,8 @@ def find_resume(cfg: DictConfig, run_dir: Path, safe_keys: tuple[str, ...] = ())
             "model, or start a new run (another trainer.run_dir)"
         )
     saved = OmegaConf.load(path / CONFIG_FILE)
+    with contextlib.suppress(ConfigError):  # a saved config the current schema refuses is compared as written
+        saved = read(saved) if read is not None else saved
     changes = config_changes(saved, cfg, [*safe_keys, *cfg.trainer.resume_allow_changes])
     if changes:
         keys = ",".join(c.split(":", 1)[0] for c in changes)
