@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from cli_runs import run_cli as run_in_process
+from omegaconf import OmegaConf
 
 from trellis.cli import main as cli_main
 from trellis.config import ConfigError
