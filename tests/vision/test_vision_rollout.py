@@ -137,7 +137,7 @@ def test_lora_on_the_language_model_leaves_the_frozen_vision_tower_out(tiny_visi
 
 
 def test_freezing_the_vision_tower_of_a_text_model_is_refused(tiny_model_path, registry):
-    with pytest.raises(ValueError, match="'actor.backend.freeze_vision_tower' is true, but .* has no vision tower; set it to false"):
+    with pytest.raises(ValueError, match="'backend.freeze_vision_tower' is true, but .* has no vision tower; set it to false"):
         make_worker(registry, tiny_model_path, "actor", actor_options(registry), OBJECTIVES["actor"], freeze_vision_tower=True)
 
 

@@ -215,7 +215,7 @@ class FSDPBackend(Backend):
         tower = vision_tower(model)
         if tower is None:
             raise ValueError(
-                f"config key '{self.spec.role}.backend.freeze_vision_tower' is true, but {self.spec.model_path!r} "
+                f"config key 'backend.freeze_vision_tower' is true, but {self.spec.model_path!r} "
                 f"({type(model).__name__}) has no vision tower; set it to false"
             )
         return tower
