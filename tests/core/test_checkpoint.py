@@ -3,6 +3,7 @@ checkpoints ignored, recipe state and RNG restored, changed configs refused."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import random
@@ -13,8 +14,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trellis.config import ConfigError
+from trellis.config import ConfigError, validate_recipe_config
 from trellis.data import EpochLoader
+from trellis.plugins import load_plugins
 from trellis.runtime import checkpoint
 from trellis.runtime.checkpoint import config_changes, find_resume, latest_checkpoint, read_manifest, restore, save
 
@@ -177,6 +179,26 @@ def test_find_resume_per_trainer_resume(tmp_path):
     changed.data.batch_samples = 8
     with pytest.raises(ConfigError, match=r"data.batch_samples: 4 -> 8.*trainer.resume_allow_changes=\[data.batch_samples\]"):
         find_resume(changed, tmp_path)
+
+
+def test_a_checkpoint_saved_before_an_option_existed_resumes_with_the_options_default(tmp_path):
+    """The saved config is read through the current schema (``read``): an option a later version
+    added (here the images column) takes its default and is no change; a saved value that differs
+    from it still is."""
+    registry = load_plugins().registry
+    given = OmegaConf.merge(cfg(), {"model": {"path": "m"}, "data": {"train_path": "rows.jsonl"}})
+    current = validate_recipe_config(given, registry)
+    older = OmegaConf.create(OmegaConf.to_container(current))
+    del older.data["image_key"]
+    write(tmp_path, 2, config=older)
+    read = functools.partial(validate_recipe_config, registry=registry)
+    assert find_resume(current, tmp_path, read=read) == tmp_path / "checkpoint-2"
+    with pytest.raises(ConfigError, match="data.image_key: '<absent>' -> 'images'"):
+        find_resume(current, tmp_path)  # compared as written
+    older.data.image_key = "pictures"
+    write(tmp_path, 3, config=older)
+    with pytest.raises(ConfigError, match="data.image_key: 'pictures' -> 'images'"):
+        find_resume(current, tmp_path, read=read)
 
 
 def test_a_run_resumed_from_an_older_checkpoint_replaces_the_newer_ones(tmp_path):

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from cli_runs import run_cli as run_in_process
-from omegaconf import OmegaConf
 
 from trellis.cli import main as cli_main
 from trellis.config import ConfigError
@@ -277,25 +276,6 @@ def test_changed_config_is_refused_with_the_differing_keys(rl_overrides, referen
         train(None, [*overrides, *changed, "trainer.resume_allow_changes=[actor.optim]"])
     assert "data.train_batch_prompts" in str(err.value) and "actor.optim.lr" not in str(err.value)
     assert (run_dir / "config.yaml").read_text() == config_before  # a refused resume leaves the run folder as it was
-
-
-def test_a_run_saved_before_an_option_existed_resumes_with_the_options_default(rl_overrides, reference, no_model_building, tmp_path):
-    """Options a later version adds (here the images column and the frozen vision tower) take their
-    defaults when the saved config is read: the run resumes as it ran (it reaches model building)."""
-    run_dir = tmp_path / "old"
-    shutil.copytree(reference[0], run_dir)
-    for saved in run_dir.rglob("config.yaml"):
-        config = OmegaConf.load(saved)
-        del config.data["image_key"], config.backend["freeze_vision_tower"]
-        OmegaConf.save(config, saved)
-    with pytest.raises(AssertionError, match="a model was built"):
-        train(None, [*rl_overrides, f"trainer.run_dir={run_dir}", "trainer.total_steps=6"])
-    for saved in run_dir.rglob("config.yaml"):  # a saved value that differs from the default is still a change
-        config = OmegaConf.load(saved)
-        config.backend["freeze_vision_tower"] = True
-        OmegaConf.save(config, saved)
-    with pytest.raises(ConfigError, match="backend.freeze_vision_tower: True -> False"):
-        train(None, [*rl_overrides, f"trainer.run_dir={run_dir}", "trainer.total_steps=6"])
 
 
 def test_finished_run_exits_cleanly_without_building_models(rl_overrides, reference, no_model_building):
