@@ -186,7 +186,9 @@ def test_a_checkpoint_saved_before_an_option_existed_resumes_with_the_options_de
     added (here the images column) takes its default and is no change; a saved value that differs
     from it still is."""
     registry = load_plugins().registry
-    given = OmegaConf.merge(cfg(), {"model": {"path": "m"}, "data": {"train_path": "rows.jsonl"}})
+    # components of the example plugin (this session installs no algorithm or backend package)
+    components = {"backend": {"name": "example_counting"}, "train": {"loss": {"name": "example_nll"}}}
+    given = OmegaConf.merge(cfg(), {"model": {"path": "m"}, "data": {"train_path": "rows.jsonl"}}, components)
     current = validate_recipe_config(given, registry)
     older = OmegaConf.create(OmegaConf.to_container(current))
     del older.data["image_key"]
