@@ -91,8 +91,13 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "agents": (["packages/core", "packages/agents", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/agents"),
     # the judge reward against a local HTTP server, and a judge model served by the hf engine for rl runs
     "judges": (["packages/core", "packages/judges", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/judges"),
-    # image prompts through the hf engine and the FSDP backend (its worker tests' helpers), and rl runs on a tiny Qwen2-VL
-    "vision": (["packages/core", "packages/vision", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/vision"),
+    # image prompts through the hf engine and the FSDP backend (its worker tests' helpers, which import the plain backend),
+    # and rl runs on a tiny Qwen2-VL
+    "vision": (
+        ["packages/core", "packages/vision", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "tests/plugins/plain"],
+        [],
+        "tests/vision",
+    ),
     # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_with_verl
     "interactions": (
         ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
