@@ -200,9 +200,8 @@ class PromptDataset:
             messages = chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}")
             if encoder is not None:
                 ids, kept = encoder.encode(messages, row, f"row {i}", kwargs)
-            elif _has_images(row.get(image_key)):
-                raise DataError(f"row {i} holds images in column {image_key!r}, but the model takes text only; {_TEXT_ONLY_FIX}")
             else:
+                _refuse_images(row, image_key, f"row {i}")
                 ids, kept = encode_text(tokenizer, render_chat(tokenizer, messages, True, kwargs)), None
             if len(ids) > max_prompt_length:
                 too_long.append(len(ids))
@@ -252,10 +251,9 @@ class PromptDataset:
         items = [self.items[i] for i in indices]
         input_ids, attention_mask, position_ids = left_pad([it["input_ids"] for it in items], self.pad_token_id)
         fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "agent_name", "index")
-        images = {IMAGE_INPUTS: [self.encoder.model_inputs(it["kept"]) for it in items]} if self.encoder is not None else {}
         return Batch(
             {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-            {**{k: [it[k] for it in items] for k in fields}, **images, "uid": [uuid.uuid4().hex for _ in items]},
+            {**{k: [it[k] for it in items] for k in fields}, **_image_field(self.encoder, items), "uid": [uuid.uuid4().hex for _ in items]},
         )
 
     def as_batch(self) -> Batch:
@@ -288,6 +286,17 @@ def load_prompt_rows(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, An
 def _has_images(value: Any) -> bool:
     """Whether a row's image column holds any image (None, an empty list or array: none)."""
     return value is not None and len(value) > 0
+
+
+def _refuse_images(row: dict[str, Any], image_key: str, where: str) -> None:
+    """Refuse a row with images for a model that takes text only (no prompt encoder)."""
+    if _has_images(row.get(image_key)):
+        raise DataError(f"{where} holds images in column {image_key!r}, but the model takes text only; {_TEXT_ONLY_FIX}")
+
+
+def _image_field(encoder: PromptEncoder | None, items: list[dict[str, Any]]) -> dict[str, list]:
+    """The batch field of the items' images (:data:`IMAGE_INPUTS`, from what their encoder kept); none without an encoder."""
+    return {IMAGE_INPUTS: [encoder.model_inputs(it["kept"]) for it in items]} if encoder is not None else {}
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -439,8 +448,8 @@ class SFTDataset:
         truncated = dropped = 0
         for i, row in enumerate(rows):
             images, kept = _has_images(row.get(image_key)), None
-            if images and encoder is None:
-                raise DataError(f"SFT row {i} holds images in column {image_key!r}, but the model takes text only; {_TEXT_ONLY_FIX}")
+            if encoder is None:
+                _refuse_images(row, image_key, f"SFT row {i}")
             if row.get(messages_key) is not None:
                 if images:
                     raise DataError(f"SFT row {i}: chat messages with images are not supported yet; give a prompt and a response column")
@@ -649,9 +658,7 @@ class SFTLoader(EpochLoader):
         else:
             tensors, index = _right_pad(items, self.dataset.pad_token_id), [it["index"] for it in items]
         meta = {"num_samples": len(items), "num_loss_tokens": int(tensors["loss_mask"].sum()), "packed": self.pack}
-        encoder = self.dataset.encoder
-        images = {IMAGE_INPUTS: [encoder.model_inputs(it["kept"]) for it in items]} if encoder is not None else {}
-        return Batch(tensors, {"index": index, **images}, meta)
+        return Batch(tensors, {"index": index, **_image_field(self.dataset.encoder, items)}, meta)
 
 
 def sft_batches(

@@ -49,38 +49,53 @@ class ImagePrompts:
                 f"{where}: its messages place {placed} {PLACEHOLDER} but column {self.image_key!r} holds {len(images)} images; "
                 f"put one {PLACEHOLDER} in the prompt's text where each image goes, in order"
             )
-        processed = [self._processed(source, size, f"{where} column {self.image_key!r} image {k}") for k, (source, size) in enumerate(images)]
-        return self._tokens(render_chat(self.tokenizer, parts, True, template_kwargs), processed, where), images
+        # the token counts from the images' sizes alone: the pixels are processed for each batch, not twice
+        counts = [self._slots(source, size, f"{where} column {self.image_key!r} image {k}") for k, (source, size) in enumerate(images)]
+        return self._tokens(render_chat(self.tokenizer, parts, True, template_kwargs), counts, where), images
 
     def encode_turn(self, text: str, images: list[Any], where: str) -> tuple[list[int], dict[str, torch.Tensor]]:
         """An environment turn (a tool's result) rendered as ``text``, one placeholder per image: its
         token ids with each placeholder expanded, and the images' ``pixel_values`` / ``image_grid_thw``."""
         processed = [self._processed(*_source(image, f"{where} image {k}"), f"{where} image {k}") for k, image in enumerate(images)]
-        return self._tokens(text, processed, where), _joined(processed)
+        counts = [int(p["image_grid_thw"][0].prod()) // self.merge**2 for p in processed]
+        return self._tokens(text, counts, where), _joined(processed)
 
     def model_inputs(self, kept: list[tuple[Any, dict]]) -> dict[str, torch.Tensor]:
         """The sample's ``pixel_values`` ``(patches, channels x temporal x patch x patch)`` and
         ``image_grid_thw`` ``(images, 3)``, its images in order; empty without one."""
         return _joined([self._processed(source, size, "an image") for source, size in kept])
 
-    def _tokens(self, text: str, processed: list[dict[str, torch.Tensor]], where: str) -> list[int]:
-        """``text``'s token ids, the image token repeated once per merged patch of each processed image, in order."""
+    def _tokens(self, text: str, counts: list[int], where: str) -> list[int]:
+        """``text``'s token ids, its image tokens repeated ``counts`` times (each image's merged patches), in order."""
         pieces = text.split(self.image_token)
-        if len(pieces) != len(processed) + 1:
-            raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image tokens {self.image_token!r} for {len(processed)} images")
-        counts = [int(p["image_grid_thw"][0].prod()) // self.merge**2 for p in processed]
+        if len(pieces) != len(counts) + 1:
+            raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image tokens {self.image_token!r} for {len(counts)} images")
         ids = encode_text(self.tokenizer, pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:])))
         if ids.count(self.image_token_id) != sum(counts):
             raise DataError(f"{where}: the tokenizer split the image token {self.image_token!r}; it must be one special token")
         return ids
 
+    def _slots(self, source: Any, size: dict[str, int], where: str) -> int:
+        """How many image tokens the image takes: its merged patches at the size the processor resizes
+        it to (decoded, so an unreadable image is refused now, naming ``where``)."""
+        image = _opened(source, where)
+        edges = self._edges(size)
+        bounds = {"min_pixels": edges["shortest_edge"], "max_pixels": edges["longest_edge"]}
+        try:
+            return self.processor.get_number_of_image_patches(image.height, image.width, bounds) // self.merge**2
+        except ValueError as exc:
+            raise DataError(f"{where} ({image.width}x{image.height}): the image processor refused it: {exc}") from None
+
     def _processed(self, source: Any, size: dict[str, int], where: str) -> dict[str, torch.Tensor]:
         image = _opened(source, where)
         try:
-            bounds = {"size": {edge: size.get(edge, self.processor.size[edge]) for edge in ("shortest_edge", "longest_edge")}} if size else {}
-            return self.processor(images=[image], return_tensors="pt", **bounds)
+            return self.processor(images=[image], return_tensors="pt", **({"size": self._edges(size)} if size else {}))
         except ValueError as exc:
             raise DataError(f"{where} ({image.width}x{image.height}): the image processor refused it: {exc}") from None
+
+    def _edges(self, size: dict[str, int]) -> dict[str, int]:
+        """An image's pixel bounds (``shortest_edge``, ``longest_edge``): its own where given, else the processor's."""
+        return {edge: size.get(edge, self.processor.size[edge]) for edge in ("shortest_edge", "longest_edge")}
 
 
 def _joined(processed: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

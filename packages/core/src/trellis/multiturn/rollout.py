@@ -71,7 +71,7 @@ class AgentRollout:
                 check_sampled(traj, turns, name, self.spec.tokenizer)
                 return traj
 
-        images = self.images(prompts, names)
+        images = list(prompts[IMAGE_INPUTS]) if IMAGE_INPUTS in prompts else [{}] * len(prompts)  # loops that take none refused at build
         jobs = []
         for i in range(len(prompts)):
             ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
@@ -87,14 +87,6 @@ class AgentRollout:
         out = assemble(prompts, params, trajectories, pad_id(self.spec.tokenizer))
         out[AGENT_COLUMN] = [name for name in names for _ in range(params.n)]
         return out
-
-    def images(self, prompts: Batch, names: list[str]) -> list[dict]:
-        """Each prompt's image inputs ({}: none); a prompt with images whose loop takes none is refused."""
-        given = list(prompts[IMAGE_INPUTS]) if IMAGE_INPUTS in prompts else [{}] * len(prompts)
-        blind = next((name for name, images in zip(names, given) if images and not self.loops[name].takes_images), None)
-        if blind is not None:
-            raise ValueError(f"agent loop {blind!r} takes no images (AgentLoop.takes_images), but its prompts have images")
-        return given
 
     def build(self, name: str, engine: RolloutEngine, env: Environment) -> AgentLoop:
         """Loop ``name`` for one rollout call, with its options where ``multi_turn.agent_loops`` gives them."""
@@ -117,7 +109,8 @@ def agent_rollout(spec: AgentSpec, registry: Registry, data: Mapping[str, Iterab
     """The rollout function for ``data``'s rows: per data file (named as in errors, e.g.
     ``data.train_path 'x.parquet'``), each row's ``(row number, agent_name)``. Every name, and
     ``multi_turn.agent_loop``, must be an installed agent loop or one of ``multi_turn.agent_loops``;
-    the error names the row, the name and the loops there are (checked before any model is built)."""
+    the error names the row, the name and the loops there are (checked before any model is built).
+    With image prompts (``spec.images``) every loop used must take them."""
     default = spec.settings.agent_loop
     try:
         used = {default: registry.get("agent_loop", default).obj}
@@ -141,6 +134,12 @@ def agent_rollout(spec: AgentSpec, registry: Registry, data: Mapping[str, Iterab
                     f"{AGENT_COLUMN} use multi_turn.agent_loop={default!r})"
                 )
             used[name] = configured[name][0] if name in configured else registry.get("agent_loop", name).obj
+    blind = [name for name, loop in used.items() if not loop.takes_images]
+    if spec.images is not None and blind:
+        raise ConfigError(
+            f"config key 'multi_turn.agent_loop': agent loop {blind[0]!r} takes no images (AgentLoop.takes_images), and the prompts of "
+            "a vision-language model have them; use tool_agent (the default)"
+        )
     return AgentRollout(spec, used, {name: configured[name][1] for name in used if name in configured})
 
 

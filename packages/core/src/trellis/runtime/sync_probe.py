@@ -36,7 +36,7 @@ class SyncCheckConfig:
     tokens: int = ranged(4, ge=1)
 
 
-def prompt_images(batch: Batch, i: int) -> dict:
+def _prompt_images_of(batch: Batch, i: int) -> dict:
     """Sample ``i``'s prompt's images: its ``IMAGE_INPUTS`` without those a conversation's tools returned (``PROMPT_IMAGES``)."""
     images = batch[IMAGE_INPUTS][i]
     return first_images(images, batch[PROMPT_IMAGES][i]) if PROMPT_IMAGES in batch else images
@@ -76,7 +76,7 @@ class SyncProbe:
             first = next((i for i, images in enumerate(batch.get(IMAGE_INPUTS, ())) if images), 0)
             width = batch["prompts"].shape[1]
             mask = batch["attention_mask"][first : first + 1, :width]
-            images = {IMAGE_INPUTS: [prompt_images(batch, first)]} if IMAGE_INPUTS in batch else {}
+            images = {IMAGE_INPUTS: [_prompt_images_of(batch, first)]} if IMAGE_INPUTS in batch else {}
             self.prompt = Batch(
                 {"input_ids": batch["prompts"][first : first + 1], "attention_mask": mask, "position_ids": position_ids(mask)}, images
             )

@@ -214,21 +214,14 @@ def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None
     if not cfg.multi_turn.enable:
         return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed, encoder=encoder))
     spec = agent_spec(cfg.multi_turn, registry, tokenizer)
-    spec.images = encoder  # renders the images tools return
+    spec.images = encoder  # renders the images tools return; the loops used must take images
     train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs, encoder)
     names = {
         f"data.{key} {cfg.data[key]!r}": [(item["index"], item[AGENT_COLUMN]) for item in dataset.items]
         for key, dataset in (("train_path", train.dataset), ("val_path", val))
         if dataset is not None
     }
-    rollout = agent_rollout(spec, registry, names)
-    blind = [name for name, loop in rollout.loops.items() if not loop.takes_images]
-    if encoder is not None and blind:
-        raise ConfigError(
-            f"config key 'multi_turn.agent_loop': agent loop {blind[0]!r} takes no images (AgentLoop.takes_images), and the prompts of "
-            f"{cfg.model.path!r}, a vision-language model, have them; use tool_agent (the default)"
-        )
-    return rollout, train, val
+    return agent_rollout(spec, registry, names), train, val
 
 
 def check_data(cfg: DictConfig, registry) -> str:
