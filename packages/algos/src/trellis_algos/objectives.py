@@ -21,10 +21,11 @@ from trellis_algos.value_loss import clipped_value_loss
 
 class PolicyObjective:
     """The actor's PPO-family loss: ``policy_loss - entropy_coeff * entropy + kl_loss_coef * KL +
-    distill.coef * D(student, teacher)``, every term aggregated over the global mini-batch with
-    ``loss_agg_mode``. The distillation term (``distill.coef`` > 0) compares the student's
-    log-probs at the teacher's top ids (forward output ``top_ids_log_probs``) with the teacher's
-    (``teacher_top_log_probs``); ``distill.use_policy_loss`` false drops the policy loss.
+    distill.coef * D(student, teacher) + router_aux_loss_coef * aux``, every term aggregated over the
+    global mini-batch with ``loss_agg_mode`` (the mixture-of-experts load-balancing loss ``aux``: the
+    mean over the mini-batch's sequences of their micro-batch's, the model's own formula). The
+    distillation term (``distill.coef`` > 0) compares the student's log-probs at the teacher's top ids
+    (forward output ``top_ids_log_probs``) with the teacher's (``teacher_top_log_probs``); ``distill.use_policy_loss`` false drops the policy loss.
 
     Rollout correction (the policy loss's ``rollout_is`` / ``rollout_rs`` keys, verl's decoupled
     mode): importance weights between ``old_log_probs`` and ``rollout_log_probs`` multiply the
@@ -37,7 +38,7 @@ class PolicyObjective:
     (a broken weight sync, a precision mismatch) show in every run.
     """
 
-    summed = frozenset({"pg_loss", "entropy_loss", "kl_loss", "distill_loss"})
+    summed = frozenset({"pg_loss", "entropy_loss", "kl_loss", "distill_loss", "router_aux_loss"})
 
     def __init__(self, options: Any, registry: Any) -> None:
         self.options = options
@@ -49,7 +50,13 @@ class PolicyObjective:
         self.correction = opts if corrected and not getattr(self.policy_loss, "corrects_rollout", False) else None
         self.is_batch_mean: torch.Tensor | None = None
         self.kl = registry.get("kl", options.kl_loss_type).obj if options.use_kl_loss else None
-        self.outputs = ("log_probs",) + ("entropy",) * (options.entropy_coeff != 0) + ("top_ids_log_probs",) * bool(self.distill)
+        self.aux_coef = getattr(options, "router_aux_loss_coef", 0.0)
+        self.outputs = (
+            ("log_probs",)
+            + ("entropy",) * (options.entropy_coeff != 0)
+            + ("top_ids_log_probs",) * bool(self.distill)
+            + ("router_aux_loss",) * (self.aux_coef > 0)
+        )
         self.inputs = (
             ("responses", "response_mask", "old_log_probs", "advantages", "rollout_log_probs")
             + (("ref_log_probs",) if self.kl else ())
@@ -120,6 +127,11 @@ class PolicyObjective:
             term = agg_loss(divergence, mask, agg)
             loss = loss + self.options.distill.coef * term
             metrics["distill_loss"] = float(term.detach())
+        if "router_aux_loss" in outputs:
+            # each row holds its micro-batch's load-balancing loss: summed over the mini-batch's sequences, their mean
+            aux = outputs["router_aux_loss"].sum() / (agg.global_seqs or len(micro))
+            loss = loss + self.aux_coef * aux
+            metrics["router_aux_loss"] = float(aux.detach())
         return loss, metrics
 
     def _divergence(self, micro: Batch, student: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,9 @@ from trellis.kit.backend import (
     IMAGE_INPUTS,
     IMPLEMENTATIONS,
     MODEL_INPUTS,
+    MOE_OUTPUTS,
     OUTPUTS,
+    ROUTED_EXPERTS,
     Backend,
     BackendSpec,
     LossFn,
@@ -131,7 +133,7 @@ class FSDPBackend(Backend):
     adapters = True
     adapter_requires = ("peft", "trellis-backend-fsdp[lora]")
     verbs = ADAPTER_VERBS
-    model_inputs = (*MODEL_INPUTS, IMAGE_INPUTS)  # a vision-language model's images too
+    model_inputs = (*MODEL_INPUTS, IMAGE_INPUTS, ROUTED_EXPERTS)  # a vision-language model's images, an MoE policy's recorded routes
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -139,7 +141,7 @@ class FSDPBackend(Backend):
         self.base: dict[str, str] | None = None  # the base model's fingerprint, once an adapter checkpoint needs it
         if self.adapter is not None and spec.head != "lm":
             raise ValueError(f"config key '{spec.role}.adapter.rank'={self.adapter.rank}: adapters are for the lm head only; set it to 0")
-        self.outputs = OUTPUTS + ("base_log_probs",) * (self.adapter is not None)
+        self.outputs = (*OUTPUTS, *MOE_OUTPUTS) + ("base_log_probs",) * (self.adapter is not None)
         self.opts: FSDPOptions = spec.options if spec.options is not None else FSDPOptions()
         self.device = device_for(spec.dist)
         self.offloaded: list[HostCopy] = []

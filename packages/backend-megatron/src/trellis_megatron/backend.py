@@ -32,6 +32,7 @@ from trellis.kit.backend import (
     LossFn,
     WeightBucket,
     device_for,
+    expert_counts,
     get_rng_state,
     leave_process_group,
     lr_factor,
@@ -84,6 +85,12 @@ class MegatronBackend(Backend):
             model_parallel_cuda_manual_seed(self.spec.seed)
         dtype = DTYPES[self.opts.activation_dtype(self.device.type)]
         self.hf_config = AutoConfig.from_pretrained(self.spec.model_path)
+        if expert_counts(self.hf_config) is not None:
+            raise ValueError(
+                f"model {self.spec.model_path!r} ({self.hf_config.model_type}) is a mixture-of-experts model, which the megatron "
+                "backend does not build in this version (its bridge builds dense GPT models; expert parallelism and routing replay "
+                "are not wired); use backend.name=fsdp for it"
+            )
         self.bridge = make_bridge(
             self.hf_config,
             dtype,

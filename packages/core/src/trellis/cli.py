@@ -141,6 +141,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_position_embeddings=args.max_position_embeddings,
             vision=args.vision,
+            moe=args.moe,
         )
     except (ValueError, FileExistsError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
@@ -228,6 +229,7 @@ def all_commands(plugins: Plugins) -> Commands:
     p.add_argument("--untied", action="store_true", help="separate output head (default: tied to the embeddings)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vision", action="store_true", help="a Qwen2-VL: a one-block vision tower, the vision tokens and an image processor")
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE: 4 experts per layer, each token routed to 2")
     add("demo", cmd_demo, help="SFT then GRPO on arithmetic with a tiny model; prints a before/after table (see trellis demo -h)")
     p = add(
         "plot",

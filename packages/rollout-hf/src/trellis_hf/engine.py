@@ -5,6 +5,7 @@ generation from the actor's own model when it lives whole in this process (``ado
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,16 +23,19 @@ from trellis import Batch, choice, ranged
 from trellis.kit.engine import (
     IMAGE_INPUTS,
     MODEL_INPUTS,
+    ROUTED_EXPERTS,
     Generation,
     RolloutEngine,
     RolloutSpec,
     SamplingParams,
     causal_lm_class,
     engine_dtype,
+    generated_routes,
     image_kwargs,
     left_pad,
     pad_id,
     prepare_update,
+    recorded_routes,
     rollout_batch,
     sampling_generator,
     stop_ids,
@@ -103,17 +107,26 @@ class HFRollout(RolloutEngine):
         size = self.opts.micro_batch_prompts or len(prompts)
         parts = [self._generate_tokens(p, params, generator) for p in prompts.split(size)]
         width = max(p[0].shape[1] for p in parts)
-        responses = torch.cat([_pad_right(r, width, self.pad_id) for r, _ in parts])
-        log_probs = torch.cat([_pad_right(lp, width, 0.0) for _, lp in parts])
+        responses = torch.cat([_pad_right(r, width, self.pad_id) for r, _, _ in parts])
+        log_probs = torch.cat([_pad_right(lp, width, 0.0) for _, lp, _ in parts])
         stops = self.eos_ids | set(params.stop_token_ids)
-        return rollout_batch(prompts, params, responses, _mask_through_first_stop(responses, stops), log_probs)
+        out = rollout_batch(prompts, params, responses, _mask_through_first_stop(responses, stops), log_probs)
+        if params.return_routed_experts:
+            full = out["input_ids"].shape[1]
+            routes = torch.cat([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, full - r.shape[1]), value=-1) for _, _, r in parts])
+            out[ROUTED_EXPERTS] = routes.masked_fill(~out["attention_mask"].bool()[..., None, None], -1)
+        return out
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
         """The generator a call samples from: one seeded with ``params.seed``, else the engine's own."""
         return self.generator if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
 
-    def _generate_tokens(self, prompts: Batch, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled tokens ``(b*n, new)`` and their log-probs under softmax(logits / temperature)."""
+    def _generate_tokens(
+        self, prompts: Batch, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sampled tokens ``(b*n, new)``, their log-probs under softmax(logits / temperature), and with
+        ``return_routed_experts`` the experts each prompt and sampled token went to ``(b*n, prompt_len + new,
+        layers, top_k)`` (-1 on the last token, which no forward ran)."""
         ids = prompts["input_ids"].repeat_interleave(params.n, dim=0).to(self.device)
         mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0).to(self.device)
         per_prompt = prompts.get(IMAGE_INPUTS)
@@ -123,8 +136,9 @@ class HFRollout(RolloutEngine):
         processors = [recorder] if greedy else [recorder, _Sampler(params, generator)]
         model, training = self.model, self.model.training
         model.eval()  # an adopted actor's model is in training mode: no dropout while sampling
+        recording = recorded_routes(model) if params.return_routed_experts else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), recording as calls:
                 # generate decodes greedily: _Sampler leaves the drawn token the only one possible
                 out = model.generate(
                     input_ids=ids,
@@ -142,7 +156,8 @@ class HFRollout(RolloutEngine):
                 )
         finally:
             model.train(training)
-        return out[:, ids.shape[1] :].cpu(), recorder.result(out).cpu()
+        routes = generated_routes(calls, len(out), out.shape[1]) if calls is not None else None
+        return out[:, ids.shape[1] :].cpu(), recorder.result(out).cpu(), routes
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
         """One sample. Concurrent calls are batched: the requests waiting when a batch starts go
@@ -180,7 +195,7 @@ class HFRollout(RolloutEngine):
         params = group[0][1]
         ids, mask, _ = left_pad([r[0] for r in group], self.pad_id)
         longest = max(r[1].max_new_tokens for r in group)
-        tokens, log_probs = self._generate_tokens(
+        tokens, log_probs, _ = self._generate_tokens(
             Batch({"input_ids": ids, "attention_mask": mask}, {IMAGE_INPUTS: [r[3] for r in group]}),
             SamplingParams(**{**params.__dict__, "n": 1, "max_new_tokens": longest}),
             self._generator(params),

@@ -81,6 +81,8 @@ VISION_CHAT_TEMPLATE = (
 )
 # A tiny vision model's images: 14-pixel patches merged 2 x 2, between 2 x 2 and 8 x 8 patches (56 to 112 pixels a side).
 PATCH, MERGE = 14, 2
+# A tiny mixture-of-experts model's experts per layer and experts per token.
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 MIN_PIXELS, MAX_PIXELS = (2 * PATCH) ** 2 * 4, (2 * PATCH) ** 2 * 16
 
 # Role words the chat template adds, so that BPE learns them as whole tokens.
@@ -101,6 +103,7 @@ def make_tiny_model(
     seed: int = 0,
     max_position_embeddings: int = 512,
     vision: bool = False,
+    moe: bool = False,
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model folder at ``out_dir`` and return its path.
 
@@ -108,6 +111,8 @@ def make_tiny_model(
         language model's width) before the same language model, the vision tokens in the tokenizer
         (:data:`VISION_TOKENS`), a chat template that renders image parts, and the image processor
         (``preprocessor_config.json``: 56 to 112 pixels a side); texts are still the tokenizer's.
+    moe: a Qwen3-MoE instead: every layer's MLP is :data:`MOE_EXPERTS` experts of width
+        ``intermediate_size / 4``, each token routed to the top :data:`MOE_TOP_K` (weights renormalised).
 
     texts: the text the tokenizer is trained on (e.g. ``trellis.examples.tasks.task_texts()``).
     intermediate_size: MLP width; None = ``4 * hidden_size``.
@@ -139,7 +144,10 @@ def make_tiny_model(
         "seed": seed,
         "max_position_embeddings": max_position_embeddings,
         **({"vision": True} if vision else {}),
+        **({"moe": True} if moe else {}),
     }
+    if vision and moe:
+        raise ValueError("make_tiny_model: vision and moe together are not built; choose one")
     fingerprint = _fingerprint(args, texts)
     if _read_fingerprint(out) == fingerprint:
         logger.debug("tiny model at %s is up to date", out)
@@ -208,7 +216,7 @@ def make_tiny_tokenizer(texts: Iterable[str], vocab_size: int | None = None, vis
 
 def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config
     from transformers.utils import logging as hf_logging
 
     fast = make_tiny_tokenizer(texts, args["vocab_size"], args.get("vision", False))
@@ -231,9 +239,11 @@ def _build(folder: Path, texts: list[str], args: dict[str, Any]) -> None:
     )
     if args.get("vision"):
         config = _vision_config(config, tok)
+    if args.get("moe"):
+        config = _moe_config(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args["seed"])
-        model = (_vision_model_class() if args.get("vision") else Qwen2ForCausalLM)(config).to(torch.float32)
+        model = _model_class(args)(config).to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -279,10 +289,21 @@ def _vision_config(text: Any, tok: Any) -> Any:
     )
 
 
-def _vision_model_class() -> Any:
-    from transformers import Qwen2VLForConditionalGeneration
+def _moe_config(text: Any) -> Any:
+    """Qwen3-MoE with ``text``'s sizes: experts a quarter of its MLP width, no shared expert."""
+    from transformers import Qwen3MoeConfig
 
-    return Qwen2VLForConditionalGeneration
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    keep += ("max_position_embeddings", "tie_word_embeddings", "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id")
+    sizes = {key: getattr(text, key) for key in keep}
+    experts = {"num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K, "moe_intermediate_size": text.intermediate_size // 4}
+    return Qwen3MoeConfig(**sizes, **experts, head_dim=text.hidden_size // text.num_attention_heads, norm_topk_prob=True, dtype="float32")
+
+
+def _model_class(args: dict[str, Any]) -> Any:
+    from transformers import Qwen2ForCausalLM, Qwen2VLForConditionalGeneration, Qwen3MoeForCausalLM
+
+    return Qwen2VLForConditionalGeneration if args.get("vision") else Qwen3MoeForCausalLM if args.get("moe") else Qwen2ForCausalLM
 
 
 def _image_processor() -> Any:

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from trellis.batch import Batch, last_valid_index
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, join_images
+from trellis.interfaces.moe import MOE_OUTPUTS, ROUTED_EXPERTS, ROUTER_REPLAY, RouterHooks
 from trellis.interfaces.rollout import placeholder_ids
 
 # transformers 5.21 on: models take a (batch, seq_len) boolean `logits_to_keep` (its
@@ -363,10 +364,8 @@ def _packed_inputs(micro: Batch, device: torch.device) -> tuple[dict[str, torch.
             f"backend.padding_free packs samples by their position_ids, which must start at 0 on each sample's first attended "
             f"token; these start at {first.tolist()}: give position_ids = trellis.batch.position_ids(attention_mask), or set padding_free=false"
         )
-    index = torch.full(mask.shape, -1, dtype=torch.long)
-    index[mask] = torch.arange(int(mask.sum()))
     inputs = {"input_ids": micro["input_ids"][mask][None].to(device), "position_ids": micro["position_ids"][mask][None].to(device)}
-    return inputs, mask, index
+    return inputs, mask, _packed_rows(mask)
 
 
 def _packed_images(model: torch.nn.Module, micro: Batch, text_positions: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -478,7 +477,37 @@ def forward_outputs(
     to the model's device) and return the named ``outputs``; ``padding_free``: as one packed
     sequence (:func:`packed_outputs`). Only positions whose output is used go through the LM
     head: those predicting response tokens, or, for ``label_log_probs`` of a micro-batch with a
-    ``loss_mask``, those predicting a token in the loss (``label_log_probs`` is 0 elsewhere)."""
+    ``loss_mask``, those predicting a token in the loss (``label_log_probs`` is 0 elsewhere).
+
+    A mixture-of-experts policy (head ``lm``) replays the micro-batch's recorded
+    :data:`~trellis.interfaces.moe.ROUTED_EXPERTS` when its meta says ``router_replay: rollout``
+    (counting where its own routing differs under ``measure`` too), and returns the router outputs
+    (:data:`~trellis.interfaces.moe.MOE_OUTPUTS`) asked for."""
+    moe = tuple(o for o in outputs if o in MOE_OUTPUTS)
+    mode = micro.meta.get(ROUTER_REPLAY, "off")
+    routes = micro.get(ROUTED_EXPERTS) if mode != "off" and head not in SCALAR_HEADS else None
+    if not moe and routes is None:
+        return _outputs(model, micro, outputs, head, chunk_size, padding_free)
+    mask = micro["attention_mask"].bool()
+    rows = _packed_rows(mask) if padding_free else torch.arange(mask.numel()).reshape(mask.shape)
+    flat = None if routes is None else (routes[mask] if padding_free else routes.flatten(0, 1))
+    hooks = RouterHooks(model, flat, replay=mode == "rollout", keep_logits=bool(set(moe) - {"routing_flips"}))
+    rest = tuple(o for o in outputs if o not in MOE_OUTPUTS) or ("log_probs",)
+    with hooks.active():
+        out = _outputs(model, micro, rest, head, chunk_size, padding_free)
+    return {**{k: v for k, v in out.items() if k in outputs}, **hooks.outputs(model, moe, rows, mask)}
+
+
+def _packed_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq_len)``: each attended position's row in the packed sequence, -1 elsewhere."""
+    index = torch.full(mask.shape, -1, dtype=torch.long)
+    index[mask] = torch.arange(int(mask.sum()))
+    return index
+
+
+def _outputs(
+    model: torch.nn.Module, micro: Batch, outputs: tuple[str, ...], head: str, chunk_size: int | None, padding_free: bool
+) -> dict[str, torch.Tensor]:
     if padding_free:
         return packed_outputs(model, micro, outputs, head, chunk_size)
     device = next(model.parameters()).device

@@ -76,7 +76,10 @@ def pad_id(tokenizer) -> int:
 
 @dataclass
 class SamplingParams:
-    """n samples per prompt; temperature 0 (or ``greedy``) means argmax decoding."""
+    """n samples per prompt; temperature 0 (or ``greedy``) means argmax decoding.
+    return_routed_experts: a mixture-of-experts model's experts per token come back in the batch
+    field ``routed_experts`` (:data:`trellis.interfaces.moe.ROUTED_EXPERTS`; an engine that cannot
+    record them leaves it out)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -86,6 +89,7 @@ class SamplingParams:
     greedy: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    return_routed_experts: bool = False
 
     def at_step(self, step: int, samples_per_step: int) -> SamplingParams:
         """These params for trainer step ``step`` (1-based). Per-request seeds are opt-in: with a

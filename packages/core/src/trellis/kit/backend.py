@@ -16,6 +16,7 @@ from trellis.interfaces.backend import (
 )
 from trellis.interfaces.dispatch import RANK0, Mesh, Route
 from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model, value_outputs, vision_tower
+from trellis.interfaces.moe import MOE_OUTPUTS, ROUTED_EXPERTS, expert_counts
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, lr_factor, make_optimizer, schedule_step
 from trellis.interfaces.process_group import device_for, join_process_group, leave_process_group
 from trellis.rng import get_rng_state, set_rng_state
@@ -31,6 +32,10 @@ __all__ = [
     "OUTPUTS",
     "MODEL_INPUTS",
     "IMAGE_INPUTS",
+    # a mixture-of-experts policy's recorded routes (replayed by forward_outputs) and its router outputs
+    "ROUTED_EXPERTS",
+    "MOE_OUTPUTS",
+    "expert_counts",
     # verbs a backend serves beyond the role worker's (Backend.verbs), and how each is dealt over the ranks
     "Route",
     "RANK0",

@@ -3,6 +3,7 @@
 from trellis.data import left_pad
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, WeightBucket, weight_buckets
 from trellis.interfaces.hf import causal_lm_class, image_kwargs
+from trellis.interfaces.moe import ROUTED_EXPERTS, generated_routes, recorded_routes
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
     KV_CACHE,
@@ -43,6 +44,10 @@ __all__ = [
     # a Hugging Face folder's model class (vision-language or text) and a micro-batch's image inputs to it
     "causal_lm_class",
     "image_kwargs",
+    # a mixture-of-experts model's experts per token, recorded while it generates (SamplingParams.return_routed_experts)
+    "ROUTED_EXPERTS",
+    "recorded_routes",
+    "generated_routes",
     # prompts in, samples out: (batch, prompt_len) left-padded, (batch, response_len) right-padded
     "left_pad",
     "rollout_batch",

@@ -10,6 +10,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trellis.config import ConfigError, choice, component, ranged, switch
 from trellis.data import PromptEncoder
+from trellis.interfaces.moe import REPLAY_MODES
 from trellis.interfaces.optim import LR_SCHEDULES
 from trellis.interfaces.signatures import AGG_MODES
 from trellis.memory import model_config
@@ -228,6 +229,10 @@ class ActorConfig(BatchingConfig):
     kl_loss_type: str = choice("low_var_kl", kind="kl")
     entropy_coeff: float = ranged(0.0, ge=0)
     mask_truncated: bool = False  # rl: samples cut by sampling.max_new_tokens leave the actor's loss (DAPO's overlong filtering)
+    # rl, a mixture-of-experts model: the engine records each token's experts; ``measure`` counts where the trainer's
+    # routing differs (moe/routing_flip_rate), ``rollout`` replays them in every forward of the policy (R3; docs/moe.md)
+    router_replay: str = choice("off", REPLAY_MODES)
+    router_aux_loss_coef: float = ranged(0.0, ge=0)  # a mixture-of-experts model's load-balancing loss in the actor's loss
     adapter: AdapterConfig = field(default_factory=AdapterConfig)  # rank > 0: train a LoRA adapter, not the full weights
     distill: DistillConfig = field(default_factory=DistillConfig)  # coef > 0: a teacher's divergence in the loss (rl)
 

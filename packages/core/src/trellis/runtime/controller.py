@@ -22,6 +22,7 @@ from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.interfaces.backend import MODEL_INPUTS, DistInfo, refuse_lost_images
 from trellis.interfaces.dispatch import Mesh, Route, batch_position
+from trellis.interfaces.moe import refuse_lost_routes
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
     Generation,
@@ -123,6 +124,7 @@ class WorkerGroup:
         if at is not None and route.inputs is not None:
             given = args[at]
             refuse_lost_images(given, route.inputs, f"the backend of role {self.role!r}")
+            refuse_lost_routes(given, route.inputs, f"the backend of role {self.role!r}")
             shipped = given.select(*[k for k in route.inputs if k in given])
             if self.ships:
                 self.bytes_given += batch_bytes(given)

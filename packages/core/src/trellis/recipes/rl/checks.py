@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from trellis.config import ConfigError, instantiate_options, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
+from trellis.interfaces.moe import expert_counts
 from trellis.interfaces.signatures import OBJECTIVE
 from trellis.memory import check_activation_memory, text_config
 from trellis.multiturn.checks import check_multi_turn
@@ -43,6 +44,7 @@ def check(cfg: DictConfig, registry) -> None:
         service.check(cfg, registry)  # before the reward's checks, which call the servers of the sources a service answers
     check_reward(cfg.reward, registry, cfg.recipe, services)
     check_inputs(cfg)
+    check_experts(cfg)
     check_context(cfg)
     staleness_bound(cfg.trainer)
     partial_chunk(cfg.trainer, cfg.multi_turn.enable)
@@ -65,6 +67,30 @@ def check(cfg: DictConfig, registry) -> None:
     check_activation_memory(cfg, registry, "actor", seq_len, seq_len - cfg.data.max_prompt_length)
     if "groups" in declared and cfg.sampling.n < 2 and cfg.actor.distill.use_policy_loss:  # else the advantages are not used
         log.warning("advantage %r compares samples of one prompt; with sampling.n=1 every advantage is 0", cfg.algorithm.advantage.name)
+
+
+def check_experts(cfg: DictConfig) -> None:
+    """``actor.router_replay`` and ``actor.router_aux_loss_coef`` need a mixture-of-experts model;
+    recorded routes travel with single-turn samples generated in one piece."""
+    actor = cfg.actor
+    asked = [key for key, on in (("router_replay", actor.router_replay != "off"), ("router_aux_loss_coef", actor.router_aux_loss_coef > 0)) if on]
+    if asked and expert_counts(text_config(cfg.model.path)) is None:
+        raise ConfigError(
+            f"config key 'actor.{asked[0]}'={actor[asked[0]]!r}: model.path {cfg.model.path!r} has no experts (a dense model), "
+            f"so it would be ignored; remove it, or train a mixture-of-experts model"
+        )
+    if actor.router_replay == "off":
+        return
+    if cfg.multi_turn.enable:
+        raise ConfigError(
+            f"config key 'actor.router_replay'={actor.router_replay!r}: conversations (multi_turn.enable) do not carry the "
+            "engine's routes yet; set actor.router_replay: off for multi-turn runs"
+        )
+    if cfg.trainer.partial_rollout:
+        raise ConfigError(
+            f"config key 'actor.router_replay'={actor.router_replay!r}: a partial rollout's chunks run under different "
+            "weights and do not carry one routing; set trainer.partial_rollout: false or actor.router_replay: off"
+        )
 
 
 def check_batch_sizes(cfg: DictConfig, registry) -> int:

@@ -12,8 +12,10 @@ from omegaconf import DictConfig
 
 from trellis.batch import Batch, last_valid_index
 from trellis.config import instantiate_options, resolve_component
+from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, without_replay
 from trellis.interfaces.rollout import SamplingParams
 from trellis.interfaces.signatures import AdvantageInputs
+from trellis.memory import text_config
 from trellis.recipes.options import without_adapter
 from trellis.recipes.rl.ahead import staleness_metrics
 from trellis.recipes.rl.checks import needs, on_policy_update
@@ -62,7 +64,11 @@ class Learner:
         # (a critic's values or a teacher's log-probs give advantages whatever the rewards), and
         # leave a distillation loss without the policy loss training all the same
         run.signals.watch_reward = "groups" in self.needs and cfg.actor.distill.use_policy_loss
-        self.on_policy = on_policy_update(cfg, registry, self.needs, cfg.data.train_batch_prompts * cfg.sampling.n)
+        # a mixture-of-experts policy: its router figures come from the old-log-prob forward, which measures the routing flips
+        self.experts = expert_counts(text_config(cfg.model.path))
+        self.replay = cfg.actor.router_replay
+        self.router_outputs = ("router_entropy",) * bool(self.experts) + ("routing_flips",) * (self.replay != "off")
+        self.on_policy = self.replay == "off" and on_policy_update(cfg, registry, self.needs, cfg.data.train_batch_prompts * cfg.sampling.n)
         self.async_run = async_run
 
     @property
@@ -95,12 +101,14 @@ class Learner:
             )  # fmt: skip
             return {**reward_metrics, "actor/skipped_no_model_tokens": 1.0}
         batch.meta["step"] = step
+        mark_replay(batch, self.replay, cfg.rollout.name)
         check_alignment(batch, step)
         run.log_samples(step, batch, batch["token_scores"].sum(-1), tokenizer)
         old = None  # on-policy: the actor's update computes them in its first forward
         if not self.on_policy:
             with timer("old_log_prob"):
-                old = self.actor.log_prob(batch, with_entropy=True, with_sum_sq_probs="sum_sq_probs" in self.needs)
+                wanted = ("log_probs", "entropy", *("sum_sq_probs",) * ("sum_sq_probs" in self.needs), *self.router_outputs)
+                old = self.actor.forward(batch, wanted)
                 batch["old_log_probs"] = old["log_probs"]
                 if "sum_sq_probs" in old:
                     batch["sum_sq_probs"] = old["sum_sq_probs"]
@@ -112,7 +120,7 @@ class Learner:
                     batch["ref_log_probs"] = self.ref.log_prob(batch)["log_probs"]
         teacher_metrics = {}
         if self.teacher is not None:
-            with timer("teacher"):
+            with timer("teacher"), without_replay(batch):  # the routes are the policy's, not the teacher's
                 teacher_metrics = score_samples(self.teacher, batch, self.teacher_top_k)
         if self.critic is not None:
             with timer("values"):
@@ -141,6 +149,7 @@ class Learner:
             **sync_metrics,
             **_kl_summary(update_metrics, kl_metrics),
             **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
+            **(router_metrics(batch, old, self.experts[0]) if self.experts and old is not None else {}),
             **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),
             **({"response/masked_truncated": float(truncated(batch, params, tokenizer).sum())} if cfg.actor.mask_truncated else {}),
             "response/length_mean": float(mask.sum(-1).mean()),

@@ -105,7 +105,7 @@ class SampleSource:
         self.cfg, self.run, self.rollout, self.loader, self.agent = cfg, run, rollout, loader, agent
         self.reward_fn, self.tokenizer, self.needs, self.bound = reward_fn, tokenizer, estimator_needs, bound
         self.scorer = scorer_of(reward_fn, agent, cfg.reward.max_error_rate)
-        self.sampling = SamplingParams(**cfg.sampling)
+        self.sampling = SamplingParams(**cfg.sampling, return_routed_experts=cfg.actor.router_replay != "off")
         self.samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
         self.dynamic = cfg.algorithm.dynamic_sampling
         self.multiple = group_multiple(cfg, run.registry, self.samples_per_step) if self.dynamic.enable else 1

@@ -1,0 +1,257 @@
+"""Mixture-of-experts RL on a tiny Qwen3-MoE: the HF engine records each token's experts, the trainer
+replays them (routing replay, R3) or counts where its own routing differs, the load-balancing loss
+joins the actor's loss, and GRPO runs end to end on FSDP with the router figures in every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from trellis.batch import Batch, position_ids
+from trellis.config import ConfigError
+from trellis.examples.tasks import task_texts
+from trellis.examples.tiny import make_tiny_model
+from trellis.interfaces.hf import forward_outputs, load_hf_model
+from trellis.interfaces.moe import ROUTED_EXPERTS, ROUTER_REPLAY, recorded_routes, generated_routes, routers
+from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+from trellis_hf.engine import HFRollout, HFRolloutOptions
+
+PROMPTS = ["1+2=", "12+34=", "7+7=", "40+13="]  # mixed prompt widths
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-moe", task_texts(), hidden_size=32, num_layers=2, seed=0, moe=True))
+
+
+def _prompts(tokenizer, texts=PROMPTS) -> Batch:
+    ids = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    return Batch({"input_ids": ids["input_ids"], "attention_mask": ids["attention_mask"], "position_ids": position_ids(ids["attention_mask"])})
+
+
+def _engine(path: str, dtype: str = "float32") -> HFRollout:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return HFRollout(RolloutSpec(model_path=path, tokenizer=tokenizer, options=HFRolloutOptions(dtype=dtype, share_actor_weights=False), seed=0))
+
+
+def _trainer(path: str):
+    """The model as a backend loads it (``load_hf_model``: the KV cache off), in eval mode."""
+    return load_hf_model(path, "lm", torch.float32).eval()
+
+
+def _routes_of_forward(model, batch: Batch) -> torch.Tensor:
+    """The experts a full forward (no cache) of ``batch``'s sequences routes each token to ``(batch, seq_len, layers, k)``."""
+    with torch.no_grad(), recorded_routes(model) as calls:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    return generated_routes(calls, len(batch), batch["input_ids"].shape[1])
+
+
+def _same_experts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
+def test_the_hf_engine_records_the_experts_of_every_token_it_ran(moe_path):
+    """Routes come back in the columns of input_ids, for the prompt and every sampled token but the
+    last (which no forward ran: -1), and -1 on padding; a float32 engine's equal a full forward's."""
+    engine = _engine(moe_path)
+    model = _trainer(moe_path)
+    assert len(routers(model)) == 2
+    out = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=2, max_new_tokens=6, return_routed_experts=True))
+    routes = out[ROUTED_EXPERTS]
+    assert routes.shape == (*out["input_ids"].shape, 2, 2) and routes.dtype == torch.int16
+    known = routes[..., 0] >= 0  # (batch, seq_len, layers)
+    attended = out["attention_mask"].bool()
+    last = attended.long().cumsum(-1) == attended.sum(-1, keepdim=True)  # each sample's last token
+    assert torch.equal(known[..., 0], attended & ~last)
+    assert _same_experts(routes, _routes_of_forward(model, out))[known].all()
+    plain = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=2, max_new_tokens=6))
+    assert ROUTED_EXPERTS not in plain  # recorded only when asked
+
+
+def test_rounds_of_other_prompt_widths_merge_with_their_routes_aligned(moe_path):
+    """Dynamic sampling merges rounds with Batch.cat(pad=True): the routes move with their tokens."""
+    engine = _engine(moe_path)
+    model = _trainer(moe_path)
+    params = SamplingParams(n=2, max_new_tokens=5, return_routed_experts=True)
+    rounds = [engine.generate(_prompts(engine.tokenizer, texts), params) for texts in (PROMPTS[:1], PROMPTS[1:])]
+    assert rounds[0]["input_ids"].shape[1] != rounds[1]["input_ids"].shape[1]
+    merged = Batch.cat(rounds, pad=True)
+    routes = merged[ROUTED_EXPERTS]
+    known = (routes[..., 0] >= 0) & merged["attention_mask"].bool()[..., None]
+    assert known.any() and _same_experts(routes, _routes_of_forward(model, merged))[known].all()
+
+
+def test_replaying_the_models_own_routes_changes_nothing_and_other_routes_change_the_log_probs(moe_path):
+    engine = _engine(moe_path)
+    model = _trainer(moe_path)
+    batch = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=2, max_new_tokens=6, return_routed_experts=True))
+    batch[ROUTED_EXPERTS] = torch.where(batch[ROUTED_EXPERTS] >= 0, _routes_of_forward(model, batch), -1).to(torch.int16)
+    with torch.no_grad():
+        plain = forward_outputs(model, batch, ("log_probs",), "lm")["log_probs"]
+        batch.meta[ROUTER_REPLAY] = "rollout"
+        own = forward_outputs(model, batch, ("log_probs", "routing_flips"), "lm")
+        known = batch[ROUTED_EXPERTS] >= 0
+        batch[ROUTED_EXPERTS] = torch.where(known, (batch[ROUTED_EXPERTS] + 1) % 4, -1).to(torch.int16)
+        other = forward_outputs(model, batch, ("log_probs", "routing_flips"), "lm")
+    assert torch.equal(own["log_probs"], plain) and own["routing_flips"].sum() == 0
+    mask = batch["response_mask"].bool()
+    assert (other["log_probs"] - plain)[mask].abs().max() > 1e-3
+    # every (token, layer) pair now differs from the model's own choice: the flips count them all
+    pairs = (known[..., 0] & batch["attention_mask"].bool()[..., None]).sum((1, 2)).float()
+    assert torch.equal(other["routing_flips"], pairs)
+
+
+def test_padded_and_padding_free_forwards_replay_the_same_experts(moe_path):
+    """Packing the samples changes the float32 rounding and with it some of the trainer's own routes;
+    replaying the engine's, both layouts give the engine's log-probs to float rounding."""
+    engine = _engine(moe_path)
+    model = _trainer(moe_path)
+    batch = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=4, max_new_tokens=8, return_routed_experts=True))
+    mask = batch["response_mask"].bool()
+    batch.meta[ROUTER_REPLAY] = "rollout"
+    with torch.no_grad():
+        for padding_free in (False, True):
+            out = forward_outputs(model, batch, ("log_probs",), "lm", padding_free=padding_free)["log_probs"]
+            torch.testing.assert_close(out[mask], batch["rollout_log_probs"][mask], rtol=0, atol=1e-5)
+
+
+def _near_tie(path: str, out: str, nudge: float) -> str:
+    """``path``'s model with experts 2 and 3 of every router tied exactly (``nudge`` 0), or with
+    expert 3's router row ``nudge`` above expert 2's along a random direction: where the two are
+    next in line, rounding decides which one a token goes to."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in routers(model):
+            router.weight[3] = router.weight[2] + nudge * torch.randn(router.weight.shape[1], generator=generator)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return out
+
+
+def test_with_replay_the_trainers_log_probs_equal_the_engines_where_its_routing_differs(moe_path, tmp_path):
+    """The trainer's routers tie experts 2 and 3 exactly; the engine's break the tie by 1e-6 (standing
+    in for an engine whose numerics differ by rounding). Without replay the trainer routes some tokens
+    to the other expert and its log-probs move; replaying the engine's experts, they equal the
+    engine's to float rounding."""
+    trainer_path = _near_tie(moe_path, str(tmp_path / "tied"), 0.0)
+    engine = _engine(_near_tie(moe_path, str(tmp_path / "nudged"), 1e-6))
+    trainer = _trainer(trainer_path)
+    batch = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=4, max_new_tokens=8, return_routed_experts=True))
+    mask = batch["response_mask"].bool()
+    gaps, flips = {}, {}
+    for mode in ("measure", "rollout"):
+        batch.meta[ROUTER_REPLAY] = mode
+        with torch.no_grad():
+            out = forward_outputs(trainer, batch, ("log_probs", "routing_flips"), "lm")
+        gaps[mode] = float((out["log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
+        flips[mode] = float(out["routing_flips"].sum())
+    assert flips["measure"] > 0 and gaps["measure"] > 1e-4
+    assert gaps["rollout"] < 1e-5
+
+
+def test_the_load_balancing_loss_is_the_models_own(moe_path):
+    """``router_aux_loss`` equals what the model adds with ``output_router_logits`` (its
+    ``aux_loss``) over the same attended tokens, padded or packed, with gradient to the routers."""
+    tokenizer = AutoTokenizer.from_pretrained(moe_path)
+    model = load_hf_model(moe_path, "lm", torch.float32)
+    batch = _prompts(tokenizer)
+    batch["responses"] = batch["input_ids"][:, -2:]
+    expected = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, output_router_logits=True).aux_loss
+    for padding_free in (False, True):
+        out = forward_outputs(model, batch, ("log_probs", "router_aux_loss", "router_entropy"), "lm", padding_free=padding_free)
+        assert out["router_aux_loss"].shape == (len(batch),)
+        torch.testing.assert_close(out["router_aux_loss"][0], expected)
+        assert ((0 < out["router_entropy"]) & (out["router_entropy"] <= torch.log(torch.tensor(4.0)))).all()
+        model.zero_grad()
+        out["router_aux_loss"][0].backward()
+        assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))
+
+
+def test_a_moe_whose_experts_are_copies_of_one_mlp_is_the_dense_model(moe_path):
+    """Where the math allows, the MoE is the dense model: every expert the same MLP, the chosen
+    experts' weights renormalised to 1, so the forward is a Qwen3's with that MLP."""
+    moe = _trainer(moe_path)
+    config = moe.config
+    dense_config = Qwen3Config(**{k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_parameters")},
+                               intermediate_size=config.moe_intermediate_size)  # fmt: skip
+    dense = Qwen3ForCausalLM(dense_config).eval()
+    state = {k: v for k, v in moe.state_dict().items() if ".mlp." not in k}
+    with torch.no_grad():
+        for i, layer in enumerate(moe.model.layers):
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(experts.gate_up_proj[:1].expand_as(experts.gate_up_proj))
+            experts.down_proj.copy_(experts.down_proj[:1].expand_as(experts.down_proj))
+            gate, up = experts.gate_up_proj[0].chunk(2, dim=0)
+            state |= {f"model.layers.{i}.mlp.gate_proj.weight": gate, f"model.layers.{i}.mlp.up_proj.weight": up}
+            state[f"model.layers.{i}.mlp.down_proj.weight"] = experts.down_proj[0]
+    dense.load_state_dict(state, strict=True)
+    batch = _prompts(AutoTokenizer.from_pretrained(moe_path))
+    batch["responses"] = batch["input_ids"][:, -3:]
+    with torch.no_grad():
+        a = forward_outputs(moe, batch, ("log_probs",), "lm")["log_probs"]
+        b = forward_outputs(dense, batch, ("log_probs",), "lm")["log_probs"]
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def near_tie_path(moe_path, tmp_path_factory):
+    return _near_tie(moe_path, str(tmp_path_factory.mktemp("models") / "near-tie"), 1e-4)
+
+
+@pytest.mark.parametrize("mode", ["measure", "rollout"])
+def test_grpo_trains_a_moe_on_fsdp_with_a_bf16_engine_and_reports_its_routing(run_recipe, near_tie_path, data_files, tmp_path, mode):
+    """GRPO on FSDP beside a bfloat16 HF engine: rounding routes some tokens to other experts than
+    the float32 trainer would (moe/routing_flip_rate > 0); the load-balancing loss trains with it."""
+    base = [
+        "recipe=rl", f"model.path={near_tie_path}", f"data.train_path={data_files['train']}", "data.train_batch_prompts=4",
+        "sampling.n=4", "sampling.max_new_tokens=6", "actor.micro_batch_samples=8", "actor.optim.lr=1e-3", "trainer.total_steps=2",
+        "trainer.trackers=[jsonl]", "rollout.dtype=bfloat16", "rollout.share_actor_weights=false", "sync_check.max_gap=100",
+        "validation.before_train=false",
+    ]  # fmt: skip
+    _, rows = run_recipe(tmp_path / mode, base, (f"actor.router_replay={mode}", "actor.router_aux_loss_coef=0.01"))
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:
+        assert 0 < row["moe/routing_flip_rate"] < 0.5
+        assert 1.0 <= row["moe/load_max/layer0"] <= 4.0 and 0 < row["moe/router_entropy"] <= 1.3863
+        assert row["actor/router_aux_loss"] > 0
+
+
+def test_one_step_ahead_runs_carry_their_routes(run_rl_moe):
+    rows = run_rl_moe("actor.router_replay=rollout", "trainer.async_mode=one_step")
+    assert all("moe/routing_flip_rate" in r for r in rows if "reward/mean" in r)
+
+
+@pytest.fixture
+def run_rl_moe(run_recipe, moe_path, data_files, tmp_path):
+    def run(*overrides: str):
+        base = [
+            "recipe=rl", f"model.path={moe_path}", f"data.train_path={data_files['train']}", "data.train_batch_prompts=4",
+            "sampling.n=4", "sampling.max_new_tokens=6", "actor.micro_batch_samples=8", "trainer.total_steps=2",
+            "trainer.trackers=[jsonl]", "validation.before_train=false",
+        ]  # fmt: skip
+        return run_recipe(tmp_path / "run", base, overrides)[1]
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("actor.router_replay=rollout", "multi_turn.enable=true"), "conversations"),
+        (("actor.router_replay=measure", "trainer.async_mode=fully_async", "trainer.partial_rollout=true"), "partial rollout"),
+    ],
+    ids=["multi_turn", "partial_rollout"],
+)
+def test_replay_where_routes_cannot_travel_is_refused_by_name(run_rl_moe, overrides, message):
+    with pytest.raises(ConfigError, match=f"actor.router_replay.*{message}"):
+        run_rl_moe(*overrides)
+
+
+@pytest.mark.parametrize("key", ["actor.router_replay=rollout", "actor.router_aux_loss_coef=0.01"])
+def test_moe_settings_on_a_dense_model_are_refused_naming_the_key(run_rl, key):
+    with pytest.raises(ConfigError, match=f"'{key.split('=')[0]}'.*no experts"):
+        run_rl(key)
