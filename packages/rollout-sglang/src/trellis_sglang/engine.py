@@ -32,6 +32,7 @@ from trellis.kit.engine import (
     RolloutEngine,
     RolloutSpec,
     SamplingParams,
+    checkpoint_names,
     context_length,
     engine_dtype,
     engine_weights,
@@ -76,6 +77,7 @@ class SGLangRollout(RolloutEngine):
 
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
+        self.to_checkpoint = checkpoint_names(hf_config)  # the trainer's in-memory names are not all the checkpoint's (MoE experts)
         self.weight_dtype = option_dtype(engine_dtype(self.opts.dtype, not self.on_cpu))
 
         kwargs = engine_args(self.opts, spec, hf_config, self.on_cpu)
@@ -211,7 +213,7 @@ class SGLangRollout(RolloutEngine):
 
         self._ready("load_weights")
         start = time.perf_counter()
-        update = prepare_update(weights, self.expected_shapes, self.tied, shapes=shapes)
+        update = prepare_update(weights, self.expected_shapes, self.tied, shapes=shapes, rename=self.to_checkpoint)
         if not update.manifest:
             return
         manager = self.engine.tokenizer_manager

