@@ -89,7 +89,7 @@ def test_every_string_option_with_a_fixed_set_of_values_declares_and_enforces_it
     open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold", "recipe"}  # names, criteria lists
     checked = {s.__name__: assert_choices_enforced(s, plugins.registry, open_ended) for s in schemas}
     assert checked["VanillaOptions"] == 1 and checked["BypassOptions"] == 2  # rollout_is; loss_type
-    assert (checked["GPGOptions"], checked["SPINConfig"], checked["ActorConfig"], checked["AlgorithmConfig"]) == (1, 1, 2, 2)
+    assert (checked["GPGOptions"], checked["SPINConfig"], checked["ActorConfig"], checked["AlgorithmConfig"]) == (1, 1, 3, 2)
 
 
 def test_components_run_by_name_with_default_options(plugins):

@@ -378,3 +378,24 @@ def test_verl_async_keys_without_the_async_entry_point_are_named_with_the_entry_
     assert "async_mode" not in conversion.config.get("trainer", {})
     silent = convert(read_verl([*given[:2], "trainer.v1.trainer_mode=sync", "async_training.partial_rollout=false"]))
     assert silent.unmapped == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "replay", "unmapped"),
+    [
+        (["actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "actor_rollout_ref.actor.megatron.router_replay.mode=R3"], "rollout", None),
+        (["actor_rollout_ref.rollout.enable_rollout_routing_replay=True"], "measure", None),
+        (["actor_rollout_ref.actor.veomni.router_replay.mode=disabled"], None, None),
+        (["actor_rollout_ref.actor.megatron.router_replay.mode=R2"], None, "replays the trainer's own routing"),
+    ],
+    ids=["R3", "recorded-only", "disabled", "R2"],
+)
+def test_verls_routing_replay_keys_convert_to_actor_router_replay(overrides, replay, unmapped):
+    given = read_verl(["data.train_files=/nowhere/train.parquet", "trainer.total_training_steps=2", *overrides])
+    conversion = convert(given, load_plugins().registry)
+    assert conversion.config.get("actor", {}).get("router_replay") == replay
+    why = {key: reason for key, _, reason in conversion.unmapped}
+    if unmapped is None:
+        assert not [k for k in why if "router" in k or "routing" in k]
+    else:
+        assert unmapped in why["actor_rollout_ref.actor.megatron.router_replay.mode"]

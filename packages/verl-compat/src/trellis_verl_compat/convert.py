@@ -253,6 +253,16 @@ def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
     ]
 
 
+def _router_replay(value: Any, src: Source) -> Any:
+    """verl's routing-replay mode: R3 replays the engine's experts (trellis's ``rollout``); R2 the
+    trainer's own from its old-log-prob forward, which trellis does not record."""
+    if value == "R3":
+        return "rollout"
+    if value == "disabled":
+        return SKIP
+    raise Unmapped(f"{value!r} replays the trainer's own routing of the old-log-prob forward; trellis replays the engine's (R3: rollout)")
+
+
 def _batching(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
     return [
         Rule(verl_prefix + "ppo_mini_batch_size", trellis_prefix + "mini_batch_samples", _times_n, "prompts x rollout.n = samples"),
@@ -324,6 +334,13 @@ RULES: tuple[Rule, ...] = (
     Rule(AR + "model.enable_gradient_checkpointing", "backend.activation_checkpointing"),
     Rule(AR + "model.use_remove_padding", "backend.padding_free"),
     Rule(ACTOR + "freeze_vision_tower", "backend.freeze_vision_tower"),
+    Rule(
+        ROLLOUT + "enable_rollout_routing_replay",
+        "actor.router_replay",
+        lambda v, s: "measure" if v else SKIP,
+        "true: the engine records each token's experts (R3 replays them)",
+    ),
+    *(Rule(ACTOR + f"{engine}.router_replay.mode", "actor.router_replay", _router_replay, "R3 -> rollout") for engine in ("megatron", "veomni")),
     Rule(ACTOR + "fsdp_config.model_dtype", "backend.dtype", _dtype, "fp32 -> float32, bf16 -> bfloat16"),
     Rule(ACTOR + "fsdp_config.param_offload", "backend.offload_params", note="while the engine generates"),
     Rule(ACTOR + "fsdp_config.optimizer_offload", "backend.offload_optimizer", note="while the engine generates"),

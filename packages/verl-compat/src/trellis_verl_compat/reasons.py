@@ -136,8 +136,7 @@ REASONS: tuple[tuple[str, str], ...] = (
     (ROLLOUT + "trace.*", "no rollout tracing (mlflow / weave traces of verl)"),
     (ROLLOUT + "prometheus.*", "no Prometheus metrics of the engine"),
     (ROLLOUT + "mtp", "no multi-token-prediction speculative decoding"),
-    (ROLLOUT + "enable_rollout_routing_replay", "trellis trains dense models (no routing replay)"),
-    (ROLLOUT + "moe_load_balance_metrics_interval", "trellis trains dense models"),
+    (ROLLOUT + "moe_load_balance_metrics_interval", "trellis reports each MoE layer's expert load every step (moe/load_max/layer{i})"),
     (ROLLOUT + "disaggregation.*", "no prefill/decode disaggregation"),
     (AR + "nccl_timeout", "trainer.ray_call_timeout_s bounds every call to the ranks"),
     *(
