@@ -4,9 +4,11 @@ joins the actor's loss, and GRPO runs end to end on FSDP with the router figures
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from trellis.batch import Batch, position_ids
 from trellis.config import ConfigError
@@ -23,6 +25,22 @@ PROMPTS = ["1+2=", "12+34=", "7+7=", "40+13="]  # mixed prompt widths
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-moe", task_texts(), hidden_size=32, num_layers=2, seed=0, moe=True))
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_path(moe_path, tmp_path_factory):
+    """A tiny Qwen2-MoE (a shared expert beside 4 routed ones, top 2, weights not renormalised) with the tiny MoE's tokenizer."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = AutoConfig.from_pretrained(moe_path)
+    sizes = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**sizes, **experts, norm_topk_prob=False, tie_word_embeddings=True, pad_token_id=0))
+    out = tmp_path_factory.mktemp("models") / "tiny-qwen2-moe"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(moe_path).save_pretrained(out)
+    return str(out)
 
 
 def _prompts(tokenizer, texts=PROMPTS) -> Batch:
@@ -82,9 +100,11 @@ def test_rounds_of_other_prompt_widths_merge_with_their_routes_aligned(moe_path)
     assert known.any() and _same_experts(routes, _routes_of_forward(model, merged))[known].all()
 
 
-def test_replaying_the_models_own_routes_changes_nothing_and_other_routes_change_the_log_probs(moe_path):
-    engine = _engine(moe_path)
-    model = _trainer(moe_path)
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_replaying_the_models_own_routes_changes_nothing_and_other_routes_change_the_log_probs(moe_path, qwen2_moe_path, family):
+    path = moe_path if family == "qwen3_moe" else qwen2_moe_path
+    engine = _engine(path)
+    model = _trainer(path)
     batch = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=2, max_new_tokens=6, return_routed_experts=True))
     batch[ROUTED_EXPERTS] = torch.where(batch[ROUTED_EXPERTS] >= 0, _routes_of_forward(model, batch), -1).to(torch.int16)
     with torch.no_grad():
@@ -196,6 +216,26 @@ def test_a_moe_whose_experts_are_copies_of_one_mlp_is_the_dense_model(moe_path):
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_a_trainers_update_is_renamed_to_the_checkpoints_names_an_engine_loads(moe_path, tiny_model_path):
+    """vLLM and SGLang load checkpoint names (one tensor per expert); the trainer holds transformers'
+    fused experts. ``checkpoint_names`` turns the update into exactly the checkpoint's tensors, which
+    ``prepare_update`` then checks against the folder, whole or streamed with a manifest."""
+    from trellis.interfaces.weights import checkpoint_names, engine_weights, prepare_update
+
+    config = AutoConfig.from_pretrained(moe_path)
+    expected, tied = engine_weights(moe_path, config)
+    state = _trainer(moe_path).state_dict()
+    rename = checkpoint_names(config)
+    whole = prepare_update(list(state.items()), expected, tied, rename=rename)
+    assert {name for name, _ in whole.manifest} == set(expected)  # the tied head completed from the embedding
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
+    tensors = dict(whole.tensors)
+    assert torch.equal(tensors["model.layers.1.mlp.experts.3.up_proj.weight"], gate_up[3, gate_up.shape[1] // 2 :])
+    streamed = prepare_update(iter(state.items()), expected, tied, shapes={k: v.shape for k, v in state.items()}, rename=rename)
+    assert streamed.manifest == whole.manifest and all(torch.equal(t, tensors[n]) for n, t in streamed.tensors)
+    assert checkpoint_names(AutoConfig.from_pretrained(tiny_model_path)) is None  # a dense model's names are its checkpoint's
+
+
 @pytest.fixture(scope="module")
 def near_tie_path(moe_path, tmp_path_factory):
     return _near_tie(moe_path, str(tmp_path_factory.mktemp("models") / "near-tie"), 1e-4)
@@ -223,6 +263,19 @@ def test_grpo_trains_a_moe_on_fsdp_with_a_bf16_engine_and_reports_its_routing(ru
 def test_one_step_ahead_runs_carry_their_routes(run_rl_moe):
     rows = run_rl_moe("actor.router_replay=rollout", "trainer.async_mode=one_step")
     assert all("moe/routing_flip_rate" in r for r in rows if "reward/mean" in r)
+
+
+def test_steps_made_ahead_keep_their_routes_through_a_checkpoint(run_rl_moe, tmp_path):
+    """The exact schedule checkpoints the steps generated ahead; resumed from checkpoint 1, step 2
+    trains on the saved samples, routes included (without them it would stop naming the engine)."""
+    ahead = ("actor.router_replay=rollout", "trainer.async_mode=fully_async", "trainer.max_staleness=1", "trainer.save_every_steps=1")
+    first = run_rl_moe(*ahead)
+    shutil.rmtree(tmp_path / "run" / "checkpoint-2")
+    again = run_rl_moe(*ahead)
+    step2 = [r for r in again if r.get("step") == 2 and "reward/mean" in r]  # the log is cut back to the checkpoint's step
+    assert len(step2) == 1 and step2[0]["moe/routing_flip_rate"] == 0.0  # a float32 engine on the trainer's weights
+    before = next(r for r in first if r.get("step") == 2 and "reward/mean" in r)
+    assert {k: step2[0][k] for k in ("reward/mean", "actor/pg_loss")} == {k: before[k] for k in ("reward/mean", "actor/pg_loss")}
 
 
 @pytest.fixture

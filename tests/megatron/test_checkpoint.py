@@ -79,3 +79,16 @@ def test_mesh_names_the_fix_when_ranks_do_not_divide():
         MegatronOptions(tensor_parallel=2, pipeline_parallel=2).mesh(6)
     assert MegatronOptions(tensor_parallel=2).mesh(4) == Mesh(dp=2, tp=2)
     assert MegatronOptions(tensor_parallel=2).mesh(1) == Mesh()  # one process runs the whole model
+
+
+def test_a_mixture_of_experts_model_is_refused_naming_its_type(tmp_path):
+    from trellis.examples.tasks import task_texts
+    from trellis.examples.tiny import make_tiny_model
+    from trellis.interfaces.backend import BackendSpec
+    from trellis_megatron.backend import MegatronBackend
+
+    moe = make_tiny_model(tmp_path / "moe", task_texts(), hidden_size=32, num_layers=2, moe=True)
+    with pytest.raises(
+        ValueError, match=r"\(qwen3_moe\) is a mixture-of-experts model, which the megatron backend does not build.*backend.name=fsdp"
+    ):
+        MegatronBackend(BackendSpec("actor", str(moe), MegatronOptions(), trainable=True))

@@ -74,6 +74,13 @@ class MegatronBackend(Backend):
                 f"role {spec.role!r} asks for head {spec.head!r}, which the megatron backend does not build (it builds lm and value); "
                 "use backend.name=fsdp for this role's recipe"
             )
+        config = AutoConfig.from_pretrained(spec.model_path)
+        if expert_counts(config) is not None:
+            raise ValueError(
+                f"model {spec.model_path!r} ({config.model_type}) is a mixture-of-experts model, which the megatron backend does "
+                "not build in this version (its bridge builds dense GPT models; expert parallelism and routing replay are not "
+                "wired); use backend.name=fsdp for it"
+            )
 
     # -- set-up -----------------------------------------------------------------------------
     def build(self) -> None:
@@ -85,12 +92,6 @@ class MegatronBackend(Backend):
             model_parallel_cuda_manual_seed(self.spec.seed)
         dtype = DTYPES[self.opts.activation_dtype(self.device.type)]
         self.hf_config = AutoConfig.from_pretrained(self.spec.model_path)
-        if expert_counts(self.hf_config) is not None:
-            raise ValueError(
-                f"model {self.spec.model_path!r} ({self.hf_config.model_type}) is a mixture-of-experts model, which the megatron "
-                "backend does not build in this version (its bridge builds dense GPT models; expert parallelism and routing replay "
-                "are not wired); use backend.name=fsdp for it"
-            )
         self.bridge = make_bridge(
             self.hf_config,
             dtype,
