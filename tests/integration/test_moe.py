@@ -87,6 +87,12 @@ def test_the_hf_engine_records_the_experts_of_every_token_it_ran(moe_path):
     assert ROUTED_EXPERTS not in plain  # recorded only when asked
 
 
+def test_a_dense_model_returns_no_routes(tiny_model_path):
+    engine = _engine(tiny_model_path)
+    out = engine.generate(_prompts(engine.tokenizer), SamplingParams(max_new_tokens=3, return_routed_experts=True))
+    assert ROUTED_EXPERTS not in out and out["responses"].shape[0] == len(PROMPTS)
+
+
 def test_rounds_of_other_prompt_widths_merge_with_their_routes_aligned(moe_path):
     """Dynamic sampling merges rounds with Batch.cat(pad=True): the routes move with their tokens."""
     engine = _engine(moe_path)

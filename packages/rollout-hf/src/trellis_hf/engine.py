@@ -111,7 +111,7 @@ class HFRollout(RolloutEngine):
         log_probs = torch.cat([_pad_right(lp, width, 0.0) for _, lp, _ in parts])
         stops = self.eos_ids | set(params.stop_token_ids)
         out = rollout_batch(prompts, params, responses, _mask_through_first_stop(responses, stops), log_probs)
-        if params.return_routed_experts:
+        if all(routes is not None for _, _, routes in parts):  # asked for, of a mixture-of-experts model
             full = out["input_ids"].shape[1]
             routes = torch.cat([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, full - r.shape[1]), value=-1) for _, _, r in parts])
             out[ROUTED_EXPERTS] = routes.masked_fill(~out["attention_mask"].bool()[..., None, None], -1)
@@ -156,7 +156,7 @@ class HFRollout(RolloutEngine):
                 )
         finally:
             model.train(training)
-        routes = generated_routes(calls, len(out), out.shape[1]) if calls is not None else None
+        routes = generated_routes(calls, len(out), out.shape[1]) if calls else None  # a dense model has no routers to record
         return out[:, ids.shape[1] :].cpu(), recorder.result(out).cpu(), routes
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:
