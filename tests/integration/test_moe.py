@@ -4,19 +4,24 @@ joins the actor's loss, and GRPO runs end to end on FSDP with the router figures
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import agent_loops
 import pytest
 import torch
+from multiturn_runs import multi_turn_run
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from trellis.batch import Batch, position_ids
 from trellis.config import ConfigError
-from trellis.examples.tasks import task_texts
+from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
 from trellis.examples.tiny import make_tiny_model
 from trellis.interfaces.hf import forward_outputs, load_hf_model
-from trellis.interfaces.moe import ROUTED_EXPERTS, ROUTER_REPLAY, generated_routes, recorded_routes, routers
-from trellis.interfaces.rollout import RolloutSpec, SamplingParams
+from trellis.interfaces.moe import ROUTED_EXPERTS, ROUTER_REPLAY, batch_routes, conversation_routes, generated_routes, recorded_routes, routers
+from trellis.interfaces.rollout import Generation, RolloutSpec, Routes, SamplingParams
+from trellis.plugins import load_plugins
+from trellis.recipes.train import train
 from trellis_hf.engine import HFRollout, HFRolloutOptions
 
 PROMPTS = ["1+2=", "12+34=", "7+7=", "40+13="]  # mixed prompt widths
@@ -297,17 +302,48 @@ def run_rl_moe(run_recipe, moe_path, data_files, tmp_path):
     return run
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (("actor.router_replay=rollout", "multi_turn.enable=true"), "conversations"),
-        (("actor.router_replay=measure", "trainer.async_mode=fully_async", "trainer.partial_rollout=true"), "partial rollout"),
-    ],
-    ids=["multi_turn", "partial_rollout"],
-)
-def test_replay_where_routes_cannot_travel_is_refused_by_name(run_rl_moe, overrides, message):
-    with pytest.raises(ConfigError, match=f"actor.router_replay.*{message}"):
-        run_rl_moe(*overrides)
+def test_conversations_replay_the_routes_of_every_turn(moe_path, tmp_path):
+    """Multi-turn samples (an interaction answers each model turn) of prompts of other widths: each
+    conversation's routes come from its turns, in the batch's columns, and the trainer replaying them
+    gives the engine's log-probs (sync/batch_gap)."""
+    rows = make_arithmetic_split(8, 0, split="train", max_value=30, interaction="answer")
+    for i, row in enumerate(rows):
+        row["prompt"][0]["content"] *= 1 + i % 3
+    train_file = write_rows(rows, tmp_path / "widths.parquet")
+    interaction = "multi_turn.interactions=[{name: answer, component: contains_answer}]"
+    more = ("multi_turn.max_response_tokens=32", "multi_turn.max_user_turns=2", interaction, "actor.router_replay=rollout")
+    plugins = load_plugins(extra=[("agent_loops", agent_loops)])
+    train(None, multi_turn_run(_ending_early(moe_path, tmp_path / "model"), train_file, tmp_path / "run", *more), plugins=plugins)
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+    assert len(steps) == 2 and max(r["multiturn/num_turns_mean"] for r in steps) > 1
+    assert all(r["moe/routing_flip_rate"] < 0.01 and r["sync/batch_gap"] < 1e-5 for r in steps)
+
+
+def _ending_early(path: str, out) -> str:
+    """``path``'s model with 60 more end-of-sequence ids in its generation config: a random model's
+    turns then end in a few tokens (a stop, not the length limit), so the interaction asks again."""
+    shutil.copytree(path, out)
+    config = json.loads((out / "generation_config.json").read_text())
+    config["eos_token_id"] = [config["eos_token_id"], *range(100, 160)]
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_conversation_routes_take_each_position_from_the_first_turn_that_ran_it():
+    first = Routes([1, 2, 3], torch.tensor([[[0, 1]], [[1, 2]], [[2, 3]]], dtype=torch.int16))
+    rerun = Routes([1, 2, 3, 4, 5, 6], torch.tensor([[[3, 0]]] * 6, dtype=torch.int16))  # re-ran the prefix, then 3 new tokens
+    elsewhere = Routes([9, 9, 9, 9, 9, 9, 9, 9], torch.zeros(8, 1, 2, dtype=torch.int16))  # a re-rendered context: not this one's prefix
+    turns = [Generation([3, 4], [0.0, 0.0], "stop", first), Generation([6], [0.0], "stop", rerun), Generation([], [], "stop", elsewhere)]
+    routes = conversation_routes([1, 2, 3, 4, 5, 6, 7, 8], turns)
+    assert routes[:, 0].tolist() == [[0, 1], [1, 2], [2, 3], [3, 0], [3, 0], [3, 0], [-1, -1], [-1, -1]]
+    laid = batch_routes([routes[:5], None], [2, 2], prompt_width=4, width=3)
+    assert laid.shape == (2, 7, 1, 2) and laid[0, :2].eq(-1).all() and laid[0, 2:, 0].tolist() == routes[:5, 0].tolist()
+    assert laid[1].eq(-1).all()
+
+
+def test_replay_with_partial_rollouts_is_refused_by_name(run_rl_moe):
+    with pytest.raises(ConfigError, match="actor.router_replay.*partial rollout"):
+        run_rl_moe("actor.router_replay=measure", "trainer.async_mode=fully_async", "trainer.partial_rollout=true")
 
 
 @pytest.mark.parametrize("key", ["actor.router_replay=rollout", "actor.router_aux_loss_coef=0.01"])

@@ -27,6 +27,7 @@ from trellis.kit.engine import (
     Generation,
     RolloutEngine,
     RolloutSpec,
+    Routes,
     SamplingParams,
     causal_lm_class,
     engine_dtype,
@@ -177,7 +178,8 @@ class HFRollout(RolloutEngine):
             groups: dict[tuple, list[_Request]] = {}
             for request in waiting:
                 p = request[1]
-                groups.setdefault((p.greedy, p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids)), []).append(request)
+                key = (p.greedy, p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids), p.return_routed_experts)
+                groups.setdefault(key, []).append(request)
             for group in groups.values():
                 try:
                     results = await asyncio.to_thread(_stop_iteration_raised, self._generate_group, group)
@@ -195,7 +197,7 @@ class HFRollout(RolloutEngine):
         params = group[0][1]
         ids, mask, _ = left_pad([r[0] for r in group], self.pad_id)
         longest = max(r[1].max_new_tokens for r in group)
-        tokens, log_probs, _ = self._generate_tokens(
+        tokens, log_probs, routes = self._generate_tokens(
             Batch({"input_ids": ids, "attention_mask": mask}, {IMAGE_INPUTS: [r[3] for r in group]}),
             SamplingParams(**{**params.__dict__, "n": 1, "max_new_tokens": longest}),
             self._generator(params),
@@ -208,7 +210,7 @@ class HFRollout(RolloutEngine):
             n = min(lengths[row], p.max_new_tokens)
             taken = tokens[row, :n].tolist()
             stopped = bool(taken) and taken[-1] in stops
-            out.append(Generation(taken, log_probs[row, :n].tolist(), "stop" if stopped else "length"))
+            out.append(Generation(taken, log_probs[row, :n].tolist(), "stop" if stopped else "length", _routes(ids, mask, routes, row, taken)))
         return out
 
     # -- weights -------------------------------------------------------------------------------
@@ -274,6 +276,16 @@ class _SampledLogProbs(LogitsProcessor):
         """``(rows, generated)`` log-probs, given ``generate``'s output sequences."""
         self._take(sequences[:, -1:])
         return torch.cat(self.steps, dim=1) if self.steps else sequences.new_zeros((len(sequences), 0), dtype=torch.float32)
+
+
+def _routes(ids: torch.Tensor, mask: torch.Tensor, routes: torch.Tensor | None, row: int, taken: list[int]) -> Routes | None:
+    """Row ``row``'s routes of a left-padded group generation: its prompt's and its sampled tokens' but the last."""
+    if routes is None:
+        return None
+    prompt = ids[row][mask[row].bool()].tolist()
+    start = ids.shape[1] - len(prompt)
+    inputs = prompt + taken[:-1]
+    return Routes(inputs, routes[row, start : start + len(inputs)])
 
 
 def _stop_iteration_raised(fn, *args):

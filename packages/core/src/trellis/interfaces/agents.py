@@ -96,6 +96,9 @@ class Trajectory:
     error: str = ""
     # the images environment turns showed the model, processed (``IMAGE_INPUTS``' dict), in the order of their slots
     image_inputs: dict[str, Any] = field(default_factory=dict)
+    # a mixture-of-experts model's experts per token of prompt + response ``(tokens, layers, top_k)``, -1 where no turn
+    # recorded them (``trellis.interfaces.moe.conversation_routes``); set by the multi-turn rollout, not by loops
+    routed_experts: Any = None
 
     def add_model(self, gen: Generation) -> None:
         self.response_ids += gen.token_ids

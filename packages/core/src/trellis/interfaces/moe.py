@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from trellis.batch import Batch
+from trellis.interfaces.rollout import Generation
 
 # The batch field of the experts an engine routed each token to: ``(batch, seq_len, moe_layers, top_k)``
 # int16 over prompt + response, in the columns of ``input_ids``; -1 where none was recorded (padding,
@@ -21,6 +22,7 @@ ROUTED_EXPERTS = "routed_experts"
 # forwards; ``measure``: only count where the trainer's routing differs from them).
 ROUTER_REPLAY = "router_replay"
 REPLAY_MODES = ("off", "measure", "rollout")
+ROUTE_DTYPE = torch.int16
 # Forward outputs of a backend that runs MoE models, each ``(batch,)``: router_aux_loss, its
 # micro-batch's load-balancing loss (the model's own ``load_balancing_loss_func``, every row the
 # same); router_entropy, the sample's mean router entropy over its tokens and MoE layers;
@@ -86,7 +88,7 @@ def recorded_routes(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]
         def record(module, args, output) -> None:
             if index == 0:
                 calls.append([])
-            calls[-1].append(output[2].detach().to("cpu", torch.int16))
+            calls[-1].append(output[2].detach().to("cpu", ROUTE_DTYPE))
 
         return record
 
@@ -104,6 +106,37 @@ def generated_routes(calls: list[list[torch.Tensor]], rows: int, width: int) -> 
     steps = [torch.stack(layers, 1).reshape(rows, -1, len(layers), layers[0].shape[-1]) for layers in calls]
     routes = torch.cat(steps, 1)
     return torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, width - routes.shape[1]), value=-1)
+
+
+def conversation_routes(sequence: list[int], turns: list[Generation]) -> torch.Tensor | None:
+    """A conversation's routes ``(len(sequence), layers, top_k)`` (its prompt and response ids) from
+    its model turns' (``Generation.routes``): each position from the first turn that ran it, as an
+    engine's prefix cache keeps it, and only from a turn whose input is the conversation's own prefix
+    (a loop that re-rendered the context did not run these tokens); -1 where no turn did. None when
+    no turn recorded any."""
+    recorded = [gen.routes for gen in turns if gen.routes is not None]
+    if not recorded:
+        return None
+    out = torch.full((len(sequence), *recorded[0].experts.shape[1:]), -1, dtype=ROUTE_DTYPE)
+    covered = 0
+    for routes in recorded:
+        n = len(routes.input_ids)
+        if n > covered and sequence[:n] == routes.input_ids:
+            out[covered:n] = routes.experts[covered:n]
+            covered = n
+    return out
+
+
+def batch_routes(trajectory_routes: list[torch.Tensor | None], prompt_lengths: list[int], prompt_width: int, width: int) -> torch.Tensor:
+    """Samples' :func:`conversation_routes` laid out in the ``rollout_batch`` columns: ``(samples,
+    prompt_width + width, layers, top_k)``, each sample's prompt ending at column ``prompt_width``;
+    -1 elsewhere (and for a sample without routes)."""
+    shape = next(r for r in trajectory_routes if r is not None).shape[1:]
+    out = torch.full((len(trajectory_routes), prompt_width + width, *shape), -1, dtype=ROUTE_DTYPE)
+    for i, (routes, prompt) in enumerate(zip(trajectory_routes, prompt_lengths)):
+        if routes is not None:
+            out[i, prompt_width - prompt : prompt_width - prompt + len(routes)] = routes
+    return out
 
 
 class RouterHooks:

@@ -109,12 +109,24 @@ class SamplingParams:
 
 
 @dataclass
+class Routes:
+    """The experts a mixture-of-experts model routed the tokens of one ``agenerate`` call to:
+    ``input_ids``, the call's prompt and sampled tokens but the last (which no forward ran), and
+    ``experts`` ``(len(input_ids), moe_layers, top_k)`` int16."""
+
+    input_ids: list[int]
+    experts: torch.Tensor
+
+
+@dataclass
 class Generation:
-    """One sample from ``agenerate``: token ids, their log-probs and why it stopped."""
+    """One sample from ``agenerate``: token ids, their log-probs and why it stopped; ``routes`` with
+    ``SamplingParams.return_routed_experts`` from an engine that records them."""
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    routes: Routes | None = None
 
 
 class RolloutFn(Protocol):

@@ -11,6 +11,7 @@ from trellis.interfaces.rollout import (
     Generation,
     RolloutEngine,
     RolloutSpec,
+    Routes,
     SamplingParams,
     context_length,
     engine_dtype,
@@ -32,6 +33,7 @@ __all__ = [
     "RolloutSpec",
     "SamplingParams",
     "Generation",
+    "Routes",
     # the model: dtype, context, stop and pad tokens
     "engine_dtype",
     "option_dtype",

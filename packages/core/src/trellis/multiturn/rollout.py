@@ -16,6 +16,7 @@ from trellis.batch import Batch
 from trellis.config import ConfigError, instantiate_options, validate
 from trellis.interfaces.agents import AgentLoop, Trajectory
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, PROMPT_IMAGES, join_images
+from trellis.interfaces.moe import ROUTED_EXPERTS, batch_routes, conversation_routes
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams, pad_id, rollout_batch
 from trellis.multiturn.environment import AgentSpec, Environment
 from trellis.multiturn.sampled import RecordingEngine, check_sampled, recording
@@ -69,6 +70,7 @@ class AgentRollout:
                 extra = {**({"fields": fields} if loop.row_fields else {}), **({"images": images} if loop.takes_images else {})}
                 traj = await built[name].sample(*args, **extra)
                 check_sampled(traj, turns, name, self.spec.tokenizer)
+                traj.routed_experts = conversation_routes(args[0] + traj.response_ids, turns)
                 return traj
 
         images = list(prompts[IMAGE_INPUTS]) if IMAGE_INPUTS in prompts else [{}] * len(prompts)  # loops that take none refused at build
@@ -193,6 +195,9 @@ def assemble(prompts: Batch, params: SamplingParams, trajectories: list[Trajecto
         attention[i, :length] = 1
         log_probs[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
     out = rollout_batch(prompts, params, responses, mask, log_probs, response_attention=attention)
+    if any(t.routed_experts is not None for t in trajectories):
+        lengths = prompts["attention_mask"].sum(-1).repeat_interleave(params.n).tolist()
+        out[ROUTED_EXPERTS] = batch_routes([t.routed_experts for t in trajectories], lengths, prompts["input_ids"].shape[1], width)
     if any(t.image_inputs for t in trajectories):  # each sample's images: its prompt's, then those its tools returned
         shown = list(out.get(IMAGE_INPUTS, [{}] * n))
         out[IMAGE_INPUTS] = [join_images(images, t.image_inputs) for images, t in zip(shown, trajectories)]

@@ -71,7 +71,7 @@ def check(cfg: DictConfig, registry) -> None:
 
 def check_experts(cfg: DictConfig) -> None:
     """``actor.router_replay`` and ``actor.router_aux_loss_coef`` need a mixture-of-experts model;
-    recorded routes travel with single-turn samples generated in one piece."""
+    recorded routes travel with samples generated in one piece (not a partial rollout's chunks)."""
     actor = cfg.actor
     asked = [key for key, on in (("router_replay", actor.router_replay != "off"), ("router_aux_loss_coef", actor.router_aux_loss_coef > 0)) if on]
     if asked and expert_counts(text_config(cfg.model.path)) is None:
@@ -81,11 +81,6 @@ def check_experts(cfg: DictConfig) -> None:
         )
     if actor.router_replay == "off":
         return
-    if cfg.multi_turn.enable:
-        raise ConfigError(
-            f"config key 'actor.router_replay'={actor.router_replay!r}: conversations (multi_turn.enable) do not carry the "
-            "engine's routes yet; set actor.router_replay: off for multi-turn runs"
-        )
     if cfg.trainer.partial_rollout:
         raise ConfigError(
             f"config key 'actor.router_replay'={actor.router_replay!r}: a partial rollout's chunks run under different "
