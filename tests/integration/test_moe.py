@@ -11,7 +11,7 @@ import agent_loops
 import pytest
 import torch
 from multiturn_runs import multi_turn_run
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from trellis.batch import Batch, position_ids
 from trellis.config import ConfigError
@@ -200,15 +200,18 @@ def test_the_load_balancing_loss_is_the_models_own(moe_path):
         assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))
 
 
-def test_a_moe_whose_experts_are_copies_of_one_mlp_is_the_dense_model(moe_path):
-    """Where the math allows, the MoE is the dense model: every expert the same MLP, the chosen
-    experts' weights renormalised to 1, so the forward is a Qwen3's with that MLP."""
+@pytest.fixture(scope="module")
+def copies_and_dense(moe_path, tmp_path_factory) -> tuple[str, str]:
+    """Where the math allows, the MoE is a dense model: every expert the same MLP and the chosen
+    experts' weights renormalised to 1, the forward is a Qwen3's with that MLP. The two folders."""
+    folder = tmp_path_factory.mktemp("models")
     moe = _trainer(moe_path)
     config = moe.config
     dense_config = Qwen3Config(**{k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_parameters")},
+                                                                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_parameters",
+                                                                  "eos_token_id", "pad_token_id")},
                                intermediate_size=config.moe_intermediate_size)  # fmt: skip
-    dense = Qwen3ForCausalLM(dense_config).eval()
+    dense = Qwen3ForCausalLM(dense_config)
     state = {k: v for k, v in moe.state_dict().items() if ".mlp." not in k}
     with torch.no_grad():
         for i, layer in enumerate(moe.model.layers):
@@ -219,12 +222,44 @@ def test_a_moe_whose_experts_are_copies_of_one_mlp_is_the_dense_model(moe_path):
             state |= {f"model.layers.{i}.mlp.gate_proj.weight": gate, f"model.layers.{i}.mlp.up_proj.weight": up}
             state[f"model.layers.{i}.mlp.down_proj.weight"] = experts.down_proj[0]
     dense.load_state_dict(state, strict=True)
-    batch = _prompts(AutoTokenizer.from_pretrained(moe_path))
+    paths = []
+    for name, model in (("copies", moe), ("dense", dense)):
+        model.generation_config = GenerationConfig.from_pretrained(moe_path)
+        model.save_pretrained(folder / name)
+        AutoTokenizer.from_pretrained(moe_path).save_pretrained(folder / name)
+        paths.append(str(folder / name))
+    return paths[0], paths[1]
+
+
+def test_a_moe_whose_experts_are_copies_of_one_mlp_is_the_dense_model(copies_and_dense):
+    copies, dense = (_trainer(path) for path in copies_and_dense)
+    batch = _prompts(AutoTokenizer.from_pretrained(copies_and_dense[0]))
     batch["responses"] = batch["input_ids"][:, -3:]
     with torch.no_grad():
-        a = forward_outputs(moe, batch, ("log_probs",), "lm")["log_probs"]
+        a = forward_outputs(copies, batch, ("log_probs",), "lm")["log_probs"]
         b = forward_outputs(dense, batch, ("log_probs",), "lm")["log_probs"]
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_grpo_on_the_copies_takes_the_dense_models_first_step(run_recipe, copies_and_dense, data_files, tmp_path):
+    """Its first step: the same samples, rewards and loss as the dense model's, rewarded by the share
+    of digits in a response (so that the advantages are not all 0). The gradients are not the dense
+    model's: each expert gets its own tokens' share, and from the update on the two part."""
+    reward = tmp_path / "digits.py"
+    reward.write_text("def digits(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n")  # fmt: skip
+    base = [
+        f"data.train_path={data_files['train']}", "recipe=rl", "data.train_batch_prompts=4", "sampling.n=4", "sampling.max_new_tokens=6",
+        "actor.micro_batch_samples=16", "trainer.total_steps=1", "trainer.trackers=[jsonl]", "validation.before_train=false",
+        f"reward.path={reward}", "reward.name=digits",
+    ]  # fmt: skip
+    steps = {}
+    for name, path in zip(("copies", "dense"), copies_and_dense):
+        _, rows = run_recipe(tmp_path / name, [*base, f"model.path={path}"], ())
+        steps[name] = next(r for r in rows if "reward/mean" in r)
+    assert steps["dense"]["actor/pg_loss"] != 0 and steps["dense"]["reward/groups_with_signal"] > 0
+    for key in ("reward/mean", "response/length_mean", "actor/entropy", "actor/pg_loss"):
+        assert steps["copies"][key] == pytest.approx(steps["dense"][key], rel=1e-4, abs=1e-6), key
 
 
 def test_a_trainers_update_is_renamed_to_the_checkpoints_names_an_engine_loads(moe_path, tiny_model_path):
