@@ -385,3 +385,21 @@ def test_replay_with_partial_rollouts_is_refused_by_name(run_rl_moe):
 def test_moe_settings_on_a_dense_model_are_refused_naming_the_key(run_rl, key):
     with pytest.raises(ConfigError, match=f"'{key.split('=')[0]}'.*no experts"):
         run_rl(key)
+
+
+def test_an_activation_checkpoints_recomputation_replays_the_same_experts(moe_path):
+    """The backward recomputes a checkpointed layer's forward after forward_outputs returned: the
+    routers stay armed, so its gradients are those of the replayed forward."""
+    engine = _engine(moe_path)
+    batch = engine.generate(_prompts(engine.tokenizer), SamplingParams(n=2, max_new_tokens=6, return_routed_experts=True))
+    known = batch[ROUTED_EXPERTS] >= 0
+    batch[ROUTED_EXPERTS] = torch.where(known, (batch[ROUTED_EXPERTS] + 1) % 4, -1).to(torch.int16)  # not the model's own choice
+    batch.meta[ROUTER_REPLAY] = "rollout"
+    grads = []
+    for checkpointing in (False, True):
+        model = load_hf_model(moe_path, "lm", torch.float32).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        forward_outputs(model, batch, ("log_probs",), "lm")["log_probs"].sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0])

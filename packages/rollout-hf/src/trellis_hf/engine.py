@@ -34,6 +34,7 @@ from trellis.kit.engine import (
     generated_routes,
     image_kwargs,
     left_pad,
+    own_routing,
     pad_id,
     prepare_update,
     recorded_routes,
@@ -137,6 +138,7 @@ class HFRollout(RolloutEngine):
         processors = [recorder] if greedy else [recorder, _Sampler(params, generator)]
         model, training = self.model, self.model.training
         model.eval()  # an adopted actor's model is in training mode: no dropout while sampling
+        own_routing(model)  # nor the routes its last training forward replayed
         recording = recorded_routes(model) if params.return_routed_experts else contextlib.nullcontext()
         try:
             with torch.no_grad(), recording as calls:

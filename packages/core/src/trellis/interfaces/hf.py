@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from trellis.batch import Batch, last_valid_index
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, join_images
-from trellis.interfaces.moe import MOE_OUTPUTS, ROUTED_EXPERTS, ROUTER_REPLAY, RouterHooks
+from trellis.interfaces.moe import MOE_OUTPUTS, ROUTED_EXPERTS, ROUTER_REPLAY, RouterHooks, own_routing
 from trellis.interfaces.rollout import placeholder_ids
 
 # transformers 5.21 on: models take a (batch, seq_len) boolean `logits_to_keep` (its
@@ -487,14 +487,14 @@ def forward_outputs(
     mode = micro.meta.get(ROUTER_REPLAY, "off")
     routes = micro.get(ROUTED_EXPERTS) if mode != "off" and head not in SCALAR_HEADS else None
     if not moe and routes is None:
+        own_routing(model)
         return _outputs(model, micro, outputs, head, chunk_size, padding_free)
     mask = micro["attention_mask"].bool()
     rows = _packed_rows(mask) if padding_free else torch.arange(mask.numel()).reshape(mask.shape)
     flat = None if routes is None else (routes[mask] if padding_free else routes.flatten(0, 1))
-    hooks = RouterHooks(model, flat, replay=mode == "rollout", keep_logits=bool(set(moe) - {"routing_flips"}))
+    hooks = RouterHooks.on(model).arm(flat, replay=mode == "rollout", keep_logits=bool(set(moe) - {"routing_flips"}))
     rest = tuple(o for o in outputs if o not in MOE_OUTPUTS) or ("log_probs",)
-    with hooks.active():
-        out = _outputs(model, micro, rest, head, chunk_size, padding_free)
+    out = _outputs(model, micro, rest, head, chunk_size, padding_free)
     return {**{k: v for k, v in out.items() if k in outputs}, **hooks.outputs(model, moe, rows, mask)}
 
 

@@ -140,29 +140,37 @@ def batch_routes(trajectory_routes: list[torch.Tensor | None], prompt_lengths: l
 
 
 class RouterHooks:
-    """Hooks on a model's routers for one forward of ``tokens`` rows: replay or compare the recorded
-    ``routes`` ``(tokens, layers, top_k)`` (-1: none), and keep each layer's logits when the router
-    outputs are wanted. Stateless across forwards but for what it keeps, so an activation checkpoint's
-    recomputation replays the same experts."""
+    """Forward hooks on a model's routers, installed once (:meth:`on`) and armed for each forward
+    (:meth:`arm`): replay or compare the recorded ``routes`` ``(tokens, layers, top_k)`` (-1: none),
+    and keep each layer's logits when the router outputs are wanted. They stay armed until the next
+    forward arms them again, so the recomputation of an activation checkpoint in the backward
+    replays the same experts as its forward did."""
 
-    def __init__(self, model: torch.nn.Module, routes: torch.Tensor | None, replay: bool, keep_logits: bool) -> None:
+    ATTRIBUTE = "_trellis_router_hooks"
+
+    def __init__(self, model: torch.nn.Module) -> None:
         self.layers = routers(model)
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.layers)]
+        self.arm(None, replay=False, keep_logits=False)
+
+    @classmethod
+    def on(cls, model: torch.nn.Module) -> RouterHooks:
+        """The model's hooks, installed on first use."""
+        hooks = getattr(model, cls.ATTRIBUTE, None)
+        if hooks is None:
+            hooks = cls(model)
+            setattr(model, cls.ATTRIBUTE, hooks)
+        return hooks
+
+    def arm(self, routes: torch.Tensor | None, replay: bool, keep_logits: bool) -> RouterHooks:
         if routes is not None and routes.shape[1] != len(self.layers):
             raise ValueError(
                 f"{ROUTED_EXPERTS} holds {routes.shape[1]} MoE layers, the model has {len(self.layers)}: the routes were recorded on another model"
             )
         self.routes, self.replay, self.keep_logits = routes, replay, keep_logits
-        self.logits: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []  # each layer's of the forward (not of a recomputation)
         self.flips: list[torch.Tensor] = []  # (tokens,) per layer: the trainer's own experts differ from the record
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[RouterHooks]:
-        handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.layers)]
-        try:
-            yield self
-        finally:
-            for h in handles:
-                h.remove()
+        return self
 
     def _hook(self, index: int):
         def hook(module, args, output):
@@ -199,6 +207,14 @@ class RouterHooks:
         if "router_aux_loss" in names:
             out["router_aux_loss"] = aux_loss(model, self.logits, where, rows).expand(len(rows))
         return out
+
+
+def own_routing(model: torch.nn.Module) -> None:
+    """From here on ``model`` routes every token by itself: a forward without routes (an earlier
+    micro-batch's stay out), or an engine generating from the trainer's own module."""
+    hooks = getattr(model, RouterHooks.ATTRIBUTE, None)
+    if hooks is not None:
+        hooks.arm(None, replay=False, keep_logits=False)
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from trellis.data import left_pad
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, WeightBucket, weight_buckets
 from trellis.interfaces.hf import causal_lm_class, image_kwargs
-from trellis.interfaces.moe import ROUTED_EXPERTS, generated_routes, recorded_routes
+from trellis.interfaces.moe import ROUTED_EXPERTS, generated_routes, own_routing, recorded_routes
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
     KV_CACHE,
@@ -50,6 +50,7 @@ __all__ = [
     "ROUTED_EXPERTS",
     "recorded_routes",
     "generated_routes",
+    "own_routing",
     # prompts in, samples out: (batch, prompt_len) left-padded, (batch, response_len) right-padded
     "left_pad",
     "rollout_batch",
