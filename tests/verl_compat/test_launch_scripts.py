@@ -234,3 +234,29 @@ def test_reinforce_and_sapo_scripts_keep_their_estimator_and_loss():
     assert cfg["data"]["train_path"] == [f"{home}/data/gsm8k/train.parquet", f"{home}/data/math/train.parquet"]
     cfg, _ = converted("sapo.sh")
     assert cfg["actor"]["policy_loss"] == {"name": "sapo", "tau_pos": 1.0, "tau_neg": 1.05}
+
+
+def test_moe_script_replays_the_engines_routes_on_fsdp():
+    """verl's Megatron mixture-of-experts script with R3: trellis replays the engine's experts, on the
+    fsdp backend (its megatron backend builds dense models), and says why each Megatron size stays."""
+    cfg, err = converted("moe_r3.sh")
+    assert cfg["actor"]["router_replay"] == "rollout" and "backend" not in cfg
+    assert "actor_rollout_ref.actor.strategy='megatron': a mixture-of-experts script (expert_model_parallel_size=8, router_replay.mode=R3)" in err
+    assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8: trellis trains a mixture-of-experts model on fsdp" in err
+    assert "tensor_model_parallel_size=2: the script trains a mixture-of-experts model" in err
+
+
+def test_a_dense_megatron_script_runs_on_the_megatron_backend_at_its_sizes():
+    """The same script without experts (the hydra config ppo_megatron_trainer chooses the strategy)."""
+    megatron = "actor_rollout_ref.actor.megatron."
+    dense = [
+        megatron + "expert_model_parallel_size=1",
+        megatron + "router_replay.mode=disabled",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=False",
+    ]
+    cfg, err = converted("moe_r3.sh", *dense)
+    assert cfg["backend"] == {"name": "megatron", "tensor_parallel": 2, "pipeline_parallel": 1}
+    assert "router_replay" not in cfg["actor"] and "megatron." not in err and "strategy" not in err
+    fsdp, err = converted("lora.sh", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    assert "backend" not in fsdp or "tensor_parallel" not in fsdp["backend"]
+    assert "tensor_model_parallel_size=2: a Megatron setting, and the script's actor strategy is not megatron" in err

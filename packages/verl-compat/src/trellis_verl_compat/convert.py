@@ -253,6 +253,37 @@ def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
     ]
 
 
+def _moe_script(src: Source) -> str | None:
+    """What makes a verl script a mixture-of-experts one (expert parallelism, routing replay), or None."""
+    experts = src.get(ACTOR + "megatron.expert_model_parallel_size") or 1
+    replay = src.get(ACTOR + "megatron.router_replay.mode") or "disabled"
+    if int(experts) > 1 or replay != "disabled":
+        return f"expert_model_parallel_size={experts}, router_replay.mode={replay}"
+    return None
+
+
+def _strategy(value: Any, src: Source) -> Any:
+    """verl's actor strategy: ``megatron`` is trellis's megatron backend, but for a mixture-of-experts
+    script, which trains on fsdp (the megatron backend builds dense models); fsdp and fsdp2 are fsdp."""
+    if value != "megatron":
+        return SKIP
+    moe = _moe_script(src)
+    if moe:
+        raise Unmapped(
+            f"a mixture-of-experts script ({moe}) trains on trellis's fsdp backend; its megatron backend builds dense models (docs/moe.md)"
+        )
+    return "megatron"
+
+
+def _megatron_parallel(value: Any, src: Source) -> Any:
+    """A Megatron parallel size, for a script that runs on trellis's megatron backend."""
+    if src.get(ACTOR + "strategy") != "megatron":
+        raise Unmapped("a Megatron setting, and the script's actor strategy is not megatron")
+    if _moe_script(src):
+        raise Unmapped("the script trains a mixture-of-experts model, which trellis runs on fsdp (no model parallelism there)")
+    return value
+
+
 def _router_replay(value: Any, src: Source) -> Any:
     """verl's routing-replay mode: R3 replays the engine's experts (trellis's ``rollout``); R2 the
     trainer's own from its old-log-prob forward, which trellis does not record."""
@@ -331,6 +362,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("data.max_response_length", "multi_turn.max_response_tokens", _when_multi_turn(lambda v, s: v), "multi-turn: all turns"),
     Rule(ROLLOUT + "multi_turn.enable", "multi_turn.score", _when_multi_turn(lambda v, s: "reward"), "verl scores trajectories"),
+    Rule(ACTOR + "strategy", "backend.name", _strategy, "megatron -> megatron (a mixture-of-experts script stays on fsdp)"),
+    *(
+        Rule(ACTOR + f"megatron.{kind}_model_parallel_size", f"backend.{kind}_parallel", _megatron_parallel, "under strategy megatron")
+        for kind in ("tensor", "pipeline")
+    ),
     Rule(AR + "model.enable_gradient_checkpointing", "backend.activation_checkpointing"),
     Rule(AR + "model.use_remove_padding", "backend.padding_free"),
     Rule(ACTOR + "freeze_vision_tower", "backend.freeze_vision_tower"),

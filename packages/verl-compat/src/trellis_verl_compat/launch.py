@@ -54,8 +54,10 @@ OTHER_ENTRIES = {
     "verl.trainer.main_generation_server": "generation only; trellis has no generation entry point",
     "verl.trainer.main_eval": "evaluation only; trellis evaluates held-out data in training runs (data.val_path)",
 }
-# verl's own top-level configs: their settings are the converter's verl defaults, not files to merge
-VERL_BASES = {e.config_name for e in ENTRIES.values()} | {"ppo_megatron_trainer"}
+# verl's own top-level configs: their settings are the converter's verl defaults, not files to merge,
+# but for what a config chooses that the defaults do not (its engine)
+BASE_SETTINGS = {"ppo_megatron_trainer": {"actor_rollout_ref": {"actor": {"strategy": "megatron"}}}}
+VERL_BASES = {e.config_name for e in ENTRIES.values()} | set(BASE_SETTINGS)
 
 
 def module_of(name: str) -> str:
@@ -280,16 +282,19 @@ def config_files(launch: Launch, base: Path) -> tuple[list[dict[str, Any]], list
     followed inside the config folder, verl's own top-level configs left to the converter's verl
     defaults), and the defaults entries that were not found. ``base``: where a relative
     ``--config-path`` is looked up after the working directory."""
-    if launch.config_name is None or (launch.config_path is None and launch.config_name in VERL_BASES):
+    if launch.config_name is None:
         return [], []
     name = launch.config_name.removesuffix(".yaml")
+    base_settings = [BASE_SETTINGS[name]] if name in BASE_SETTINGS else []
+    if launch.config_path is None and name in VERL_BASES:
+        return base_settings, []
     tried = [Path(launch.config_path or ".")] + (
         [base / launch.config_path] if launch.config_path and not Path(launch.config_path).is_absolute() else []
     )
     folder = next((p for p in tried if (p / f"{name}.yaml").is_file()), None)
     if folder is None:
         if name in VERL_BASES:
-            return [], []
+            return base_settings, []
         raise DataError(
             f"--config-name {name} is not a file under --config-path ({', '.join(map(str, tried))}); give the folder that holds {name}.yaml"
         )

@@ -56,6 +56,7 @@ TRELLIS_BEHAVIOUR: Source = {
     "trainer.use_v1": True,
     "trainer.del_local_ckpt_after_load": False,
     "trainer.critic_warmup": 0,  # the critic and the actor update from the first step
+    ACTOR + "megatron.expert_model_parallel_size": 1,  # no expert parallelism: a dense model, or trellis's
 }
 
 
@@ -77,6 +78,7 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("*_target_", ""),
     ("*.rollout_n", ""),  # verl's copy of rollout.n
     ("*.strategy", "the backend section (backend.name: fsdp or megatron) runs every role"),
+    (ACTOR + "megatron.expert_model_parallel_size", "trellis trains a mixture-of-experts model on fsdp, without expert parallelism (docs/moe.md)"),
     (
         "*.optim.lr_scheduler_type",
         "trellis's schedules are constant and cosine (optim.lr_schedule), converted from lr_scheduler_type or warmup_style",
