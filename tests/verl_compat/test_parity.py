@@ -34,6 +34,7 @@ SCRIPT_NAMES = [
     "reinforce_pp.sh",
     "sapo.sh",
     "geo3k.sh",
+    "moe_r3.sh",
     "multiturn/run.sh",
 ]
 
