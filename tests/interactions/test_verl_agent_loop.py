@@ -26,7 +26,7 @@ from trellis.interfaces.rollout import Generation  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
 
 CHECK = "Check your answer."
-SEEN_FIELDS: list[set[str]] = []  # the keyword arguments each run got
+SEEN_FIELDS: list[dict[str, Any]] = []  # the keyword arguments each run got
 
 
 @register("check_again_agent")
@@ -35,7 +35,7 @@ class CheckAgainAgentLoop(AgentLoopBase):
     answer, the model answers again; the reward is a tenth of the last reply's length in characters."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
-        SEEN_FIELDS.append(set(kwargs))
+        SEEN_FIELDS.append(kwargs)
         messages = list(kwargs["raw_prompt"])
         metrics: dict[str, Any] = {}
         request_id = uuid4().hex
@@ -76,7 +76,8 @@ LOOP = {"name": "check_again_agent", "component": "verl", "options": {"verl_clas
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    rows = [{**row, "agent_name": "check_again_agent"} for row in make_arithmetic_split(16, 0, max_value=30)]
+    # a column of the user's own beside verl's (verl hands a loop every column of its row)
+    rows = [{**row, "agent_name": "check_again_agent", "difficulty": i % 3} for i, row in enumerate(make_arithmetic_split(16, 0, max_value=30))]
     return str(write_rows(rows, tmp_path_factory.mktemp("data") / "train.parquet"))
 
 
@@ -126,7 +127,9 @@ def test_a_verl_agent_loop_trains_on_what_the_engine_sampled(tiny_model_path, da
         assert steps[step]["reward/mean"] == pytest.approx(batch["agent_rewards"].mean().item(), abs=1e-6)
     # every column of the row reaches the loop, as verl passes them (a loop reads reward_model, data_source...)
     columns = {"raw_prompt", "extra_info", "data_source", "reward_model", "agent_name", "tools_kwargs", "interaction_kwargs", "index"}
-    assert SEEN_FIELDS and all(columns - {"agent_name"} <= seen for seen in SEEN_FIELDS), SEEN_FIELDS[0]
+    assert SEEN_FIELDS and all(columns - {"agent_name"} <= set(seen) for seen in SEEN_FIELDS), set(SEEN_FIELDS[0])
+    assert all(seen["difficulty"] in (0, 1, 2) for seen in SEEN_FIELDS)  # the user's own column
+    assert all(seen["reward_model"]["style"] == "rule" for seen in SEEN_FIELDS)  # the row's reward_model whole, as verl passes it
 
 
 def test_a_verl_loop_is_configured_by_name_and_checked_before_any_model_is_built(tiny_model_path, data, tmp_path):

@@ -207,6 +207,7 @@ class PromptDataset:
                 too_long.append(len(ids))
                 continue
             reward_model = row.get("reward_model") or {}
+            known = (prompt_key, image_key, "data_source", "extra_info", "ability", "agent_name")
             self.items.append(
                 {
                     "input_ids": ids,
@@ -217,6 +218,7 @@ class PromptDataset:
                     "ability": row.get("ability"),
                     "agent_name": row.get("agent_name"),
                     "index": i,
+                    "columns": {k: v for k, v in row.items() if k not in known},  # the rest as read (reward_model among them)
                     "kept": kept,
                 }
             )
@@ -245,12 +247,13 @@ class PromptDataset:
     def collate(self, indices: Sequence[int]) -> Batch:
         """A left-padded Batch of items ``indices``: ``input_ids``, ``attention_mask``, ``position_ids``
         ``(batch, longest_prompt)`` plus ``data_source``, ``ground_truth``, ``extra_info``,
-        ``raw_prompt``, ``ability``, ``agent_name`` (None where the row has none), ``index`` and
-        ``uid``: a fresh id per prompt row, which every sample generated from it keeps (estimators
-        group samples by it, never by position)."""
+        ``raw_prompt``, ``ability``, ``agent_name`` (None where the row has none), ``index``,
+        ``columns`` (a dict of the row's other columns, as an agent loop that takes the row's fields
+        gets them: verl hands its loops every column) and ``uid``: a fresh id per prompt row, which
+        every sample generated from it keeps (estimators group samples by it, never by position)."""
         items = [self.items[i] for i in indices]
         input_ids, attention_mask, position_ids = left_pad([it["input_ids"] for it in items], self.pad_token_id)
-        fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "agent_name", "index")
+        fields = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability", "agent_name", "index", "columns")
         return Batch(
             {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
             {**{k: [it[k] for it in items] for k in fields}, **_image_field(self.encoder, items), "uid": [uuid.uuid4().hex for _ in items]},

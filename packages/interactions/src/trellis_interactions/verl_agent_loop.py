@@ -104,7 +104,7 @@ class VerlAgentLoop(AgentLoop):
         # every column of the row, as verl passes them, and the fields verl's dataset adds from extra_info
         row = {
             **fields,
-            "reward_model": {"ground_truth": fields.get("ground_truth")},  # the column trellis's data keeps its ground truth from
+            "reward_model": fields.get("reward_model") or {"ground_truth": fields.get("ground_truth")},
             "raw_prompt": raw_prompt,
             "extra_info": extra_info,
             "tools_kwargs": extra_info.get("tools_kwargs", {}),

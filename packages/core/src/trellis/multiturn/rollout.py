@@ -103,8 +103,10 @@ class AgentRollout:
 
 
 def row_fields(prompts: Batch, i: int) -> dict[str, Any]:
-    """Prompt ``i``'s columns besides those every loop gets (its messages, ``extra_info``, ``agent_name``)."""
-    return {k: v[i] for k, v in prompts.non_tensors.items() if k not in ("raw_prompt", "extra_info", AGENT_COLUMN)}
+    """Prompt ``i``'s columns besides those every loop gets (its messages, ``extra_info``, ``agent_name``):
+    the batch's fields of the row, and the row's other columns as the data file had them (``columns``)."""
+    fields = {k: v[i] for k, v in prompts.non_tensors.items() if k not in ("raw_prompt", "extra_info", AGENT_COLUMN)}
+    return {**(fields.pop("columns", None) or {}), **fields}
 
 
 def agent_rollout(spec: AgentSpec, registry: Registry, data: Mapping[str, Iterable[tuple[int, Any]]] | None = None) -> AgentRollout:
