@@ -1,5 +1,7 @@
 """Multi-turn rollout throughput: the agent loop against single-turn generation of the same
-token budget, on the HF engine and (where vLLM is installed) the vLLM engine, in one run.
+token budget, on the HF engine and (where vLLM is installed) the vLLM engine, in one run; where
+verl 0.9.1's agent loop module imports, also a verl ``AgentLoopBase`` loop of the same
+conversations run through trellis-interactions' ``verl`` agent loop (``verl-loop``).
 
 Each prompt gets ``n`` conversations of ``turns`` model turns of at most ``tokens`` new tokens,
 with an interaction that always answers "wrong, try again" (so every conversation runs all its
@@ -58,7 +60,9 @@ def main() -> None:
           f"{args.threads} threads, median of {args.repeats}")  # fmt: skip
     print(f"{'engine':<8}{'mode':<13}{'samples/s':>11}{'tokens/s':>11}{'tokens':>9}{'seconds':>9}")
     for r in rows:
-        for mode in ("single-turn", "multi-turn"):
+        for mode in ("single-turn", "multi-turn", "verl-loop"):
+            if mode not in r:
+                continue
             m = r[mode]
             print(f"{r['engine']:<8}{mode:<13}{m['samples_s']:>11.1f}{m['tokens_s']:>11.1f}{m['tokens']:>9d}{m['seconds']:>9.3f}")
     fields = []
@@ -67,6 +71,9 @@ def main() -> None:
         fields += [f"{e}_single_tokens_s={r['single-turn']['tokens_s']:.1f}", f"{e}_multi_tokens_s={r['multi-turn']['tokens_s']:.1f}",
                    f"{e}_multi_samples_s={r['multi-turn']['samples_s']:.2f}",
                    f"{e}_multi_vs_single={r['multi-turn']['tokens_s'] / r['single-turn']['tokens_s']:.3f}"]  # fmt: skip
+        if "verl-loop" in r:
+            fields += [f"{e}_verl_loop_tokens_s={r['verl-loop']['tokens_s']:.1f}",
+                       f"{e}_verl_loop_vs_multi={r['verl-loop']['tokens_s'] / r['multi-turn']['tokens_s']:.3f}"]  # fmt: skip
     print("RESULT " + " ".join(fields))
 
 
@@ -113,14 +120,18 @@ def measure(name: str, engine, tokenizer, args) -> dict:
         out = engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=args.turns * args.tokens, seed=0))
         return int(out["response_mask"].sum())
 
-    def multi():
-        out = asyncio.run(agent(engine, prompts, SamplingParams(n=args.n, max_new_tokens=args.tokens, seed=0)))
+    def multi(rollout=agent, batch=prompts):
+        out = asyncio.run(rollout(engine, batch, SamplingParams(n=args.n, max_new_tokens=args.tokens, seed=0)))
         return int(out["response_mask"].sum())
 
+    modes = [("single-turn", single), ("multi-turn", multi)]
+    verl = verl_loop_rollout(section, registry, tokenizer, prompts, args)
+    if verl is not None:
+        modes.append(("verl-loop", lambda: multi(*verl)))
     result = {"engine": name}
-    single()  # warm-up
-    multi()
-    for mode, fn in (("single-turn", single), ("multi-turn", multi)):
+    for _, fn in modes:  # warm-up
+        fn()
+    for mode, fn in modes:
         times, tokens = [], 0
         for _ in range(args.repeats):
             start = time.perf_counter()
@@ -129,6 +140,61 @@ def measure(name: str, engine, tokenizer, args) -> dict:
         seconds = statistics.median(times)
         result[mode] = {"seconds": seconds, "tokens": tokens, "tokens_s": tokens / seconds, "samples_s": args.prompts * args.n / seconds}
     return result
+
+
+# verl 0.9.1's way to write the same conversation: a model turn, then the user's "wrong, try again", turns times
+VERL_LOOP = """
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
+
+
+class TryAgainLoop(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        messages = list(kwargs["raw_prompt"])
+        prompt_ids = await self.ct_build_initial_tokens(messages)
+        ids, mask, log_probs = list(prompt_ids), [], []
+        turns = self.rollout_config.multi_turn.max_assistant_turns
+        for turn in range(turns):
+            out = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=ids, sampling_params=sampling_params)
+            merged, mask, log_probs = await self.ct_merge_assistant_token(ids, out.token_ids, mask, log_probs, assistant_logprobs=out.log_probs)
+            ids = merged.token_ids
+            messages.append({"role": "assistant", "content": self.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
+            if turn < turns - 1:
+                previous = list(messages)
+                messages.append({"role": "user", "content": "wrong, try again"})
+                merged, mask, log_probs = await self.ct_merge_context_msg(previous, messages, ids, mask, log_probs)
+                ids = merged.token_ids
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids[len(prompt_ids):], response_mask=mask,
+                               response_logprobs=log_probs, num_turns=2 * turns, metrics={})
+"""
+
+
+def verl_loop_rollout(section: dict, registry, tokenizer, prompts, args):
+    """The rollout of the same conversations through a verl loop (``TryAgainLoop``), and its prompts
+    (each row naming it); None where verl's agent loop module does not import."""
+    import importlib.util
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from trellis.config import validate
+    from trellis.multiturn.config import MultiTurnConfig
+    from trellis.multiturn.environment import agent_spec
+    from trellis.multiturn.rollout import AGENT_COLUMN, agent_rollout
+
+    if importlib.util.find_spec("hydra") is None or importlib.util.find_spec("verl") is None:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="trellis-bench-verl-loop-"))
+    (folder / "bench_verl_loop.py").write_text(VERL_LOOP)
+    sys.path.insert(0, str(folder))
+    loops = [{"name": "try_again", "component": "verl", "options": {"verl_class": "bench_verl_loop.TryAgainLoop"}}]
+    config = validate(OmegaConf.create({**section, "agent_loops": loops, "interactions": []}), MultiTurnConfig, registry, "multi_turn.")
+    spec = agent_spec(config, registry, tokenizer)
+    spec.max_prompt_length = 64
+    batch = prompts[list(range(len(prompts)))]
+    batch[AGENT_COLUMN] = ["try_again"] * len(batch)
+    return agent_rollout(spec, registry, {"bench": [(i, "try_again") for i in range(len(batch))]}), batch
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class AgentSpec:
     environment: EnvironmentClass | None = None
     agent_tools: dict[str, str] = field(default_factory=dict)
     images: PromptEncoder | None = None  # a vision-language model's prompt encoder: renders the images tools return
+    max_prompt_length: int = 0  # the data's bound on a row's prompt tokens (0: unknown)
 
     @property
     def interaction_names(self) -> list[str]:

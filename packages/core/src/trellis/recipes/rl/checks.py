@@ -236,6 +236,7 @@ def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None
         return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed, encoder=encoder))
     spec = agent_spec(cfg.multi_turn, registry, tokenizer)
     spec.images = encoder  # renders the images tools return; the loops used must take images
+    spec.max_prompt_length = cfg.data.max_prompt_length
     train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs, encoder)
     names = {
         f"data.{key} {cfg.data[key]!r}": [(item["index"], item[AGENT_COLUMN]) for item in dataset.items]
