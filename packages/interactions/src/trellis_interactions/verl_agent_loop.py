@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.resources
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +74,6 @@ class VerlAgentLoop(AgentLoop):
         # the verl class objects of multi_turn.tools (verl_class entries), handed over as verl hands its tools
         self.verl_tools = [make().inner for make, tcfg in spec.tools if tcfg.verl_class]
         self.model_type = model_type(self.tokenizer)
-        self.configs: dict[tuple, Any] = {}  # trainer_config's, by prompt bound and sampling
 
     row_fields = True  # verl calls a loop's run with every column of the row
 
@@ -117,20 +117,12 @@ class VerlAgentLoop(AgentLoop):
         return trajectory(output, prompt_ids, server.calls, type(loop).__name__)
 
     def trainer_config(self, prompt_ids: list[int], params: SamplingParams) -> Any:
-        """verl's generated PPO config with this run's limits, then ``options.config`` over it; read-only,
-        and built once per prompt bound and sampling (loading and resolving verl's ~900 keys costs
-        ~0.4 s, which per sample held the event loop every sample shares)."""
-        prompt_length = self.spec.max_prompt_length or len(prompt_ids)  # verl's: data.max_prompt_length
-        key = (prompt_length, params.max_new_tokens, params.temperature, params.top_p, params.top_k)
-        if key not in self.configs:
-            self.configs[key] = self.build_config(prompt_length, params)
-        return self.configs[key]
-
-    def build_config(self, prompt_length: int, params: SamplingParams) -> Any:
+        """verl's generated PPO config with this run's limits, then ``options.config`` over it."""
         s = self.settings
         budget = s.max_response_tokens or params.max_new_tokens * s.max_assistant_turns
         rollout = {
-            "prompt_length": prompt_length,  # a cap on the loop's own rendering of the prompt, which must be trellis's
+            # a cap on the loop's own rendering of the prompt, which must be trellis's: verl's is data.max_prompt_length
+            "prompt_length": self.spec.max_prompt_length or len(prompt_ids),
             "response_length": budget,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -145,16 +137,26 @@ class VerlAgentLoop(AgentLoop):
             },
         }
         data = {"apply_chat_template_kwargs": {k: v for k, v in self.spec.template_kwargs.items() if k != "tools"}}
-        merged = OmegaConf.merge(verl_defaults(), {"actor_rollout_ref": {"rollout": rollout}, "data": data}, self.options.config)
-        OmegaConf.resolve(merged)
-        OmegaConf.set_readonly(merged, True)  # shared by the samples: a loop that writes to it is refused
-        return merged
+        overrides = {"actor_rollout_ref": {"rollout": rollout}, "data": data}
+        return verl_config(json.dumps([overrides, OmegaConf.to_container(OmegaConf.create(self.options.config))], sort_keys=True))
 
 
 @functools.cache
 def verl_defaults() -> Any:
     """verl's generated PPO config (``_generated_ppo_trainer.yaml``), read once (merges copy it, never change it)."""
     return OmegaConf.load(str(importlib.resources.files("verl") / "trainer" / "config" / "_generated_ppo_trainer.yaml"))
+
+
+@functools.lru_cache(maxsize=64)
+def verl_config(overrides: str) -> Any:
+    """:func:`verl_defaults` with ``overrides`` (a JSON list of mappings) merged over it, resolved and
+    read-only (every sample of every rollout with these limits shares it: a loop that writes to it is
+    refused). Built once per set of limits: loading and resolving verl's ~900 keys costs ~0.4 s, which
+    per sample held the event loop every sample shares."""
+    merged = OmegaConf.merge(verl_defaults(), *json.loads(overrides))
+    OmegaConf.resolve(merged)
+    OmegaConf.set_readonly(merged, True)
+    return merged
 
 
 class ServerManager:
