@@ -25,6 +25,13 @@ def moe_path(tmp_path_factory):
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "manifest"])
 def test_a_trainers_update_reaches_every_expert(moe_path, make_prompts, streamed):
     engine = build("vllm", moe_path, dtype="float32")
+    try:
+        check_update_reaches_every_expert(engine, moe_path, make_prompts, streamed)
+    finally:
+        engine.close()  # vLLM's process-wide state is torn down for the next test's engine
+
+
+def check_update_reaches_every_expert(engine, moe_path, make_prompts, streamed) -> None:
     trainer = load_hf_model(moe_path, "lm", torch.float32).eval()
     prompts = make_prompts(engine.tokenizer, TEXTS)
     params = SamplingParams(n=2, max_new_tokens=6, seed=1)
