@@ -67,7 +67,7 @@ def _routes_of_forward(model, batch: Batch) -> torch.Tensor:
     """The experts a full forward (no cache) of ``batch``'s sequences routes each token to ``(batch, seq_len, layers, k)``."""
     with torch.no_grad(), recorded_routes(model) as calls:
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
-    return generated_routes(calls, len(batch), batch["input_ids"].shape[1])
+    return generated_routes(calls, len(batch))
 
 
 def _same_experts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

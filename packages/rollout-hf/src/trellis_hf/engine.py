@@ -114,7 +114,7 @@ class HFRollout(RolloutEngine):
         stops = self.eos_ids | set(params.stop_token_ids)
         out = rollout_batch(prompts, params, responses, _mask_through_first_stop(responses, stops), log_probs)
         if all(routes is not None for _, _, routes in parts):  # asked for, of a mixture-of-experts model
-            full = out["input_ids"].shape[1]
+            full = out["input_ids"].shape[1]  # -1 in the columns no forward ran
             routes = torch.cat([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, full - r.shape[1]), value=-1) for _, _, r in parts])
             out[ROUTED_EXPERTS] = routes.masked_fill(~out["attention_mask"].bool()[..., None, None], -1)
         return out
@@ -127,8 +127,8 @@ class HFRollout(RolloutEngine):
         self, prompts: Batch, params: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Sampled tokens ``(b*n, new)``, their log-probs under softmax(logits / temperature), and with
-        ``return_routed_experts`` the experts each prompt and sampled token went to ``(b*n, prompt_len + new,
-        layers, top_k)`` (-1 on the last token, which no forward ran)."""
+        ``return_routed_experts`` the experts each prompt and sampled token but the last (which no forward
+        ran) went to ``(b*n, prompt_len + new - 1, layers, top_k)``."""
         ids = prompts["input_ids"].repeat_interleave(params.n, dim=0).to(self.device)
         mask = prompts["attention_mask"].repeat_interleave(params.n, dim=0).to(self.device)
         per_prompt = prompts.get(IMAGE_INPUTS)
@@ -159,7 +159,7 @@ class HFRollout(RolloutEngine):
                 )
         finally:
             model.train(training)
-        routes = generated_routes(calls, len(out), out.shape[1]) if calls else None  # a dense model has no routers to record
+        routes = generated_routes(calls, len(out)) if calls else None  # a dense model has no routers to record
         return out[:, ids.shape[1] :].cpu(), recorder.result(out).cpu(), routes
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams, images: dict | None = None) -> Generation:

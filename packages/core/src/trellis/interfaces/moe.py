@@ -100,12 +100,10 @@ def recorded_routes(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]
             h.remove()
 
 
-def generated_routes(calls: list[list[torch.Tensor]], rows: int, width: int) -> torch.Tensor:
-    """``(rows, width, layers, top_k)`` routes of a ``generate`` call from :func:`recorded_routes`'
-    calls (the prompt's forward, then one per token), -1 in the columns no forward ran."""
-    steps = [torch.stack(layers, 1).reshape(rows, -1, len(layers), layers[0].shape[-1]) for layers in calls]
-    routes = torch.cat(steps, 1)
-    return torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, width - routes.shape[1]), value=-1)
+def generated_routes(calls: list[list[torch.Tensor]], rows: int) -> torch.Tensor:
+    """``(rows, columns run, layers, top_k)`` routes of a ``generate`` call from :func:`recorded_routes`'
+    calls: the prompt's forward, then one per token (the last sampled token is never run)."""
+    return torch.cat([torch.stack(layers, 1).reshape(rows, -1, len(layers), layers[0].shape[-1]) for layers in calls], 1)
 
 
 def conversation_routes(sequence: list[int], turns: list[Generation]) -> torch.Tensor | None:
