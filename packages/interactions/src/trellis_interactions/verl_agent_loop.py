@@ -74,6 +74,7 @@ class VerlAgentLoop(AgentLoop):
         # the verl class objects of multi_turn.tools (verl_class entries), handed over as verl hands its tools
         self.verl_tools = [make().inner for make, tcfg in spec.tools if tcfg.verl_class]
         self.model_type = model_type(self.tokenizer)
+        self.config_overrides = OmegaConf.to_container(OmegaConf.create(options.config))  # options.config as plain data, once
 
     row_fields = True  # verl calls a loop's run with every column of the row
 
@@ -138,7 +139,7 @@ class VerlAgentLoop(AgentLoop):
         }
         data = {"apply_chat_template_kwargs": {k: v for k, v in self.spec.template_kwargs.items() if k != "tools"}}
         overrides = {"actor_rollout_ref": {"rollout": rollout}, "data": data}
-        return verl_config(json.dumps([overrides, OmegaConf.to_container(OmegaConf.create(self.options.config))], sort_keys=True))
+        return verl_config(json.dumps([overrides, self.config_overrides], sort_keys=True))
 
 
 @functools.cache
