@@ -552,19 +552,20 @@ def check_engine_process_one_step_ahead(model_path: str, tmp_path, *keys: str) -
     assert all(r["sync/probe_gap"] < 1e-3 for r in rows)
 
 
-def judge_post(url: str, body: dict, token: str | None) -> tuple[int, dict]:
-    """POST ``body`` to a judge server's chat completions with ``token`` as bearer; (status, JSON reply)."""
+def judge_post(url: str, body: dict, token: str | None, route: str = "/v1/chat/completions") -> tuple[int, dict | str]:
+    """POST ``body`` to a judge server's ``route`` with ``token`` as bearer; (status, JSON reply, or the text of one that is not JSON)."""
     import json
     import urllib.error
     import urllib.request
 
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    request = urllib.request.Request(url + route, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        text = exc.read().decode()
+        return exc.code, json.loads(text) if text.startswith("{") else text
 
 
 def judge_closed(url: str) -> bool:
@@ -608,10 +609,38 @@ def check_judge_engine(engine: str, model_path: str, **options) -> None:
         assert status == 400 and "temperature=3" in refused["error"]["message"]
         counts = server.counts()
         assert counts["requests"] == 2 and counts["refused"] == 5 and counts["completion_tokens"] == 2 * reply["usage"]["completion_tokens"]
+        check_reward_router(server, ask, reply)
     finally:
         server.close()
         server.close()
     assert judge_closed(server.url)
+
+
+def check_reward_router(server, ask: dict, reply: dict) -> None:
+    """The judge server as verl's reward router (``server.address``, no header): SGLang's native
+    ``/generate`` from text or from token ids answers what chat completions answer greedily for the
+    same rendered prompt; chat completions answer under the address too; what it cannot honour is
+    refused by name, and without the token in the path nothing is found."""
+    from trellis.kit.serving import encode_text, render_chat
+
+    router = f"http://{server.address}"
+    text = render_chat(server.tokenizer, ask["messages"], True, {})
+    greedy = {"max_new_tokens": 3, "temperature": 0}
+    content, used = reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+    for prompt in ({"text": text}, {"input_ids": encode_text(server.tokenizer, text)}):
+        status, native = judge_post(router, {**prompt, "sampling_params": greedy}, None, "/generate")
+        assert status == 200 and native["text"] == content and len(native["output_ids"]) == used
+        assert native["meta_info"]["prompt_tokens"] == reply["usage"]["prompt_tokens"] and native["meta_info"]["completion_tokens"] == used
+        assert native["meta_info"]["finish_reason"]["type"] == reply["choices"][0]["finish_reason"]
+    status, chat = judge_post(router, ask, None)
+    assert status == 200 and chat["choices"][0]["message"]["content"] == content
+    status, refused = judge_post(router, {"text": text, "sampling_params": {**greedy, "stop": ["\\n"]}}, None, "/generate")
+    assert status == 400 and "sampling_params stop is not served here" in refused["error"]["message"]
+    status, refused = judge_post(router, {"text": text, "input_ids": [1], "sampling_params": greedy}, None, "/generate")
+    assert status == 400 and "not both and not neither" in refused["error"]["message"]
+    assert judge_post(server.url, {"text": text}, None, "/generate")[0] == 404  # the token is the path
+    counts = server.counts()
+    assert counts["requests"] == 5 and counts["refused"] == 7
 
 
 class OnRayCases:

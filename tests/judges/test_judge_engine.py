@@ -110,6 +110,43 @@ def test_unparseable_judge_replies_are_errors_that_stop_the_run(run_rl, tiny_mod
     assert server.counts()["requests"] == 16 and closed(server.url)  # served every sample, and closed on the error
 
 
+# a reward function in verl's GenRM shape (verl-recipe's FAPO): a rule-based check, and a served
+# model asked through verl's reward router with SGLang's native /generate; written for this test
+ROUTED_FUNCTION = """
+import json
+import urllib.request
+
+def compute_score(data_source, solution_str, ground_truth, extra_info, reward_router_address, reward_model_tokenizer):
+    ids = reward_model_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Check: " + solution_str}], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}).encode()
+    with urllib.request.urlopen(f"http://{reward_router_address}/generate", body, timeout=60) as resp:
+        out = json.loads(resp.read())
+    return {"score": float(len(out["output_ids"])), "asked": 1.0}
+"""
+
+
+def test_a_function_of_verls_genrm_shape_asks_the_served_model_through_the_reward_router(run_rl, tiny_model_path, served, tmp_path):
+    path = tmp_path / "genrm.py"
+    path.write_text(ROUTED_FUNCTION)
+    _, rows = run_rl(
+        f"reward.path={path}",
+        "reward.name=compute_score",
+        "reward.judge.engine=hf",
+        f"reward.judge.model={tiny_model_path}",
+        "reward.judge.max_new_tokens=4",  # the server's cap, below the function's 5
+        "validation.before_train=false",
+    )
+    (server,) = served
+    steps = [r for r in rows if "reward/mean" in r]
+    # every sample asked the model once; its score is the number of tokens the model wrote for it
+    assert [r["judge/requests"] for r in steps] == [16.0, 16.0] and all(r["judge/refused"] == 0 for r in steps)
+    assert [r["reward/mean"] * 16 for r in steps] == pytest.approx([r["judge/completion_tokens"] for r in steps])
+    assert all(0 < r["reward/mean"] <= 4 and r["reward/errors"] == 0 for r in steps)
+    assert closed(server.url)
+
+
 # -- refusals before any model is built -------------------------------------------------------------------
 def refused(*overrides: str, recipe: str = "rl") -> str:
     with pytest.raises(ConfigError) as caught:
@@ -117,7 +154,7 @@ def refused(*overrides: str, recipe: str = "rl") -> str:
     return str(caught.value)
 
 
-def test_bad_judge_engine_configs_are_refused_by_name(tiny_model_path, data_files):
+def test_bad_judge_engine_configs_are_refused_by_name(tiny_model_path, data_files, tmp_path):
     base = [f"model.path={tiny_model_path}", f"data.train_path={data_files['train']}"]
     judge_ = ["reward.name=judge", f"reward.kwargs.template='{TEMPLATE}'"]
     engine = ["reward.judge.engine=hf", f"reward.judge.model={tiny_model_path}"]
@@ -126,8 +163,13 @@ def test_bad_judge_engine_configs_are_refused_by_name(tiny_model_path, data_file
     assert message.startswith("config key 'reward.judge.engine' is 'hff': rollout 'hff' is not installed") and "did you mean 'hf'?" in message
     message = refused(*base, *engine)  # reward.name is gsm8k
     assert "'reward.judge.engine' is 'hf', but no judge reward is in use (reward.name='gsm8k'" in message and "reward.name=judge" in message
+    assert "takes reward_router_address" in message
     message = refused(*base, *engine, "reward.terms=[{name: gsm8k}, {name: judge, kwargs: {url: 'http://127.0.0.1:9', template: x}}]")
     assert "every judge names its own server (reward.terms[1].kwargs.url='http://127.0.0.1:9')" in message and "unset reward.judge.engine" in message
+    genrm = tmp_path / "genrm.py"
+    genrm.write_text(ROUTED_FUNCTION)
+    message = refused(*base, f"reward.path={genrm}", "reward.name=compute_score")  # no model served for its router
+    assert "missing a required argument: 'reward_router_address'" in message and "serve the model with reward.judge.engine" in message
     message = refused(*base, *judge_, "reward.judge.engine=hf")
     assert "config key 'reward.judge.model' is ''" in message and "no config.json" in message
     message = refused(*base, *judge_, f"reward.judge.model={tiny_model_path}")

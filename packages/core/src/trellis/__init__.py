@@ -54,6 +54,7 @@ _API = {
     "RewardManager": "trellis.rewards",
     "RewardError": "trellis.rewards",
     "resolve_reward": "trellis.rewards",
+    "load_function": "trellis.rewards",
     "check_reward": "trellis.rewards",
     "gsm8k_score": "trellis.rewards",
     "math_score": "trellis.rewards",

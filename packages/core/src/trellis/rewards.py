@@ -357,14 +357,14 @@ def check_reward(node: Any, registry: Any, recipe: str = "", services: Sequence[
             )
         return
     named = [(f"reward.terms[{i}].name", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
-    served = [source for service in services for source in service.served(cfg)]
+    served = {id(source): supplied for service in services for source, supplied in service.served(cfg)}
     for key, source in named:
         try:
-            fn = resolve_reward(source, registry)
+            fn = resolve_reward(source, registry, served.get(id(source), ()))
         except (RewardError, RegistryError) as exc:
             raise ConfigError(f"config key {key!r}: {exc}") from None
-        # a judge the run serves itself has no server yet: the checks that need none
-        preflight = getattr(fn, "offline_preflight" if any(source is s for s in served) else "preflight", None)
+        # a source a service of the run answers has no server yet: the checks that need none
+        preflight = getattr(fn, "offline_preflight" if id(source) in served else "preflight", None)
         if preflight is not None:
             try:
                 preflight(**dict(source.kwargs or {}))
@@ -377,9 +377,10 @@ def reward_name(source: RewardConfig | RewardTerm) -> str:
     return source.name or DEFAULT_REWARD
 
 
-def resolve_reward(cfg: RewardConfig | RewardTerm, registry: Any) -> Callable[..., Any]:
-    """The reward function ``cfg`` (a config or one of its terms) names, with ``cfg.kwargs``
-    checked against its signature.
+def resolve_reward(cfg: RewardConfig | RewardTerm, registry: Any, supplied: Sequence[str] = ()) -> Callable[..., Any]:
+    """The reward function ``cfg`` (a config or one of its terms) names, with ``cfg.kwargs`` and
+    the keyword arguments a reward service will add (``supplied``, their names) checked against its
+    signature.
 
     Call it while checking a config: it builds nothing and fails with the fix.
     """
@@ -400,11 +401,15 @@ def resolve_reward(cfg: RewardConfig | RewardTerm, registry: Any) -> Callable[..
     if batched:
         probe = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
     try:
-        sig.bind(**dict.fromkeys(probe), **kwargs)
+        sig.bind(**dict.fromkeys(probe), **dict.fromkeys(supplied), **kwargs)
     except TypeError as exc:
+        served = f" and the served {', '.join(supplied)}" if supplied else ""
+        # verl's GenRM functions take the reward router a served reward model answers at
+        router = "reward_router_address" in sig.parameters and "reward_router_address" not in supplied
+        hint = "; it asks for verl's reward router: serve the model with reward.judge.engine and reward.judge.model" if router else ""
         raise RewardError(
             f"reward {where} cannot be called as {fn.__name__}({', '.join(probe)}, **reward.kwargs) with "
-            f"reward.kwargs={kwargs}: {exc}; its parameters are ({', '.join(sig.parameters)})"
+            f"reward.kwargs={kwargs}{served}: {exc}; its parameters are ({', '.join(sig.parameters)}){hint}"
         ) from None
     return fn
 
@@ -446,8 +451,9 @@ class RewardService(Protocol):
         """Refuse the run's config (a ``DictConfig``) where the service cannot serve it, naming the key and the fix."""
 
     @classmethod
-    def served(cls, reward: RewardConfig) -> list[Any]:
-        """The reward sources (the section or its terms) the service will answer once started."""
+    def served(cls, reward: RewardConfig) -> list[tuple[Any, tuple[str, ...]]]:
+        """The reward sources (the section or its terms) the service will answer once started, each
+        with the names of the keyword arguments it will add to their calls."""
 
     def __init__(self, reward: RewardConfig, registry: Any, seed: int) -> None:
         """Start the service for the run; ``self.reward`` is then ``reward`` with its sources pointed at it."""

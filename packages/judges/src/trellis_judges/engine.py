@@ -11,6 +11,7 @@ never takes a weight sync.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,20 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
-from trellis import Batch, ConfigError, RewardConfig, RewardResult, RewardTerm, RolloutSpec, Scorer, instantiate_options, reward_name, validate
+from trellis import (
+    Batch,
+    ConfigError,
+    RewardConfig,
+    RewardError,
+    RewardResult,
+    RewardTerm,
+    RolloutSpec,
+    Scorer,
+    instantiate_options,
+    load_function,
+    reward_name,
+    validate,
+)
 
 if TYPE_CHECKING:
     from trellis_judges.server import JudgeServer
@@ -26,15 +40,41 @@ if TYPE_CHECKING:
 log = logging.getLogger("trellis")
 
 
+# what the judge engine adds to the calls of what it serves: a judge's server, and a user function's
+# reward router as verl names it (the GenRM pattern: a rule-based check that asks a served model)
+JUDGE_KWARGS = ("url", "api_key", "model")
+ROUTER_KWARGS = ("reward_router_address", "reward_model_tokenizer")
+
+
+def _sources(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
+    return [(f"reward.terms[{i}]", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
+
+
 def judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
     """The registered ``judge`` rewards ``cfg`` uses (the reward itself, or its terms), each with its config key."""
-    sources = [(f"reward.terms[{i}]", t) for i, t in enumerate(cfg.terms)] or [("reward", cfg)]
-    return [(key, source) for key, source in sources if source.name == "judge" and not source.path]
+    return [(key, source) for key, source in _sources(cfg) if source.name == "judge" and not source.path]
 
 
 def served_judges(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
     """The judges that ``reward.judge.engine`` serves: those naming no ``kwargs.url`` (none without an engine)."""
     return [(key, source) for key, source in judges(cfg) if cfg.judge.engine and not (source.kwargs or {}).get("url")]
+
+
+def routed_functions(cfg: RewardConfig) -> list[tuple[str, RewardConfig | RewardTerm]]:
+    """The user's functions (``path``) that ``reward.judge.engine`` serves as verl's reward router:
+    those whose parameters name ``reward_router_address`` (verl's GenRM functions). Each call gets
+    ``reward_router_address`` (the server's :attr:`~trellis_judges.server.JudgeServer.address`) and
+    ``reward_model_tokenizer`` (the judge model's tokenizer), as verl's reward loop passes them."""
+    if not cfg.judge.engine:
+        return []
+    return [(key, source) for key, source in _sources(cfg) if source.path and "reward_router_address" in _parameters(source)]
+
+
+def _parameters(source: RewardConfig | RewardTerm) -> Any:
+    try:
+        return inspect.signature(load_function(source.path, reward_name(source))).parameters
+    except (RewardError, TypeError, ValueError):
+        return {}  # a function that cannot be loaded is named by the reward's own check
 
 
 def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
@@ -50,13 +90,15 @@ def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
                 "set reward.judge.engine to a rollout engine (hf, vllm, sglang) to serve it, or unset reward.judge"
             )
         return
-    used, served = judges(reward), served_judges(reward)
-    if not used:
+    used, served, routed = judges(reward), served_judges(reward), routed_functions(reward)
+    if not used and not routed:
         raise ConfigError(
             f"config key 'reward.judge.engine' is {spec.engine!r}, but no judge reward is in use (reward.name={reward_name(reward)!r}, "
-            f"terms {[t.name for t in reward.terms]}); score with reward.name=judge or a term {{name: judge}}, or unset reward.judge.engine"
+            f"terms {[t.name for t in reward.terms]}) and no function of reward.path takes reward_router_address; score with "
+            "reward.name=judge or a term {name: judge}, or give a function of your own that takes reward_router_address and "
+            "reward_model_tokenizer (verl's GenRM functions), or unset reward.judge.engine"
         )
-    if not served:
+    if used and not served and not routed:
         urls = ", ".join(f"{key}.kwargs.url={source.kwargs['url']!r}" for key, source in used)
         raise ConfigError(
             f"config key 'reward.judge.engine' is {spec.engine!r}, but every judge names its own server ({urls}), so the engine "
@@ -75,7 +117,7 @@ def check_judge_engine(cfg: DictConfig, registry: Any) -> None:
             "give the judge model's folder"
         )
     engine_options(spec, registry)
-    if not getattr(AutoTokenizer.from_pretrained(spec.model), "chat_template", None):
+    if served and not getattr(AutoTokenizer.from_pretrained(spec.model), "chat_template", None):
         raise ConfigError(
             f"config key 'reward.judge.model' is {spec.model!r}, whose tokenizer has no chat template, which the judge's "
             "messages are rendered with; choose an instruction-tuned model folder with chat_template.jinja"
@@ -108,12 +150,14 @@ def start_judge(spec: Any, registry: Any, seed: int) -> JudgeServer:
 
 
 def with_served_judges(cfg: RewardConfig, server: JudgeServer) -> RewardConfig:
-    """``cfg`` with every judge that names no url sent to ``server`` (its url, bearer token and model name)."""
-    served = {id(source) for _, source in served_judges(cfg)}
-    extra = {"url": server.url, "api_key": server.token, "model": server.name}
+    """``cfg`` with every judge that names no url sent to ``server`` (its url, bearer token and model
+    name), and every routed function given the server as its reward router (:func:`routed_functions`)."""
+    extra = {id(source): {"url": server.url, "api_key": server.token, "model": server.name} for _, source in served_judges(cfg)}
+    for _, source in routed_functions(cfg):
+        extra[id(source)] = {"reward_router_address": server.address, "reward_model_tokenizer": server.tokenizer}
 
     def point(source: Any) -> Any:
-        return dataclasses.replace(source, kwargs={**source.kwargs, **extra}) if id(source) in served else source
+        return dataclasses.replace(source, kwargs={**source.kwargs, **extra[id(source)]}) if id(source) in extra else source
 
     return dataclasses.replace(point(cfg), terms=[point(t) for t in cfg.terms])
 
@@ -146,9 +190,11 @@ class JudgeEngine:
         check_judge_engine(cfg, registry)
 
     @classmethod
-    def served(cls, reward: RewardConfig) -> list[RewardConfig | RewardTerm]:
-        """The reward sources this service will answer (their preflight cannot reach a server yet)."""
-        return [source for _, source in served_judges(reward)]
+    def served(cls, reward: RewardConfig) -> list[tuple[RewardConfig | RewardTerm, tuple[str, ...]]]:
+        """The reward sources this service will answer (their preflight cannot reach a server yet),
+        each with the keyword arguments it adds."""
+        judged = [(source, JUDGE_KWARGS) for _, source in served_judges(reward)]
+        return judged + [(source, ROUTER_KWARGS) for _, source in routed_functions(reward)]
 
     def __init__(self, reward: RewardConfig, registry: Any, seed: int) -> None:
         self.server = start_judge(reward.judge, registry, seed)
