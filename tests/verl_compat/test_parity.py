@@ -36,6 +36,7 @@ SCRIPT_NAMES = [
     "geo3k.sh",
     "moe_r3.sh",
     "multiturn/run.sh",
+    "fapo/run.sh",
 ]
 
 

@@ -95,18 +95,29 @@ def _custom_reward(prefix: str) -> Callable[[Any, Source], str]:
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def _reward_model(path_key: str) -> Callable[[Any, Source], Any]:
+def _custom_function(src: Source) -> bool:
+    return bool(src.get("custom_reward_function.path") or src.get("reward.custom_reward_function.path"))
+
+
+def _reward_model(path_key: str, generative: bool) -> Callable[[Any, Source], Any]:
     """``reward_model.enable`` (verl 0.9.1: ``reward.reward_model.enable``): the folder ``path_key``
-    names becomes ``reward.model.path``."""
+    names. Alone it is the reward model's role (``reward.model.path``, ``generative`` False); beside a
+    custom reward function verl serves it on its engine and hands the function the reward router
+    (the GenRM pattern): trellis's judge engine (``reward.judge.model``, ``generative`` True)."""
 
     def convert(value: Any, src: Source) -> Any:
-        if not value:
+        if not value or _custom_function(src) != generative:
             return SKIP
         if src.get(path_key) is None:
             raise Unmapped(f"the reward model is enabled but {path_key} is not given; give the reward model's folder")
         return src[path_key]
 
     return convert
+
+
+def _served_model(enable_key: str) -> Callable[[Any, Source], Any]:
+    """A setting of the reward model verl serves to a custom function (``reward_model.rollout.*``)."""
+    return lambda value, src: value if src.get(enable_key) and _custom_function(src) else SKIP
 
 
 def _dtype(value: Any, src: Source) -> str:
@@ -407,10 +418,23 @@ RULES: tuple[Rule, ...] = (
     ),
     *(
         rule
-        for enable, path in (("reward_model.enable", "reward_model.model.path"), ("reward.reward_model.enable", "reward.reward_model.model_path"))
+        for rm, path in (("reward_model.", "reward_model.model.path"), ("reward.reward_model.", "reward.reward_model.model_path"))
         for rule in (
-            Rule(enable, "reward.model.path", _reward_model(path), f"{path}, when enable is true"),
-            Rule(enable, "reward.model.layout", when(enable, lambda v, s: "conversation"), "verl's reward loop renders the conversation"),
+            Rule(rm + "enable", "reward.model.path", _reward_model(path, False), f"{path}, when enable is true (no custom function)"),
+            Rule(
+                rm + "enable",
+                "reward.model.layout",
+                lambda v, s, path=path: "conversation" if _reward_model(path, False)(v, s) is not SKIP else SKIP,
+                "verl's reward loop renders the conversation",
+            ),
+            Rule(
+                rm + "enable",
+                "reward.judge.model",
+                _reward_model(path, True),
+                f"{path}, when enable is true beside custom_reward_function.path: served to the function as verl's reward router",
+            ),
+            Rule(rm + "rollout.name", "reward.judge.engine", _served_model(rm + "enable"), "the served reward model's engine (GenRM)"),
+            Rule(rm + "rollout.response_length", "reward.judge.max_new_tokens", _served_model(rm + "enable"), "the served model's longest reply"),
         )
     ),
     Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
@@ -622,6 +646,12 @@ def check_converted(conversion: Conversion, registry: Registry) -> None:
             node.pop(last, None)
             conversion.notes.append(f"{section}: {exc}; its options are checked when trellis train runs where it is installed")
     trainer = config.get("trainer", {})
+    judge = config.get("reward", {}).get("judge", {})
+    try:  # the engine a served reward model runs on, installed where the run is
+        judge.get("engine") and registry.get("rollout", judge["engine"])
+    except RegistryError as exc:
+        del judge["engine"]
+        conversion.notes.append(f"reward.judge.engine: {exc}; installed where trellis train runs, it is checked there")
     try:  # trainer.controller=ray: trellis-ray, installed where the run is
         registry.get("controller", trainer.get("controller", "local"))
     except RegistryError as exc:

@@ -74,6 +74,11 @@ def feature_off(key: str, value: object, src: Source) -> bool:
 SPEED = "a speed or memory choice of verl's kernels and engines; trellis computes the same quantities its own way"
 
 # why a key has no trellis counterpart (first matching pattern; "": nothing to report)
+# the engine knobs of a reward model verl serves (beside a custom function: trellis's reward.judge)
+SERVED_MODEL = (
+    "the engine and placement knobs of the reward model verl serves; trellis serves it (reward.judge: engine, model and "
+    "max_new_tokens converted) in the driver on loopback, the engine's own keys under reward.judge.options"
+)
 REASONS: tuple[tuple[str, str], ...] = (
     ("*_target_", ""),
     ("*.rollout_n", ""),  # verl's copy of rollout.n
@@ -148,6 +153,7 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("critic.fsdp.*", "FSDP sharding and offload are the backend section's options (trellis config show)"),
     ("reward.num_workers", "reward.max_concurrency: samples scored at once"),
     ("reward.sandbox_fusion.*", "a code reward's sandbox is trellis-sandbox's reward options (reward.kwargs)"),
+    ("reward.reward_model.rollout.*", SERVED_MODEL),
     ("reward.reward_model.*", "the reward model role is reward.model.path; verl's served generative reward model is reward.judge"),
     ("reward.reward_manager.*", "a custom reward manager class has no trellis counterpart; score with reward.path (a function)"),
     ("algorithm.pf_ppo.*", "read by verl's PF-PPO only"),
@@ -195,10 +201,16 @@ REASONS: tuple[tuple[str, str], ...] = (
         "reward_model.model.input_tokenizer",
         "trellis compares the actor's tokenizer with the reward model's and re-tokenises samples when they differ",
     ),
+    ("reward_model.rollout.*", SERVED_MODEL),
+    *(
+        (f"{rm}{key}", "the reward model's own GPUs in verl; trellis places its role like the actor's and serves a judge engine in the driver")
+        for rm in ("reward_model.", "reward.reward_model.")
+        for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes")
+    ),
     (
-        "reward_model.rollout.*",
-        "a generative reward model trellis starts is reward.judge (engine, model, options) for reward.name=judge, whose template and "
-        "parse rule replace a custom function that calls verl's router; not converted",
+        "reward_model.model.type",
+        "verl's reward loop serves the model to a custom reward function (generative) when there is one, else scores with it "
+        "(discriminative), whatever the type says; so does trellis (reward.judge, else reward.model)",
     ),
     ("reward_model.*", "the reward_model role (reward.model.path) takes the actor's micro-batching and the backend section's options"),
     (
