@@ -14,6 +14,7 @@ from trellis.config import compose
 from trellis.plugins import load_plugins
 from trellis_verl_compat.convert import RULES, check_converted, convert, read_verl
 from trellis_verl_compat.rule import MODE
+from trellis_verl_compat.sft import SFT_RULES
 
 GRPO_COMMAND = [
     "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
@@ -195,6 +196,8 @@ def test_cli_prints_the_config_and_reports_on_stderr(train_file, tmp_path):
 def test_every_rule_is_in_the_docs_table():
     doc = (Path(__file__).parents[2] / "docs" / "coming-from-verl.md").read_text()
     assert [rule.verl for rule in RULES if f"`{rule.verl}`" not in doc and rule.verl != MODE] == []  # MODE: the entry point's
+    sft = doc[doc.index("## SFT scripts") : doc.index("## Converting a config")]
+    assert [rule.verl for rule in SFT_RULES if f"`{rule.verl}`" not in sft and not rule.verl.startswith(("optim.", "grad_clip"))] == []
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ import pytest
 import yaml
 from cli_runs import run_cli as trellis
 
-from trellis_verl_compat.convert import convert, read_launch, read_verl
+from trellis.examples.tasks import write_rows
+from trellis_verl_compat.convert import convert, read_verl
 from trellis_verl_compat.launch import read_script
 
 SCRIPTS = Path(__file__).parent / "launch"
@@ -173,15 +174,37 @@ def test_the_trainer_line_is_found_after_data_preparation_and_by_its_file(tmp_pa
         read_script(script)
 
 
-def test_entry_points_of_other_trainers_are_refused_naming_the_recipe(tmp_path):
-    script = tmp_path / "sft.sh"
-    script.write_text("torchrun --nproc_per_node=8 -m verl.trainer.fsdp_sft_trainer data.train_files=x\n")
-    with pytest.raises(Exception, match="is an SFT run; trellis's sft recipe takes it"):
-        read_launch([str(script)])
-        convert({"data.train_files": "x"}, entry="verl.trainer.fsdp_sft_trainer")
+def test_entry_points_of_other_trainers_are_refused_naming_what_to_use(tmp_path):
+    script = tmp_path / "gen.sh"
+    script.write_text("python3 -m verl.trainer.main_generation data.path=x\n")
+    with pytest.raises(Exception, match="is generation only; trellis has no generation entry point"):
+        convert({"data.path": "x"}, entry="verl.trainer.main_generation")
     out = trellis("config", "from-verl", str(script), cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "verl entry point verl.trainer.fsdp_sft_trainer is an SFT run" in out.stderr
+    assert "verl entry point verl.trainer.main_generation is generation only" in out.stderr
+
+
+def test_sft_script_converts_to_the_sft_recipe_with_its_adapter_schedule_and_world(tmp_path):
+    """verl's SFT trainer (torchrun, hydra group choices ``engine=fsdp optim=fsdp``) is trellis's sft
+    recipe: batch, micro-batch and token budget, LoRA, the cosine schedule with its floor, the ranks
+    torchrun starts, and the epochs and after_each_epoch validation counted from the training rows."""
+    rows = [{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}] * 1000
+    data = write_rows(rows, tmp_path / "train.parquet")
+    cfg, err = converted("sft.sh", f"data.train_files={data}")
+    assert cfg["recipe"] == "sft" and cfg["data"]["batch_samples"] == 256 and cfg["data"]["max_length"] == 2048
+    assert cfg["train"]["micro_batch_samples"] == 4 and cfg["train"]["max_tokens_per_micro_batch"] == 8192
+    assert cfg["train"]["adapter"] == {"rank": 32, "alpha": 16, "target_modules": ["all-linear"]}
+    optim = cfg["train"]["optim"]
+    assert (optim["lr"], optim["lr_schedule"], optim["min_lr_ratio"], optim["betas"]) == (1e-5, "cosine", 0.1, [0.9, 0.95])
+    steps_per_epoch = 1000 // 256
+    assert cfg["trainer"]["total_steps"] == 2 * steps_per_epoch and cfg["trainer"]["val_every_steps"] == steps_per_epoch
+    assert optim["warmup_steps"] == int(0.05 * 2 * steps_per_epoch)
+    assert cfg["trainer"]["procs_per_node"] == 8 and cfg["trainer"]["controller"] == "ray"  # torchrun --nproc_per_node=8
+    assert cfg["backend"] == {"activation_checkpointing": True, "padding_free": True}
+    assert "data.truncation='error': trellis cuts a sample longer than data.max_length on the right" in err
+    assert "engine.ulysses_sequence_parallel_size=2: no sequence parallelism" in err
+    _, err = converted("sft.sh", "data.messages_key=conversations", "trainer.total_training_steps=3")
+    assert "data.messages_key='conversations': trellis reads a row's chat from its 'messages' column" in err
 
 
 def test_ppo_script_gives_the_critic_the_actors_batching():

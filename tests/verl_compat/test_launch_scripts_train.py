@@ -213,3 +213,35 @@ def test_fapo_script_asks_its_served_reward_model_through_the_reward_router(tiny
         assert s["judge/requests"] == pytest.approx(accepted) and s["judge/refused"] == 0
         # the function's scores (the overlong penalty is its own figure): -1 rejected, 1 accepted, 0 accepted but flawed
         assert s["reward/mean"] == pytest.approx((2 * accepted - 8 - s["reward/flawed"] * 8) / 8) and s["reward/overlong_penalty_mean"] < 0
+
+
+def test_sft_script_trains_its_adapter_on_verls_messages_rows(tiny_model_path, tmp_path):
+    """verl's SFT rows (a ``messages`` column) train the script's LoRA adapter and nothing else; the
+    loss falls. Only the sizes, paths and the ranks are a laptop's."""
+    answered = make_arithmetic_split(32, 0, max_value=9)
+    rows = [{"messages": [*r["prompt"], {"role": "assistant", "content": r["extra_info"]["answer"]}]} for r in answered]
+    data = write_rows(rows, tmp_path / "sft.parquet")
+    given = [
+        f"data.train_files={data}",
+        "data.val_files=null",
+        f"model.path={tiny_model_path}",
+        "data.train_batch_size=8",
+        "data.micro_batch_size_per_gpu=4",
+        "data.max_length=64",
+        "model.lora_rank=4",
+        "optim.lr=1e-2",
+        "trainer.total_training_steps=4",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=['console']",
+    ]
+    out = trellis("config", "from-verl", str(SCRIPTS / "sft.sh"), *given, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "sft.yaml").write_text(out.stdout)
+    run_dir = tmp_path / "run"
+    train(str(tmp_path / "sft.yaml"), [f"trainer.run_dir={run_dir}", "trainer.trackers=[jsonl]"])
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [s["sft/loss"] for s in steps if "sft/loss" in s]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    saved = FileSystemReader(run_dir / "checkpoint-4" / "actor").read_metadata().state_dict_metadata
+    tensors = [k for k in saved if k.startswith(("model.", "optim.state."))]
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)

@@ -29,8 +29,8 @@ from trellis_verl_compat.features import (
     fully_async,
     sync_prompts,
 )
-from trellis_verl_compat.launch import MAIN_PPO, Launch, config_files, entry_of, read_script
-from trellis_verl_compat.reasons import READ_BY_OTHERS, REASONS, TRELLIS_BEHAVIOUR, feature_off
+from trellis_verl_compat.launch import ENTRIES, MAIN_PPO, Launch, config_files, entry_of, module_of, read_script
+from trellis_verl_compat.reasons import RL_KNOWN, Known, feature_off
 from trellis_verl_compat.rule import ACTOR, AR, MODE, MULTI_TURN, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, set_dotted, when
 
 
@@ -504,12 +504,12 @@ class Conversion:
     origin: dict[str, str] = field(default_factory=dict)  # trellis key -> the verl key it came from
 
 
-def settled(key: str, value: Any, src: Source) -> bool:
+def settled(key: str, value: Any, src: Source, known: Known = RL_KNOWN) -> bool:
     """Whether verl key ``key`` needs no report: another rule reads it, its value is what trellis
     does anyway, or its feature is off."""
-    if any(fnmatch(key, pattern) for pattern in READ_BY_OTHERS) or feature_off(key, value, src):
+    if any(fnmatch(key, pattern) for pattern in known.read) or feature_off(key, value, src):
         return True
-    return any(fnmatch(key, pattern) and expected == value for pattern, expected in TRELLIS_BEHAVIOUR.items())
+    return any(fnmatch(key, pattern) and expected == value for pattern, expected in known.behaviour.items())
 
 
 def read_verl(args: list[str], files: list[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -565,24 +565,27 @@ def _leaves(node: Any, prefix: str = "") -> list[str]:
 
 
 def convert(given: dict[str, Any], registry: Registry | None = None, entry: str = MAIN_PPO) -> Conversion:
-    """The trellis ``rl`` config for verl keys ``given`` (dotted) launched by the verl entry point
-    ``entry``; with ``registry``, options a component does not take (e.g. ``clip_ratio_c`` for
-    gspo) are left out and reported."""
+    """The trellis config for verl keys ``given`` (dotted) launched by the verl entry point
+    ``entry``: an ``rl`` config, or an ``sft`` one for verl's SFT trainer; with ``registry``, options
+    a component does not take (e.g. ``clip_ratio_c`` for gspo) are left out and reported."""
     if not given:
         raise DataError("no verl keys given; give verl YAML files and/or key=value overrides as for verl.trainer.main_ppo")
-    unresolved = {k: v.text for k, v in given.items() if isinstance(v, Unresolved)}
-    given = {k: None if k in unresolved else v for k, v in given.items()}
     launched = entry_of(entry)
-    values = {k: v for k, v in given.items() if v is not None}
+    if launched.recipe == "sft":
+        from trellis_verl_compat.sft import SFT_DEFAULTS, SFT_KNOWN, SFT_RULES, SFT_SECTIONS  # built on this module's converters
+
+        out = Conversion({"recipe": "sft"})
+        apply_rules(out, SFT_RULES, given, SFT_DEFAULTS, {MODE: launched.mode}, registry, SFT_SECTIONS, SFT_KNOWN)
+        return out
+    values = {k: v for k, v in given.items() if v is not None and not isinstance(v, Unresolved)}
     defaults = {**VERL_DEFAULTS, **launched.defaults}
     src = {**defaults, **values, MODE: launched.mode}
     if src.get("algorithm.adv_estimator") == "gae":  # verl's critic takes the actor's batching where its own is not given
         defaults |= critic_defaults(src)
-        src = {**defaults, **values, MODE: launched.mode}
+    extra = {MODE: launched.mode}
     if src.get(MULTI_TURN):  # verl's null turn limits mean "no limit": converted, not skipped
-        src.update(
-            {ROLLOUT + "multi_turn." + k: None for k in ("max_assistant_turns", "max_user_turns") if given.get(ROLLOUT + "multi_turn." + k) is None}
-        )
+        limits = (ROLLOUT + "multi_turn." + k for k in ("max_assistant_turns", "max_user_turns"))
+        extra |= {key: None for key in limits if given.get(key) is None}
     verl_scores = scoring.available()
     out = Conversion({"recipe": "rl", "reward": {"name": "verl_default" if verl_scores else "auto"}})
     if not verl_scores:
@@ -590,9 +593,33 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
             "reward.name: auto (trellis's scoring by data_source) where verl's default_compute_score differs for MATH (math-verify "
             f"takes an unboxed answer) and math/aime (0/1, not -1/+1); to score as verl: {scoring.INSTALL}, then convert again"
         )
+    apply_rules(out, RULES, given, defaults, extra, registry, COMPONENT_SECTIONS, RL_KNOWN)
+    reward = out.config["reward"]
+    if "model" in reward and reward["name"] in ("auto", "verl_default") and "path" not in reward:
+        del reward["name"]  # verl's reward model alone is the reward (its score replaces the function's)
+    return out
+
+
+def apply_rules(
+    out: Conversion,
+    rules: tuple[Rule, ...],
+    given: dict[str, Any],
+    defaults: Source,
+    extra: Source,
+    registry: Registry | None,
+    sections: tuple[tuple[str, str, str], ...],
+    known: Known,
+) -> None:
+    """Convert ``given`` (verl's ``defaults`` under it, then ``extra``: the mode and what a recipe
+    adds) by ``rules`` into ``out``, and report every given key no rule took, with its reason
+    (``known``; ``sections``: the config's component sections, whose options are checked)."""
+    unresolved = {k: v.text for k, v in given.items() if isinstance(v, Unresolved)}
+    given = {k: None if k in unresolved else v for k, v in given.items()}
+    values = {k: v for k, v in given.items() if v is not None}
+    src = {**defaults, **values, **extra}
     origin = out.origin
     failed: dict[str, str] = {}
-    for rule in RULES:
+    for rule in rules:
         if rule.verl not in src:
             continue
         try:
@@ -611,32 +638,31 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
     used = {*origin.values(), *failed, *out.differences}
     out.defaults_used = [f"{k}={v}" for k, v in defaults.items() if given.get(k) is None and k in used]
     if registry is not None:
-        for key, why in _foreign_options(out.config, registry):
+        for key, why in _foreign_options(out.config, registry, sections):
             failed[origin[key]] = why
-    mapped = {rule.verl for rule in RULES}
+    mapped = {rule.verl for rule in rules}
     for key, value in {**given, **{k: src[k] for k in failed if k not in given}}.items():
         if key in failed:
             out.unmapped.append((key, value, failed[key] + ("" if key in given else " (verl's default)")))
         elif key in unresolved:
-            why = next((why for pattern, why in REASONS if fnmatch(key, pattern) and why), None)
+            why = next((why for pattern, why in known.reasons if fnmatch(key, pattern) and why), None)
             out.unmapped.append((key, unresolved[key], why or "its interpolation names a key that no given file or override sets; give the value"))
-        elif value is None or key in mapped or settled(key, value, src):
+        elif value is None or key in mapped or settled(key, value, src, known):
             continue
         else:
-            why = next((why for pattern, why in REASONS if fnmatch(key, pattern)), "no trellis counterpart")
+            why = next((why for pattern, why in known.reasons if fnmatch(key, pattern)), "no trellis counterpart")
             if why:
                 out.unmapped.append((key, value, why))
-    reward = out.config["reward"]
-    if "model" in reward and reward["name"] in ("auto", "verl_default") and "path" not in reward:
-        del reward["name"]  # verl's reward model alone is the reward (its score replaces the function's)
-    return out
 
 
 def check_converted(conversion: Conversion, registry: Registry) -> None:
     """The converted config against the ``rl`` schema (types, ranges, names; required keys may
     still be missing): a ``DataError`` names the verl key a bad value came from."""
     config = copy.deepcopy(conversion.config)
-    for section, kind, default in COMPONENT_SECTIONS:  # an engine or backend not installed here is checked where it is
+    from trellis_verl_compat.sft import SFT_SECTIONS  # built on this module's converters
+
+    sections = COMPONENT_SECTIONS if config["recipe"] == "rl" else SFT_SECTIONS
+    for section, kind, default in sections:  # an engine or backend not installed here is checked where it is
         *parents, last = section.split(".")
         node = functools.reduce(lambda tree, part: tree.get(part, {}), parents, config)
         name = (node.get(last) or {}).get("name", default)
@@ -665,10 +691,10 @@ def check_converted(conversion: Conversion, registry: Registry) -> None:
         raise DataError(f"the verl config does not convert{f' (from verl key {verl!r})' if verl else ''}: {exc}") from None
 
 
-def _foreign_options(config: dict[str, Any], registry: Registry) -> list[tuple[str, str]]:
+def _foreign_options(config: dict[str, Any], registry: Registry, sections: tuple[tuple[str, str, str], ...]) -> list[tuple[str, str]]:
     """Options under a component section that the named component does not take (removed)."""
     dropped = []
-    for section, kind, default in COMPONENT_SECTIONS:
+    for section, kind, default in sections:
         *parents, last = section.split(".")
         node = config
         for part in parents:
@@ -722,8 +748,13 @@ def read_launch(args: list[str], entry: str | None = None, config_path: str | No
     launch.config_path = config_path or launch.config_path
     launch.config_name = config_name or launch.config_name
     files, missing = config_files(launch, base)
+    choices: dict[str, str] = {}
+    if module_of(launch.entry) in ENTRIES and ENTRIES[module_of(launch.entry)].recipe == "sft":
+        from trellis_verl_compat.sft import group_choices  # built on this module's converters
+
+        choices, rest = group_choices(rest)
     if resolved:
         from trellis_verl_compat.parity import verl_base
 
-        files = [*verl_base(launch.entry), *files]
+        files = [*verl_base(launch.entry, choices), *files]
     return read_verl(rest, files), launch.entry, missing

@@ -10,8 +10,6 @@ from typing import Any
 
 from trellis_verl_compat.rule import ACTOR, AR, MODE, SKIP, Differs, Rule, Source, Unmapped, when
 
-LORA = AR + "model.lora_rank"
-
 
 def _lora_modules(value: Any, src: Source) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
@@ -21,11 +19,16 @@ def _lora_rank(value: Any, src: Source) -> Any:
     return int(value) if int(value) > 0 else SKIP
 
 
-LORA_RULES = (
-    Rule(LORA, "actor.adapter.rank", _lora_rank, "0: full weights"),
-    Rule(AR + "model.lora_alpha", "actor.adapter.alpha", when(LORA), "with lora_rank"),
-    Rule(AR + "model.target_modules", "actor.adapter.target_modules", when(LORA, _lora_modules), "all-linear or a list"),
-)
+def lora_rules(model: str, trained: str) -> tuple[Rule, ...]:
+    """verl's LoRA keys under ``model`` (its model section) as the adapter of trellis's ``trained`` section."""
+    return (
+        Rule(model + "lora_rank", trained + "adapter.rank", _lora_rank, "0: full weights"),
+        Rule(model + "lora_alpha", trained + "adapter.alpha", when(model + "lora_rank"), "with lora_rank"),
+        Rule(model + "target_modules", trained + "adapter.target_modules", when(model + "lora_rank", _lora_modules), "all-linear or a list"),
+    )
+
+
+LORA_RULES = lora_rules(AR + "model.", "actor.")
 
 # the reward manager: the older reward_model.reward_manager where set (verl 0.9.1 moves it over its own), else reward.reward_manager.name
 MANAGERS = ("reward_model.reward_manager", "reward.reward_manager.name")

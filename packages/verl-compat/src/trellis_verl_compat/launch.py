@@ -21,14 +21,17 @@ from trellis import DataError
 @dataclass(frozen=True)
 class Entry:
     """A verl entry point: the trellis async mode it runs (``off``, ``one_step``, ``fully_async``),
-    the hydra config it loads by default and that config's defaults above verl's ppo_trainer."""
+    the hydra config it loads by default, that config's defaults above verl's ppo_trainer and the
+    trellis recipe it converts to (``rl``, ``sft``)."""
 
     mode: str
     config_name: str
     defaults: dict[str, Any] = field(default_factory=dict)
+    recipe: str = "rl"
 
 
 MAIN_PPO = "verl.trainer.main_ppo"
+SFT_TRAINER = "verl.trainer.sft_trainer"
 FULLY_ASYNC_DEFAULTS = {  # verl 0.9.1's fully_async_ppo_trainer.yaml
     "async_training.staleness_threshold": 0.1,
     "async_training.trigger_parameter_sync_step": 4,
@@ -45,11 +48,11 @@ ENTRIES = {
         f"{pkg}.fully_async_policy.fully_async_main": Entry("fully_async", "fully_async_ppo_trainer", FULLY_ASYNC_DEFAULTS)
         for pkg in ("verl.experimental", "recipe")
     },
+    SFT_TRAINER: Entry("off", "sft_trainer_engine", recipe="sft"),  # verl 0.9.1's engine SFT trainer
+    "verl.trainer.fsdp_sft_trainer": Entry("off", "sft_trainer", recipe="sft"),  # before 0.9: the same keys but the engine's
 }
 # entry points of verl's other trainers: what to use in trellis instead
 OTHER_ENTRIES = {
-    "verl.trainer.fsdp_sft_trainer": "an SFT run; trellis's sft recipe takes it: trellis config init sft",
-    "verl.trainer.sft_trainer": "an SFT run; trellis's sft recipe takes it: trellis config init sft",
     "verl.trainer.main_generation": "generation only; trellis has no generation entry point",
     "verl.trainer.main_generation_server": "generation only; trellis has no generation entry point",
     "verl.trainer.main_eval": "evaluation only; trellis evaluates held-out data in training runs (data.val_path)",
@@ -75,7 +78,7 @@ def entry_of(name: str) -> Entry:
     if module in ENTRIES:
         return ENTRIES[module]
     if module in OTHER_ENTRIES:
-        raise DataError(f"verl entry point {module} is {OTHER_ENTRIES[module]}; from-verl converts RL runs ({', '.join(ENTRIES)})")
+        raise DataError(f"verl entry point {module} is {OTHER_ENTRIES[module]}; from-verl converts RL and SFT runs ({', '.join(ENTRIES)})")
     raise DataError(f"verl entry point {module!r} is not one from-verl knows; it converts {', '.join(ENTRIES)}")
 
 
@@ -111,6 +114,8 @@ def read_script(path: Path) -> Launch:
         launch = _command(words)
         if launch is not None and module_of(launch.entry) in (*ENTRIES, *OTHER_ENTRIES):
             launch.entry = module_of(launch.entry)
+            if launch.entry in ENTRIES and ENTRIES[launch.entry].recipe == "sft":  # verl's SFT runs as many ranks as torchrun starts
+                launch.overrides = [*_torchrun_world(words), *launch.overrides]
             return launch
         if launch is not None:
             others.append(launch.entry)
@@ -245,6 +250,18 @@ def _arithmetic(expr: str, env: dict[str, Any]) -> int:
         raise DataError(f"the launch script's $(({expr})) cannot be computed; give the value") from None
 
 
+def _torchrun_world(words: list[str]) -> list[str]:
+    """torchrun's ``--nproc_per_node`` and ``--nnodes`` (whole numbers) as verl's trainer keys."""
+    keys = {"--nproc_per_node": "trainer.n_gpus_per_node", "--nproc-per-node": "trainer.n_gpus_per_node", "--nnodes": "trainer.nnodes"}
+    found = {}
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        value = value or (words[i + 1] if i + 1 < len(words) else "")
+        if flag in keys and value.isdigit():
+            found[keys[flag]] = value
+    return [f"{key}={value}" for key, value in found.items()]
+
+
 def _command(words: list[str]) -> Launch | None:
     """The verl command in one line's words (after any ``env``, ``ray job submit ... --`` or
     ``torchrun`` before the interpreter), or None."""
@@ -299,11 +316,12 @@ def config_files(launch: Launch, base: Path) -> tuple[list[dict[str, Any]], list
             f"--config-name {name} is not a file under --config-path ({', '.join(map(str, tried))}); give the folder that holds {name}.yaml"
         )
     missing: list[str] = []
-    return _compose(folder, name, None, missing), missing
+    return compose(folder, name, None, missing), missing
 
 
-def _compose(folder: Path, name: str, package: str | None, missing: list[str]) -> list[dict[str, Any]]:
-    """One config file and its defaults, in hydra's order (``_self_`` where listed, else last)."""
+def compose(folder: Path, name: str, package: str | None, missing: list[str]) -> list[dict[str, Any]]:
+    """One config file and its defaults, in hydra's order (``_self_`` where listed, else last),
+    under ``package`` (dotted; None: at the top); defaults not found are added to ``missing``."""
     data = yaml.safe_load((folder / f"{name}.yaml").read_text(encoding="utf-8")) or {}
     if not isinstance(data, dict):
         raise DataError(f"hydra config {folder / name}.yaml is not a mapping")
@@ -325,7 +343,7 @@ def _compose(folder: Path, name: str, package: str | None, missing: list[str]) -
         path = Path(target) / str(option) if target else Path(str(option))
         if (folder / f"{path}.yaml").is_file():
             child = ".".join(p for p in (package, at or target.replace("/", ".")) if p)
-            parts += _compose(folder, str(path), child or None, missing)
+            parts += compose(folder, str(path), child or None, missing)
         else:
             missing.append(f"{group}: {option}" if group else str(option))
     return parts

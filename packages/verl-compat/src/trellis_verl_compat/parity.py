@@ -13,8 +13,9 @@ from typing import Any
 import yaml
 
 from trellis import DataError
-from trellis_verl_compat.launch import ENTRIES, entry_of
+from trellis_verl_compat.launch import ENTRIES, compose, entry_of
 from trellis_verl_compat.rule import set_dotted
+from trellis_verl_compat.sft import SFT_GROUPS
 
 GENERIC = "no trellis counterpart"
 
@@ -27,10 +28,13 @@ def verl_config_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def verl_base(entry: str) -> list[dict[str, Any]]:
+def verl_base(entry: str, choices: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The mappings verl merges before the user's for ``entry``: its generated PPO config, then the
-    entry's own config file (its keys above ppo_trainer), where verl ships it."""
+    entry's own config file (its keys above ppo_trainer), where verl ships it; for verl's SFT trainer,
+    its config's groups (``choices`` overriding the default options) and then the config itself."""
     root = verl_config_dir()
+    if entry_of(entry).recipe == "sft":
+        return sft_base(root / "trainer" / "config", entry, choices or {})
     parts = [yaml.safe_load((root / "trainer" / "config" / "_generated_ppo_trainer.yaml").read_text())]
     name = entry_of(entry).config_name
     own = next(iter(root.glob(f"experimental/*/config/{name}.yaml")), None)
@@ -43,6 +47,18 @@ def verl_base(entry: str) -> list[dict[str, Any]]:
             set_dotted(nested, key, value)
         parts.append(nested)
     return parts
+
+
+def sft_base(folder: Path, entry: str, choices: dict[str, str]) -> list[dict[str, Any]]:
+    name = entry_of(entry).config_name
+    if not (folder / f"{name}.yaml").is_file():
+        raise DataError(f"the installed verl ships no {name}.yaml, the config of {entry}; the parity table reads verl 0.9.1's")
+    missing: list[str] = []
+    parts = [part for group, option in {**SFT_GROUPS, **choices}.items() for part in compose(folder, f"{group}/{option}", group, missing)]
+    if missing:
+        raise DataError(f"verl's config folder has no {', '.join(missing)}; choose a group option it ships")
+    own = yaml.safe_load((folder / f"{name}.yaml").read_text()) or {}
+    return [*parts, {k: v for k, v in own.items() if k not in ("defaults", "hydra")}]
 
 
 def rows(conversion: Any, resolved: dict[str, Any]) -> list[tuple[str, Any, str, str]]:

@@ -21,7 +21,9 @@ def trellis_register(registry):
 @trellis.hookimpl
 def trellis_add_commands(commands):
     p = commands.add(
-        "config from-verl", from_verl, help="print the trellis rl config for a verl launch script or config; unconverted keys go to stderr"
+        "config from-verl",
+        from_verl,
+        help="print the trellis config (rl; sft for verl's SFT trainer) for a verl launch script or config; unconverted keys go to stderr",
     )
     p.add_argument("verl", nargs="+", help="a verl launch script (.sh), verl YAML files and/or key=value overrides as given to verl's entry point")
     p.add_argument("--entry", help="the verl entry point the keys are for (default: the script's, else verl.trainer.main_ppo)")
@@ -40,7 +42,8 @@ def from_verl(args: argparse.Namespace) -> int:
         return print_parity(conversion, given)
     conversion.unmapped += [("defaults", item, "not found under --config-path; its settings are not converted") for item in missing]
     check_converted(conversion, registry)
-    print(f"# trellis rl config converted from verl ({entry}) by trellis config from-verl; check it with trellis config show")
+    recipe = conversion.config["recipe"]
+    print(f"# trellis {recipe} config converted from verl ({entry}) by trellis config from-verl; check it with trellis config show")
     print(OmegaConf.to_yaml(OmegaConf.create(conversion.config)).rstrip())
     if report(conversion):
         print(report(conversion), file=sys.stderr)

@@ -3,6 +3,8 @@ reason it has no trellis setting (printed with the key)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from trellis_verl_compat.features import DLOSS
 from trellis_verl_compat.rule import ACTOR, AR, ROLLOUT, Source
 
@@ -73,12 +75,12 @@ def feature_off(key: str, value: object, src: Source) -> bool:
 # keys that change how fast or where verl runs, not what it trains
 SPEED = "a speed or memory choice of verl's kernels and engines; trellis computes the same quantities its own way"
 
-# why a key has no trellis counterpart (first matching pattern; "": nothing to report)
 # the engine knobs of a reward model verl serves (beside a custom function: trellis's reward.judge)
 SERVED_MODEL = (
     "the engine and placement knobs of the reward model verl serves; trellis serves it (reward.judge: engine, model and "
     "max_new_tokens converted) in the driver on loopback, the engine's own keys under reward.judge.options"
 )
+# why a key has no trellis counterpart (first matching pattern; "": nothing to report)
 REASONS: tuple[tuple[str, str], ...] = (
     ("*_target_", ""),
     ("*.rollout_n", ""),  # verl's copy of rollout.n
@@ -239,3 +241,16 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("trainer.max_critic_ckpt_to_keep", "a checkpoint holds every role: trainer.keep_checkpoints"),
     ("defaults", "a YAML file given is read flat; name it with --config-path and --config-name to follow its defaults list"),
 )
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the converter knows of the verl keys no rule converts: those another rule reads
+    (patterns), verl values that are what trellis does anyway, and why the others are not converted."""
+
+    read: frozenset[str]
+    behaviour: Source
+    reasons: tuple[tuple[str, str], ...]
+
+
+RL_KNOWN = Known(frozenset(READ_BY_OTHERS), TRELLIS_BEHAVIOUR, REASONS)
