@@ -158,9 +158,18 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [],
         "tests/fsdp tests/hf",
     ),
-    # the FSDP backend is the reference the Megatron one is checked against; ray + rollout-hf run the demo's RL stage
+    # the FSDP backend is the reference the Megatron one is checked against; ray + rollout-hf run the demo's RL stage;
+    # verl-compat converts verl's Megatron launch script that one test trains
     "megatron": (
-        ["packages/core", "packages/ray", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/backend-megatron"],
+        [
+            "packages/core",
+            "packages/ray",
+            "packages/algos",
+            "packages/backend-fsdp",
+            "packages/rollout-hf",
+            "packages/backend-megatron",
+            "packages/verl-compat",
+        ],
         [],
         "tests/megatron",
     ),

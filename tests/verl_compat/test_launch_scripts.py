@@ -283,7 +283,12 @@ def test_moe_script_replays_the_engines_routes_on_fsdp():
 
 
 def test_a_dense_megatron_script_runs_on_the_megatron_backend_at_its_sizes():
-    """The same script without experts (the hydra config ppo_megatron_trainer chooses the strategy)."""
+    """verl's dense Megatron GRPO script (the hydra config ppo_megatron_trainer chooses the strategy),
+    and the MoE script without its experts; the reference's sizes are the backend's too."""
+    cfg, err = converted("megatron.sh")
+    assert cfg["backend"] == {"name": "megatron", "tensor_parallel": 2, "pipeline_parallel": 2}
+    assert cfg["data"]["train_path"] == [f"{Path.home()}/data/gsm8k/train.parquet", f"{Path.home()}/data/math/train.parquet"]
+    assert "ref.megatron.tensor_model_parallel_size=2: every role runs at the backend section's sizes" in err
     megatron = "actor_rollout_ref.actor.megatron."
     dense = [
         megatron + "expert_model_parallel_size=1",

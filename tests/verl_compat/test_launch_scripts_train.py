@@ -3,11 +3,13 @@ sizes overridden (as a verl user would scale them to a laptop) train 2 steps on 
 the feature each script names active: a LoRA adapter and nothing else trains; DAPO refills
 filtered groups and penalises long responses; one-step-off and fully-async runs generate ahead;
 distillation moves the student; PPO's critic updates as often as verl's; a mixture-of-experts model
-replays the engine's routes."""
+replays the engine's routes; FAPO asks its served reward model; an SFT script trains its adapter;
+and the other scripts train with what they switch on."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from trellis.examples.shapes import make_shapes_split, shape_texts
 from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import make_tiny_model
+from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
 from trellis.recipes.train import train
 
 SCRIPTS = Path(__file__).parent / "launch"
@@ -73,6 +75,10 @@ EXTRA = {
 # differs between the samples of a prompt, so advantages and gradients are not all 0
 REWARD = """def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return sum(map(ord, solution_str)) % 7 / 7
+
+
+def compute_score_batch(data_sources, solution_strs, ground_truths, extra_infos):
+    return [sum(map(ord, text)) % 7 / 7 for text in solution_strs]
 """
 
 
@@ -116,8 +122,8 @@ async def compute_score_fapo(data_source, solution_str, ground_truth, extra_info
 """
 
 
-def run(script: str, model: str, data: Path, tmp_path: Path, *extra: str, reward: str = REWARD) -> tuple[dict, list[dict], Path]:
-    """Convert ``script`` with the overrides, train it, return the config and each step's metrics."""
+def run(script: str, model: str, data: Path, tmp_path: Path, *extra: str, reward: str = REWARD, cwd: Path | None = None) -> tuple:
+    """Convert ``script`` with the overrides (in ``cwd``, default ``tmp_path``), train it; (the config, each step's metrics, the run folder)."""
     (tmp_path / "reward.py").write_text(reward)
     given = [
         *SIZES,
@@ -127,7 +133,7 @@ def run(script: str, model: str, data: Path, tmp_path: Path, *extra: str, reward
         f"data.train_files={data}",
         f"custom_reward_function.path={tmp_path / 'reward.py'}",
     ]
-    out = trellis("config", "from-verl", str(SCRIPTS / script), *given, cwd=tmp_path)
+    out = trellis("config", "from-verl", str(SCRIPTS / script), *given, cwd=cwd or tmp_path)
     assert out.returncode == 0, out.stderr
     config = tmp_path / "run.yaml"
     config.write_text(out.stdout)
@@ -245,3 +251,48 @@ def test_sft_script_trains_its_adapter_on_verls_messages_rows(tiny_model_path, t
     saved = FileSystemReader(run_dir / "checkpoint-4" / "actor").read_metadata().state_dict_metadata
     tensors = [k for k in saved if k.startswith(("model.", "optim.state."))]
     assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+
+
+HF = ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+# what each of the other scripts switches on, seen in its converted config and its steps' metrics
+FEATURES = {
+    "rollout_corr.sh": lambda cfg, step: cfg["actor"]["policy_loss"]["name"] == "bypass_mode" and "actor/rollout_corr/is_batch_norm_factor" in step,
+    "gspo.sh": lambda cfg, step: cfg["actor"]["policy_loss"]["name"] == "gspo" and "actor/clip_frac" in step,
+    "genrm_remote.sh": lambda cfg, step: cfg["reward"]["batched"] and step["reward/errors"] == 0 and step["reward/max"] > step["reward/min"],
+    "reinforce_pp.sh": lambda cfg, step: cfg["algorithm"]["advantage"]["name"] == "reinforce_plus_plus_baseline" and step["actor/reward_kl_coef"] > 0,
+    "sapo.sh": lambda cfg, step: cfg["actor"]["policy_loss"]["name"] == "sapo",
+}
+
+
+@pytest.mark.parametrize("script", list(FEATURES))
+def test_the_other_scripts_train_with_the_feature_they_name(script, tiny_model_path, data, tmp_path):
+    """RLOO with sequence-level importance weights in bypass mode, GSPO, a batched reward function,
+    REINFORCE++ with the KL in the reward, SAPO: each trains 2 steps on the hf engine (the scripts name vllm)."""
+    cfg, steps, _ = run(script, tiny_model_path, data, tmp_path, *HF)
+    assert len(steps) == 2 and all(s["actor/grad_norm"] > 0 and FEATURES[script](cfg, s) for s in steps)
+
+
+def test_multiturn_tools_script_trains_conversations_with_its_verl_tool(tiny_model_path, tmp_path):
+    """verl's multi-turn example on its hydra config (tools from its tool config file, sglang): the
+    conversation rollout runs with the script's tool built through the verl adapter. verl 0.9.1's
+    wheel has no ``verl.tools.gsm8k_tool``, so its tool config names this test's twin on verl's
+    BaseTool (the one change beyond model, data, sizes and engine); every sample creates it."""
+    import verl_gsm8k_tool
+
+    model = tmp_path / "tools-model"  # the tiny model with a chat template that renders tools (Qwen2.5's shape)
+    shutil.copytree(tiny_model_path, model)
+    (model / "chat_template.jinja").write_text(TOOLS_CHAT_TEMPLATE)
+    rows = make_arithmetic_split(16, 0, max_value=9)
+    for row in rows:  # verl's preprocessing: each row hands its answer to the tool
+        row["data_source"] = "openai/gsm8k"
+        row["extra_info"]["tools_kwargs"] = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": row["reward_model"]["ground_truth"]}}}
+    data = write_rows(rows, tmp_path / "tools.parquet")
+    tools = yaml.safe_load((SCRIPTS / "multiturn" / "config" / "tool_config" / "gsm8k_tool_config.yaml").read_text())
+    tools["tools"][0]["class_name"] = "verl_gsm8k_tool.Gsm8kTool"
+    (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tools))
+    tool_config = f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}"
+    sizes = ["data.max_prompt_length=400", "data.max_response_length=24"]  # the prompts carry the tool's schema
+    cfg, steps, _ = run("multiturn/run.sh", str(model), data, tmp_path, *HF, *sizes, tool_config, cwd=SCRIPTS / "multiturn")
+    assert cfg["multi_turn"]["enable"] and cfg["multi_turn"]["tools"][0]["verl_class"] == "verl_gsm8k_tool.Gsm8kTool"
+    assert len(steps) == 2 and all(s["multiturn/num_turns_mean"] >= 1 and s["multiturn/env_errors"] == 0 for s in steps)
+    assert len(verl_gsm8k_tool.CREATED) == 2 * 4 * 2  # 2 steps x 4 prompts x 2 samples

@@ -38,6 +38,7 @@ SCRIPT_NAMES = [
     "multiturn/run.sh",
     "fapo/run.sh",
     "sft.sh",
+    "megatron.sh",
 ]
 
 

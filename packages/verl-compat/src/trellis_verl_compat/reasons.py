@@ -86,6 +86,14 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("*.rollout_n", ""),  # verl's copy of rollout.n
     ("*.strategy", "the backend section (backend.name: fsdp or megatron) runs every role"),
     (ACTOR + "megatron.expert_model_parallel_size", "trellis trains a mixture-of-experts model on fsdp, without expert parallelism (docs/moe.md)"),
+    *(
+        (
+            f"{role}megatron.{kind}_model_parallel_size",
+            "every role runs at the backend section's sizes (backend.tensor_parallel, backend.pipeline_parallel)",
+        )
+        for role in (AR + "ref.", "critic.")
+        for kind in ("tensor", "pipeline")
+    ),
     (
         "*.optim.lr_scheduler_type",
         "trellis's schedules are constant and cosine (optim.lr_schedule), converted from lr_scheduler_type or warmup_style",
