@@ -5,6 +5,7 @@ the batch."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 from uuid import uuid4
@@ -160,3 +161,31 @@ def test_an_output_must_hold_the_rows_prompt_and_the_contexts_its_turns_were_sam
         adapter.trajectory(output([1, 2, 3], [7, 8, 5, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")
     with pytest.raises(ValueError, match=r"'Mine': model turn 2 was sampled after ids that are not the trajectory's"):
         adapter.trajectory(output([1, 2], [7, 8, 6, 9], [1, 1, 0, 1]), [1, 2], calls, "Mine")  # the environment's token re-rendered
+
+
+def test_verls_own_helpers_run_inline_and_a_users_blocking_call_in_the_executor():
+    """A verl loop's ``self.loop``: a function of verl's modules (its token helpers) runs on the event
+    loop's thread, its error raised where it is awaited; any other function goes to the executor."""
+    import threading
+
+    def ids():
+        return threading.get_ident()
+
+    def verl_helper():
+        return threading.get_ident()
+
+    def verl_failure():
+        raise ValueError("merge failed")
+
+    verl_helper.__module__ = verl_failure.__module__ = "verl.experimental.agent_loop.agent_loop"
+
+    async def main():
+        loop = adapter.HelperLoop(asyncio.get_running_loop())
+        here = threading.get_ident()
+        assert await loop.run_in_executor(None, verl_helper) == here
+        assert await loop.run_in_executor(None, ids) != here  # a user's function: the executor's thread
+        with pytest.raises(ValueError, match="merge failed"):
+            await loop.run_in_executor(None, verl_failure)
+        assert loop.time() > 0  # everything else is the event loop's
+
+    asyncio.run(main())

@@ -5,6 +5,7 @@ suffices; the README lists what importing its agent loop module needs)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import importlib
@@ -104,6 +105,7 @@ class VerlAgentLoop(AgentLoop):
             tools=ToolListWrap(self.verl_tools),
             **self.options.kwargs,
         )
+        loop.loop = HelperLoop(loop.loop)
         # every column of the row, as verl passes them, and the fields verl's dataset adds from extra_info
         row = {
             **fields,
@@ -158,6 +160,32 @@ def verl_config(overrides: str) -> Any:
     OmegaConf.resolve(merged)
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+class HelperLoop:
+    """The event loop as a verl loop holds it (``self.loop``), with verl's own helpers run inline.
+
+    verl's loops hand their tokenising (``ct_build_initial_tokens``, ``ct_merge_*``) to the default
+    executor: three thread hops a turn, each waiting for the interpreter lock the engine's thread
+    holds, which made a verl loop about half as fast as trellis's own on the same tokens
+    (``bench/multiturn.py``, verl-loop). A function of verl's own modules runs inline on the event
+    loop, as trellis's loop tokenises; anything else (a user's blocking call) still goes to the executor."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def run_in_executor(self, executor: Any, fn: Any, *args: Any) -> asyncio.Future:
+        if executor is not None or not getattr(fn, "__module__", "").startswith("verl."):
+            return self._loop.run_in_executor(executor, fn, *args)
+        future = self._loop.create_future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - raised where the loop awaits it, as from the executor
+            future.set_exception(exc)
+        return future
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
 
 
 class ServerManager:
