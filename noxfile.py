@@ -98,9 +98,18 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [],
         "tests/vision",
     ),
-    # the verl agent loop test runs a loop written against verl 0.9.1 itself: see _install_with_verl
+    # the verl agent loop test runs a loop written against verl 0.9.1 itself (verl-compat's agent loop
+    # `verl`): see _install_with_verl
     "interactions": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/interactions", "packages/sandbox"],
+        [
+            "packages/core",
+            "packages/algos",
+            "packages/backend-fsdp",
+            "packages/rollout-hf",
+            "packages/interactions",
+            "packages/sandbox",
+            "packages/verl-compat",
+        ],
         ["ray", "tensordict", "pillow", "codetiming", "orjson", "datasets", "fastapi", "uvicorn", "cachetools"],
         "tests/interactions",
     ),

@@ -1,13 +1,21 @@
 """A stand-in rollout engine that answers each model turn with a scripted text (a random tiny model
 cannot be made to write a given answer or tool call), and a chat template written for the tests
-that drops reasoning from earlier assistant turns, as published reasoning templates do."""
+that drops reasoning from earlier assistant turns, as published reasoning templates do; the helpers
+that run core's multi-turn loop on it (a ``multi_turn`` section resolved, prompts, a rollout)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from trellis.data import encode_text
-from trellis.interfaces.rollout import Generation, RolloutEngine
+from omegaconf import OmegaConf
+
+from trellis.config import validate
+from trellis.data import PromptDataset, encode_text
+from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis.multiturn.config import MultiTurnConfig
+from trellis.multiturn.environment import agent_spec
+from trellis.multiturn.loop import ToolAgentLoop
+from trellis.multiturn.rollout import AgentRollout
 
 
 class ScriptedEngine(RolloutEngine):
@@ -46,3 +54,31 @@ REASONING_TEMPLATE = (
     "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
+
+
+# core's multi-turn loop on a scripted engine: the resolved section, the prompts, a run
+def spec(registry, tokenizer, **section):
+    """The ``multi_turn`` section (``enable`` and ``section``) checked and resolved."""
+    node = validate(OmegaConf.create({"enable": True, **section}), MultiTurnConfig, registry, "multi_turn.")
+    return agent_spec(node, registry, tokenizer)
+
+
+def prompts(tokenizer, rows, template_kwargs=None):
+    """``rows`` as a prompt batch, rendered with the tokenizer's chat template."""
+    return PromptDataset(rows, tokenizer, 1024, chat_template_kwargs=template_kwargs).as_batch()
+
+
+def row(question="12+34=", **extra_info):
+    """A prompt row in verl's schema whose answer is 46."""
+    prompt = [{"role": "user", "content": question}]
+    return {"prompt": prompt, "data_source": "arithmetic", "reward_model": {"ground_truth": "46"}, "extra_info": extra_info}
+
+
+def tool_agent(agent):
+    """The rollout function with core's default loop alone."""
+    return AgentRollout(agent, {"tool_agent": ToolAgentLoop})
+
+
+def run(engine, agent, batch, n=1, max_new_tokens=16):
+    """The rollout of ``batch`` through core's loop on ``engine``: ``n`` samples a prompt."""
+    return asyncio.run(tool_agent(agent)(engine, batch, SamplingParams(n=n, max_new_tokens=max_new_tokens)))

@@ -20,7 +20,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from verl.utils.profiler import simple_timer  # noqa: E402
 
 import trellis.recipes.rl.samples as rl  # noqa: E402
-import trellis_interactions.verl_agent_loop as adapter  # noqa: E402
+import trellis_verl_compat.agent_loop as adapter  # noqa: E402
 from trellis.config import ConfigError  # noqa: E402
 from trellis.examples.tasks import make_arithmetic_split, write_rows  # noqa: E402
 from trellis.interfaces.rollout import Generation  # noqa: E402

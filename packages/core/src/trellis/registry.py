@@ -32,6 +32,7 @@ KINDS = (
     "controller",
     "reward_service",
     "prompt_encoder",
+    "class_adapter",
 )
 
 # Names that Trellis's own packages provide, so that a missing one can be met with the install
@@ -53,7 +54,8 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("reward", "sandbox_fusion"): "trellis-sandbox",
     ("tool", "code_interpreter"): "trellis-sandbox",
     ("interaction", "*"): "trellis-interactions",
-    ("agent_loop", "verl"): "trellis-interactions",
+    ("agent_loop", "verl"): "trellis-verl-compat",
+    ("class_adapter", "verl"): "trellis-verl-compat",
     ("agent_loop", "openai_agent"): "trellis-agents",
     ("controller", "ray"): "trellis-ray",
     ("reward", "judge"): "trellis-judges",

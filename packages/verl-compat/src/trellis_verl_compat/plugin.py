@@ -1,5 +1,6 @@
-"""The ``trellis config from-verl`` command, added to the ``trellis`` command by entry point, and the
-``verl_default`` reward (verl's own scoring)."""
+"""The ``trellis config from-verl`` command, added to the ``trellis`` command by entry point; the
+``verl_default`` reward (verl's own scoring); the ``verl`` class adapter (verl interactions and tools)
+and agent loop (verl ``AgentLoopBase`` subclasses)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import trellis
 
 @trellis.hookimpl
 def trellis_register(registry):
+    from trellis_verl_compat.adapters import VerlClasses
+    from trellis_verl_compat.agent_loop import VerlAgentLoop, VerlAgentLoopOptions
     from trellis_verl_compat.scoring import verl_default
 
     registry.add("reward", "verl_default", verl_default)
+    registry.add("class_adapter", "verl", VerlClasses())
+    registry.add("agent_loop", "verl", VerlAgentLoop, options=VerlAgentLoopOptions)
 
 
 @trellis.hookimpl

@@ -7,8 +7,9 @@ the agent loop runs many samples at once. A loop always calls ``finalize``/``rel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trellis.interfaces.backend import join_images
 
@@ -168,3 +169,19 @@ class AgentLoop:
 
     async def close(self) -> None:
         """Called once after every sample of the rollout call ended (e.g. to stop a server the loop started)."""
+
+
+class ClassAdapter(Protocol):
+    """Runs interactions and tools written for another framework unchanged (kind ``class_adapter``):
+    trellis-verl-compat's ``verl`` runs verl's ``BaseInteraction`` / ``BaseTool`` subclasses, which a
+    ``multi_turn`` entry names by ``verl_class``. Each method raises ``ValueError`` naming ``key``
+    (the entry's config key) and the fix when the class cannot be used."""
+
+    def interaction(self, path: str, options: dict[str, Any], name: str, key: str) -> Callable[[], Interaction]:
+        """A factory of the interaction the class ``path`` (``package.module.Class``) is, built with ``options``."""
+
+    def tool(self, path: str, options: dict[str, Any], schema: dict[str, Any], key: str) -> Callable[[], Tool]:
+        """A factory of the tool the class ``path`` is, built with ``options`` and its OpenAI function ``schema``."""
+
+    def start_needs(self, path: str) -> tuple[str, ...]:
+        """The keys of ``extra_info.interaction_kwargs`` the interaction class ``path`` cannot start without."""

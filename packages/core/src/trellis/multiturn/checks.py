@@ -14,9 +14,8 @@ from trellis.config import ConfigError
 from trellis.data import load_prompt_rows
 from trellis.interfaces.agents import AgentLoop
 from trellis.multiturn.config import InteractionConfig
-from trellis.multiturn.environment import agent_spec, check_interaction_names, interaction_name
+from trellis.multiturn.environment import agent_spec, check_interaction_names, class_adapter, interaction_name
 from trellis.multiturn.rollout import AGENT_COLUMN, agent_rollout
-from trellis.multiturn.verl_compat import import_class
 from trellis.registry import Registry
 
 log = logging.getLogger("trellis")
@@ -121,7 +120,7 @@ def start_needs(icfg: InteractionConfig, registry: Registry) -> tuple[str, ...]:
     ``start``'s keyword parameters without default; for a verl class also ``name`` (verl's
     agent loop requires it in every row)."""
     if icfg.verl_class:
-        return ("name", *_required_parameters(import_class(icfg.verl_class, "").start_interaction))
+        return class_adapter(registry, "").start_needs(icfg.verl_class)
     return _required_parameters(getattr(registry.get("interaction", icfg.component).obj, "start", None))
 
 

@@ -15,11 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from trellis.config import ConfigError, instantiate_options, validate
 from trellis.data import PromptEncoder, renders_tools
-from trellis.interfaces.agents import Interaction, Tool
+from trellis.interfaces.agents import ClassAdapter, Interaction, Tool
 from trellis.multiturn.config import AgentLoopConfig, InteractionConfig, MultiTurnConfig, ToolConfig
 from trellis.multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
 from trellis.multiturn.tool_calls import ToolCallParser
-from trellis.multiturn.verl_compat import VerlInteraction, VerlTool, import_class
 from trellis.registry import Registry, RegistryError
 
 
@@ -137,13 +136,13 @@ def _factory(cfg: InteractionConfig | ToolConfig, kind: str, registry: Registry,
     if bool(cfg.component) == bool(cfg.verl_class):
         raise ConfigError(f"config key {key!r}: set exactly one of 'component' (a registered {kind}) and 'verl_class' (a class path)")
     if cfg.verl_class:
+        adapter = class_adapter(registry, f"{key}.verl_class")
         try:
-            cls = import_class(cfg.verl_class, f"{key}.verl_class")
+            if isinstance(cfg, InteractionConfig):
+                return adapter.interaction(cfg.verl_class, dict(cfg.options), cfg.name, f"{key}.verl_class")
+            return adapter.tool(cfg.verl_class, dict(cfg.options), dict(cfg.schema or {}), f"{key}.verl_class")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if isinstance(cfg, InteractionConfig):
-            return functools.partial(VerlInteraction, cls, dict(cfg.options), cfg.name)
-        return functools.partial(VerlTool, cls, dict(cfg.options), dict(cfg.schema or {}))
     try:
         entry = registry.get(kind, cfg.component)
     except RegistryError as exc:
@@ -154,6 +153,14 @@ def _factory(cfg: InteractionConfig | ToolConfig, kind: str, registry: Registry,
         return functools.partial(entry.obj, None)
     checked = validate(OmegaConf.create(dict(cfg.options)), entry.options, registry, f"{key}.options.")
     return functools.partial(entry.obj, instantiate_options(checked, entry.options))
+
+
+def class_adapter(registry: Registry, key: str) -> ClassAdapter:
+    """The adapter (kind ``class_adapter``) that runs the verl classes ``verl_class`` names."""
+    try:
+        return registry.get("class_adapter", "verl").obj
+    except RegistryError as exc:
+        raise ConfigError(f"config key {key!r} names a verl class, which runs through an adapter: {exc}") from None
 
 
 def tool_name(schema: Any, key: str) -> str:

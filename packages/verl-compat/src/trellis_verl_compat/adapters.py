@@ -1,13 +1,16 @@
-"""Adapters that run interactions and tools written for verl (``BaseInteraction`` /
-``BaseTool`` method names and return shapes) unchanged, without importing verl."""
+"""The class adapter ``verl``: interactions and tools written for verl (``BaseInteraction`` /
+``BaseTool`` method names and return shapes), named by a ``multi_turn`` entry's ``verl_class``, run
+unchanged, without importing verl."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
-from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult
+from trellis import Interaction, InteractionTurn, Tool, ToolResult
 
 
 def import_class(path: str, key: str) -> type:
@@ -23,6 +26,23 @@ def import_class(path: str, key: str) -> type:
     if not isinstance(cls, type):
         raise ValueError(f"config key {key!r}: module {module_name!r} has no class {name!r}")
     return cls
+
+
+class VerlClasses:
+    """Class adapter ``verl`` (``trellis.interfaces.agents.ClassAdapter``): what core builds for a
+    ``verl_class`` entry of ``multi_turn.interactions`` or ``multi_turn.tools``."""
+
+    def interaction(self, path: str, options: dict[str, Any], name: str, key: str) -> Callable[[], Interaction]:
+        return functools.partial(VerlInteraction, import_class(path, key), options, name)
+
+    def tool(self, path: str, options: dict[str, Any], schema: dict[str, Any], key: str) -> Callable[[], Tool]:
+        return functools.partial(VerlTool, import_class(path, key), options, schema)
+
+    def start_needs(self, path: str) -> tuple[str, ...]:
+        """``name`` (verl's agent loop requires it in every row) and ``start_interaction``'s keyword
+        parameters without a default."""
+        params = list(inspect.signature(import_class(path, "").start_interaction).parameters.values())[2:]  # self, instance_id
+        return ("name", *(p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)))
 
 
 class VerlInteraction(Interaction):
