@@ -45,6 +45,25 @@ def test_a_kind_s_interface_is_read_once_at_registration():
     assert reg.get("advantage", "plain").declared == {"needs": ()}
 
 
+def test_an_estimator_needing_what_nothing_provides_is_refused_at_registration():
+    """The rl recipe fills or sets up each need an estimator declares; a need it does not know
+    would leave the estimator silently without it."""
+    reg = make_registry()
+
+    def estimator(data, options):
+        return None
+
+    estimator.needs = ("old_log_probs", "groups")
+    reg.add("advantage", "fine", estimator)
+    estimator.needs = ("old_logprobs",)
+    refused = r"advantage 'typo' \(plugin 'first'\) declares needs 'old_logprobs', which nothing provides \(known: values, .*\)"
+    with pytest.raises(RegistryError, match=refused + r"; did you mean 'old_log_probs'\?"):
+        reg.add("advantage", "typo", estimator)
+    estimator.needs = ("entropy",)
+    with pytest.raises(RegistryError, match=r"declares needs 'entropy', which nothing provides"):
+        reg.add("advantage", "unknown", estimator)
+
+
 def test_unknown_trellis_name_gives_pip_command_and_installed_names():
     reg = make_registry()
     reg.add("rollout", "hf", object())

@@ -77,6 +77,8 @@ class Interface:
 
     required: tuple[str, ...] = ()
     optional: Mapping[str, Any] = field(default_factory=dict)
+    # an optional attribute that lists names from a closed set: the names a caller acts on
+    members: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def read(self, kind: str, name: str, obj: Any, plugin: str | None = None) -> dict[str, Any]:
         who = f"{kind} {name!r}" + (f" (plugin {plugin!r})" if plugin else "")
@@ -87,14 +89,33 @@ class Interface:
             close = difflib.get_close_matches(attr, list(self.optional), n=1, cutoff=0.85)
             if close:
                 raise RegistryError(f"{who} has {attr!r}, which no caller reads; did you mean {close[0]!r}?")
-        return {a: getattr(obj, a, default) for a, default in self.optional.items()}
+        declared = {a: getattr(obj, a, default) for a, default in self.optional.items()}
+        for attr, known in self.members.items():
+            for member in declared[attr]:
+                if member not in known:  # nothing would act on it: the component would silently go without
+                    close = difflib.get_close_matches(member, known, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise RegistryError(f"{who} declares {attr} {member!r}, which nothing provides (known: {', '.join(known)}){hint}")
+        return declared
 
+
+# what an advantage estimator may need, each filled or set up by the rl recipe (trellis.interfaces.signatures.AdvantageEstimator)
+ADVANTAGE_NEEDS = (
+    "values",
+    "greedy_baseline",
+    "old_log_probs",
+    "sum_sq_probs",
+    "reward_components",
+    "teacher_log_probs",
+    "groups",
+    "on_policy_only",
+)
 
 # what the components of a kind declare (trellis.recipes.train.Recipe, trellis.interfaces.signatures.AdvantageEstimator,
 # the tool schema of trellis.interfaces.agents, a tracker's (module, pip requirement) in trellis.runtime.trackers)
 INTERFACES: dict[str, Interface] = {
     "recipe": Interface(("Config", "run"), {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": ()}),
-    "advantage": Interface(optional={"needs": ()}),
+    "advantage": Interface(optional={"needs": ()}, members={"needs": ADVANTAGE_NEEDS}),
     "tool": Interface(optional={"schema": None}),
     "tracker": Interface(optional={"requires": None}),
 }

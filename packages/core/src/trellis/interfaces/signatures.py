@@ -67,7 +67,10 @@ class AdvantageEstimator(Protocol):
     - ``"groups"``: it compares samples of one prompt (with one sample per prompt every
       advantage is 0: the recipe warns).
     - ``"on_policy_only"``: exact on-policy, one update per batch of fresh samples (the recipe
-      refuses settings that update more than once)."""
+      refuses settings that update more than once).
+
+    A need not in this list (``trellis.registry.ADVANTAGE_NEEDS``) is refused when the estimator
+    registers: nothing would fill it."""
 
     def __call__(self, data: AdvantageInputs, options: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(advantages, returns)``, each ``(batch, response_len)``, zero where masked."""
