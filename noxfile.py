@@ -145,7 +145,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     # the converted multi-turn example trains with trellis-interactions' gsm8k interaction; [lora]: a converted LoRA
     # script trains; [scoring] and verl itself (see _install_with_verl): the verl_default reward calls verl's own scoring;
     # ray: a multi-GPU launch converts to trainer.controller=ray, which the converted config's checks look up;
-    # vision: the converted geo3k script trains a tiny vision-language model
+    # vision: the converted geo3k script trains a tiny vision-language model; judges: FAPO's served reward model
     "verl_compat": (
         [
             "packages/core",
@@ -155,6 +155,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/rollout-hf",
             "packages/interactions",
             "packages/vision",
+            "packages/judges",
             "packages/verl-compat[scoring]",
         ],
         [],
