@@ -207,6 +207,26 @@ def test_sft_script_converts_to_the_sft_recipe_with_its_adapter_schedule_and_wor
     assert "data.messages_key='conversations': trellis reads a row's chat from its 'messages' column" in err
 
 
+def test_an_older_sft_script_converts_with_that_trainers_defaults(tmp_path):
+    """verl's fsdp_sft_trainer (before verl 0.9): its own defaults (lr 1e-5, cosine, warm-up ratio
+    0.1 from lr 0, betas 0.9/0.95) and keys; the GSM8K target in extra_info.answer is trellis's default."""
+    script = tmp_path / "run_gemma_2b.sh"
+    script.write_text(
+        "torchrun --standalone --nnodes=1 --nproc_per_node=8 -m verl.trainer.fsdp_sft_trainer \\\n"
+        "    data.train_files=$HOME/data/gsm8k/train.parquet data.prompt_key=extra_info data.response_key=extra_info \\\n"
+        "    +data.prompt_dict_keys=['question'] +data.response_dict_keys=['answer'] data.micro_batch_size_per_gpu=4 \\\n"
+        "    model.partial_pretrain=google/gemma-2b-it trainer.total_training_steps=20 $@\n"
+    )
+    out = trellis("config", "from-verl", str(script), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout.split("\n", 1)[1])
+    assert cfg["model"]["path"] == "google/gemma-2b-it" and "response_key" not in cfg["data"]
+    optim = cfg["train"]["optim"]
+    assert (optim["lr"], optim["lr_schedule"], optim["warmup_steps"], optim["warmup_from_zero"]) == (1e-5, "cosine", 2, True)
+    assert optim["betas"] == [0.9, 0.95] and cfg["backend"]["padding_free"] is False and cfg["trainer"]["procs_per_node"] == 8
+    assert "data.prompt_key='extra_info': trellis reads a prompt-and-response row's prompt from its 'prompt' column" in out.stderr
+
+
 def test_ppo_script_gives_the_critic_the_actors_batching():
     cfg, err = converted("ppo_gae.sh")
     assert cfg["algorithm"]["advantage"] == {"name": "gae"} and cfg["critic"]["model_path"] == "deepseek-ai/deepseek-llm-7b-chat"

@@ -575,7 +575,8 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
         from trellis_verl_compat.sft import SFT_DEFAULTS, SFT_KNOWN, SFT_RULES, SFT_SECTIONS  # built on this module's converters
 
         out = Conversion({"recipe": "sft"})
-        apply_rules(out, SFT_RULES, given, SFT_DEFAULTS, {MODE: launched.mode}, registry, SFT_SECTIONS, SFT_KNOWN)
+        defaults = {**SFT_DEFAULTS, **launched.defaults}
+        apply_rules(out, SFT_RULES, given, defaults, {MODE: launched.mode}, registry, SFT_SECTIONS, SFT_KNOWN)
         return out
     values = {k: v for k, v in given.items() if v is not None and not isinstance(v, Unresolved)}
     defaults = {**VERL_DEFAULTS, **launched.defaults}

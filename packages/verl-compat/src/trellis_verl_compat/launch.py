@@ -40,6 +40,17 @@ FULLY_ASYNC_DEFAULTS = {  # verl 0.9.1's fully_async_ppo_trainer.yaml
     "rollout.total_rollout_steps": 100,
     "data.gen_batch_size": 1,
 }
+# verl's older SFT trainer (fsdp_sft_trainer, before verl 0.9): its sft_trainer.yaml where it differs from the engine trainer's
+LEGACY_SFT_DEFAULTS = {
+    "optim.lr": 1e-5,
+    "optim.betas": [0.9, 0.95],
+    "optim.warmup_steps_ratio": 0.1,
+    "optim.lr_scheduler": "cosine",
+    "model.use_remove_padding": False,
+    "data.prompt_key": "question",
+    "data.response_key": "answer",
+}
+
 ENTRIES = {
     MAIN_PPO: Entry("off", "ppo_trainer"),
     "recipe.dapo.main_dapo": Entry("off", "dapo_trainer", {"reward_model.reward_manager": "dapo"}),
@@ -49,7 +60,7 @@ ENTRIES = {
         for pkg in ("verl.experimental", "recipe")
     },
     SFT_TRAINER: Entry("off", "sft_trainer_engine", recipe="sft"),  # verl 0.9.1's engine SFT trainer
-    "verl.trainer.fsdp_sft_trainer": Entry("off", "sft_trainer", recipe="sft"),  # before 0.9: the same keys but the engine's
+    "verl.trainer.fsdp_sft_trainer": Entry("off", "sft_trainer", LEGACY_SFT_DEFAULTS, recipe="sft"),  # before verl 0.9
 }
 # entry points of verl's other trainers: what to use in trellis instead
 OTHER_ENTRIES = {

@@ -13,6 +13,7 @@ from trellis_verl_compat.convert import (
     _freq,
     _optim,
     _resume,
+    _schedule,
     _steps,
     _trackers,
     total_steps,
@@ -32,6 +33,28 @@ def _prompt_key(value: Any, src: Source) -> Any:
     if value != "prompt":
         raise Unmapped(f"trellis reads a prompt-and-response row's prompt from its 'prompt' column, not {value!r}; rename the column")
     return SKIP
+
+
+def _response_key(value: Any, src: Source) -> Any:
+    """verl's older trainer reads the target from ``response_key`` (a dict column's
+    ``response_dict_keys`` inside it); trellis reads ``data.response_key``, by default
+    ``extra_info.answer`` (verl's GSM8K layout) where a row has it."""
+    keys = list(src.get("data.response_dict_keys") or [])
+    if value == "extra_info" and keys == ["answer"]:
+        return SKIP  # trellis's default column
+    if keys:
+        raise Unmapped(f"trellis reads the target from one column (data.response_key) or extra_info.answer, not {value}.{keys}")
+    return value
+
+
+def _warmup_fraction(value: Any, src: Source) -> Any:
+    """The older trainer's ``warmup_steps_ratio`` x the run's steps."""
+    return int(float(value) * total_steps(src)) or SKIP if value else SKIP
+
+
+def _hf_warmup(value: Any, src: Source) -> Any:
+    """The older trainer's warm-up is transformers' (its first step at lr 0)."""
+    return True if value and int(float(value) * total_steps(src)) > 0 else SKIP
 
 
 def _truncation(value: Any, src: Source) -> Any:
@@ -78,7 +101,11 @@ SFT_RULES: tuple[Rule, ...] = (
     Rule("data.truncation", "data.max_length", _truncation, "longer samples are cut on the right"),
     Rule("data.messages_key", "data.train_path", _messages, "the 'messages' column"),
     Rule("data.prompt_key", "data.train_path", _prompt_key, "verl before 0.9: the 'prompt' column"),
-    Rule("data.response_key", "data.response_key", note="verl before 0.9: the target column"),
+    Rule("data.response_key", "data.response_key", _response_key, "verl before 0.9: the target column (extra_info + ['answer']: trellis's default)"),
+    Rule("optim.warmup_steps_ratio", "train.optim.warmup_steps", _warmup_fraction, "verl before 0.9: x total steps"),
+    Rule("optim.warmup_steps_ratio", "train.optim.warmup_from_zero", _hf_warmup, "verl before 0.9: transformers' warm-up, its first step at lr 0"),
+    Rule("optim.lr_scheduler", "train.optim.lr_schedule", _schedule, "verl before 0.9"),
+    Rule("model.fsdp_config.model_dtype", "backend.dtype", _dtype, "verl before 0.9"),
     *lora_rules("model.", "train."),
     Rule("model.enable_gradient_checkpointing", "backend.activation_checkpointing"),
     Rule("model.use_remove_padding", "backend.padding_free"),
@@ -191,6 +218,11 @@ SFT_REASONS: tuple[tuple[str, str], ...] = (
     ("optim.*", "trellis's optimizer is torch's AdamW with lr, betas, eps, weight_decay and grad_clip"),
     ("checkpoint.*", "a trellis checkpoint holds the weights, the optimizer and the trainer's state; trainer.save_hf_model adds the model"),
     ("data.pad_mode", "a micro-batch's layout is backend.padding_free (converted from model.use_remove_padding)"),
+    (
+        "data.prompt_dict_keys",
+        "trellis renders a row's 'prompt' column (verl's GSM8K parquet holds the question with its instruction there), "
+        "not a key inside another column",
+    ),
     ("data.tools_key", "the sft recipe renders a row's messages with the chat template alone (no tools column)"),
     ("data.enable_thinking*", "the sft recipe renders a row with the chat template's own defaults"),
     ("data.apply_chat_template_kwargs", "the sft recipe renders a row with the chat template's own defaults"),
@@ -200,7 +232,7 @@ SFT_REASONS: tuple[tuple[str, str], ...] = (
 )
 
 SFT_KNOWN = Known(
-    frozenset(READ_BY_OTHERS) | {"data.use_dynamic_bsz", "optim.zero_indexed_step"},
+    frozenset(READ_BY_OTHERS) | {"data.use_dynamic_bsz", "optim.zero_indexed_step", "data.response_dict_keys"},
     {**TRELLIS_BEHAVIOUR, **SFT_BEHAVIOUR},
     SFT_REASONS + REASONS,
 )
