@@ -36,7 +36,8 @@ def test_a_kind_s_interface_is_read_once_at_registration():
     would read), is refused there, naming it."""
     reg = make_registry()
     reg.add("recipe", "mine", SimpleNamespace(Config=dict, run=lambda cfg, ctx: {}, resume_safe_keys=("data.val_path",)))
-    assert reg.get("recipe", "mine").declared == {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": ("data.val_path",)}
+    declared = reg.get("recipe", "mine").declared
+    assert declared == {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": ("data.val_path",), "policy": None, "exports": {}}
     with pytest.raises(RegistryError, match=r"recipe 'norun' \(plugin 'first'\) has no run; every recipe declares Config, run"):
         reg.add("recipe", "norun", SimpleNamespace(Config=dict))
     with pytest.raises(RegistryError, match=r"recipe 'typo' \(plugin 'first'\) has 'check_date', which no caller reads; did you mean 'check_data'\?"):

@@ -94,6 +94,8 @@ class TeacherDistill:
     the student trains on them by the ``distill`` verb."""
 
     Config = DistillConfig
+    policy = "train"  # the student (actor) is built from the train section
+    exports = {"actor": "lm"}  # trellis export writes the student
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         with Run(cfg, ctx) as run:

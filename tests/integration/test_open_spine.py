@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import spine_plugins  # noqa: E402  (test-only plugins beside this file)
 
+from trellis.export import export_checkpoint  # noqa: E402
 from trellis.plugins import load_plugins  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
 
@@ -56,6 +57,9 @@ def test_a_plugin_recipe_trains_the_actor_against_a_teacher_role(plugins, tiny_m
     assert len(losses) == 12 and losses[0] > 0
     assert sum(losses[-3:]) < 0.75 * sum(losses[:3]), losses  # measured: 0.0141 -> 0.0079 (3-step means)
     assert "distill" in summary["student_routes"] and "distill" not in summary["teacher_routes"]
+    # the recipe declares what `trellis export` writes of its checkpoints: the student, as a model folder
+    out = export_checkpoint(tmp_path / "distill", tmp_path / "student-hf", plugins=plugins)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
 def test_a_plugin_kind_that_exists_already_is_refused_naming_both():

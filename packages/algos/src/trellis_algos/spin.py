@@ -103,6 +103,8 @@ class SPINRecipe:
     Config = SPINConfig
     check = staticmethod(check)
     resume_safe_keys = ("data.val_path", "data.val_max_prompts")
+    policy = "train"  # the section the actor is built from
+    exports = {"actor": "lm"}  # what trellis export writes
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         with Run(cfg, ctx) as run:

@@ -21,13 +21,12 @@ from trellis.config import ConfigError
 from trellis.interfaces.hf import causal_lm_class
 from trellis.outdir import check_replaceable
 from trellis.plugins import Plugins, load_plugins
+from trellis.registry import RegistryError
 from trellis.runtime.checkpoint import CONFIG_FILE, adapter_base_mismatch, read_manifest, resolve_checkpoint
 from trellis.runtime.controller import LocalController
 from trellis.runtime.harness import policy_section, spawn_worker
 
 MARKER_FILE = "trellis_export.json"  # in every folder save_hf_folder writes: only such a folder is replaced
-# the roles a checkpoint's export writes (the first it holds), with their heads: the policy, or the rm recipe's reward model
-EXPORTED = {"actor": "lm", "reward_model": "reward"}
 # what a vision-language model's folder holds beside its weights for its images, copied into an export
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
@@ -54,11 +53,17 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
     check_replaceable(Path(out_dir), MARKER_FILE, "trellis export")
     manifest = read_manifest(path)
     roles = manifest["roles"]
-    role = next((r for r in EXPORTED if r in roles), None)
-    if role is None:
-        raise ConfigError(f"checkpoint {path} holds no {' or '.join(EXPORTED)} to export (its roles: {', '.join(roles)})")
     cfg = OmegaConf.load(path / CONFIG_FILE)
-    section = policy_section(cfg) if role == "actor" else None  # the policy's section brings its adapter
+    registry = (plugins or load_plugins()).registry
+    try:
+        exports = registry.get("recipe", cfg.recipe).declared["exports"]  # the roles the recipe's checkpoints export
+    except RegistryError as exc:
+        raise ConfigError(f"checkpoint {path} was written by recipe {cfg.recipe!r}: {exc}") from None
+    role = next((r for r in exports if r in roles), None)
+    if role is None:
+        wanted = " or ".join(exports) or "role (the recipe declares no exports)"
+        raise ConfigError(f"checkpoint {path} of recipe {cfg.recipe!r} holds no {wanted} to export (its roles: {', '.join(roles)})")
+    section = policy_section(cfg, registry) if role == "actor" else None  # the policy's section brings its adapter
     adapter = section.get("adapter") if section is not None else None
     if adapter_only and not (adapter and adapter.rank > 0):
         raise ConfigError(
@@ -81,11 +86,10 @@ def export_checkpoint(where: str | Path, out_dir: str | Path, plugins: Plugins |
             f"trellis export: {mismatch}; an adapter fits only its own base, which the export reads from the run's model.path: "
             "put that model back there"
         )
-    registry = (plugins or load_plugins()).registry
     controller = LocalController()
     try:
         # no objectives: weights only, no optimizer; the adapter is merged unless adapter_only
-        head = EXPORTED[role]
+        head = exports[role]
         model = spawn_worker(controller, registry, cfg, role, cfg.model.path, section, head=head)
         model.load(path / role)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.get("tokenizer_path") or cfg.model.path)

@@ -114,7 +114,9 @@ ADVANTAGE_NEEDS = (
 # what the components of a kind declare (trellis.recipes.train.Recipe, trellis.interfaces.signatures.AdvantageEstimator,
 # the tool schema of trellis.interfaces.agents, a tracker's (module, pip requirement) in trellis.runtime.trackers)
 INTERFACES: dict[str, Interface] = {
-    "recipe": Interface(("Config", "run"), {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": ()}),
+    "recipe": Interface(
+        ("Config", "run"), {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": (), "policy": None, "exports": {}}
+    ),
     "advantage": Interface(optional={"needs": ()}, members={"needs": ADVANTAGE_NEEDS}),
     "tool": Interface(optional={"schema": None}),
     "tracker": Interface(optional={"requires": None}),

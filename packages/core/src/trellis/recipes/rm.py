@@ -78,6 +78,7 @@ class RMRecipe:
     check = staticmethod(check)
     check_data = staticmethod(check_data)
     resume_safe_keys = ("data.val_path",)
+    exports = {"reward_model": "reward"}  # what trellis export writes
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         with Run(cfg, ctx) as run:

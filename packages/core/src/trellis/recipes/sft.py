@@ -72,6 +72,8 @@ class SFTRecipe:
     check = staticmethod(check)
     check_data = staticmethod(check_data)
     resume_safe_keys = ("data.val_path",)
+    policy = "train"  # the section the actor is built from
+    exports = {"actor": "lm"}  # what trellis export writes
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         with Run(cfg, ctx) as run:

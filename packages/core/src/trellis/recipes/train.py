@@ -37,9 +37,12 @@ class Recipe(Protocol):
     anything is written or built; ``check_data(cfg, registry) -> str`` reads the data files with
     the tokenizer (columns, prompt lengths; no model) for ``trellis train --dry-run`` and returns a
     one-line summary; ``resume_safe_keys``: config keys (beyond the trainer's pacing keys) that may
-    change between a checkpoint and the run resuming it. The registry reads them once, when the
-    recipe registers (``trellis.registry.INTERFACES``, ``Entry.declared``), and refuses a name a
-    typo away from one of them.
+    change between a checkpoint and the run resuming it; ``policy``: the config section the
+    ``actor`` role (the policy) is built from (its adapter reaches the engine); ``exports``: the
+    roles ``trellis export`` writes from a checkpoint, each with its head (``lm``, ``reward``), the
+    first the checkpoint holds. The registry reads them once, when the recipe registers
+    (``trellis.registry.INTERFACES``, ``Entry.declared``), and refuses a name a typo away from one
+    of them.
     """
 
     Config: type

@@ -108,9 +108,11 @@ def backend_mesh(cfg: DictConfig, registry: Registry) -> Mesh:
     return Mesh.for_options(options, controller_class(registry, cfg.trainer).ranks(cfg.trainer)[0])
 
 
-def policy_section(cfg: DictConfig) -> DictConfig | None:
-    """The config section a run builds its policy from: ``actor`` (rl), else ``train`` (sft, spin)."""
-    return cfg.get("actor") if "actor" in cfg else cfg.get("train")
+def policy_section(cfg: DictConfig, registry: Registry) -> DictConfig | None:
+    """The config section the run's recipe builds its policy from (its ``policy``: ``actor`` for
+    rl, ``train`` for sft and spin); None for a recipe that trains no policy."""
+    section = registry.get("recipe", cfg.recipe).declared["policy"]
+    return cfg.get(section) if section else None
 
 
 def spawn_worker(
@@ -249,7 +251,7 @@ class Run:
         asks for (the engine's context); ``own_weights``: the engine never generates from the
         actor's own model (see :meth:`Controller.spawn_rollout`)."""
         make_engine, options = resolve_component(self.registry, "rollout", self.cfg.rollout)
-        adapter = (policy_section(self.cfg) or {}).get("adapter") or {}
+        adapter = (policy_section(self.cfg, self.registry) or {}).get("adapter") or {}
         spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len, adapter_rank=adapter.get("rank", 0))
         mesh = Mesh.for_options(options, self.controller.world_size())
         make = functools.partial(make_engine, spec)

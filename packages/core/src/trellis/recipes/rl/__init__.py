@@ -39,6 +39,8 @@ class RLRecipe:
     check = staticmethod(check)
     check_data = staticmethod(check_data)
     resume_safe_keys = ("validation", "data.val_path", "data.val_max_prompts", "trainer.log_samples")
+    policy = "actor"  # the section the actor is built from
+    exports = {"actor": "lm"}  # what trellis export writes
 
     def run(self, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         with Run(cfg, ctx) as run:
