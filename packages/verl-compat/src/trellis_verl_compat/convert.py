@@ -424,7 +424,7 @@ RULES: tuple[Rule, ...] = (
             Rule(
                 rm + "enable",
                 "reward.model.layout",
-                lambda v, s, path=path: "conversation" if _reward_model(path, False)(v, s) is not SKIP else SKIP,
+                lambda v, s: "conversation" if v and not _custom_function(s) else SKIP,
                 "verl's reward loop renders the conversation",
             ),
             Rule(

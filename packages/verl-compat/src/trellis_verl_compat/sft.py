@@ -48,13 +48,14 @@ def _response_key(value: Any, src: Source) -> Any:
 
 
 def _warmup_fraction(value: Any, src: Source) -> Any:
-    """The older trainer's ``warmup_steps_ratio`` x the run's steps."""
-    return int(float(value) * total_steps(src)) or SKIP if value else SKIP
+    """The older trainer's ``warmup_steps_ratio`` x the run's steps (none: SKIP)."""
+    steps = int(float(value) * total_steps(src)) if value else 0
+    return steps or SKIP
 
 
 def _hf_warmup(value: Any, src: Source) -> Any:
-    """The older trainer's warm-up is transformers' (its first step at lr 0)."""
-    return True if value and int(float(value) * total_steps(src)) > 0 else SKIP
+    """The older trainer's warm-up is transformers' (its first step at lr 0), where there is one."""
+    return SKIP if _warmup_fraction(value, src) is SKIP else True
 
 
 def _truncation(value: Any, src: Source) -> Any:
