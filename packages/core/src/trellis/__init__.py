@@ -106,6 +106,7 @@ _API = {
     "RecipeConfig": "trellis.recipes.options",
     "TrainerConfig": "trellis.recipes.options",
     "OptimConfig": "trellis.recipes.options",
+    "AdapterConfig": "trellis.recipes.options",
     "BatchingConfig": "trellis.recipes.options",
     "PromptData": "trellis.recipes.options",
     "SamplingConfig": "trellis.recipes.options",

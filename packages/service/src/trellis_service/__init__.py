@@ -1,0 +1,1 @@
+"""Trellis as a training service: the Tinker API over trellis backends and engines (``trellis serve``)."""

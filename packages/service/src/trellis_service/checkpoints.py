@@ -1,0 +1,52 @@
+"""``tinker://`` paths and the folders under the server's ``--root`` they name: immutable once written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from trellis_service.errors import UserError
+
+KINDS = {"weights": "training state", "sampler_weights": "sampler weights"}
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
+
+
+def run_folder(model_id: str) -> str:
+    """A training run's folder name (model ids hold ``:``, which some file systems refuse)."""
+    return model_id.replace(":", "__")
+
+
+class Checkpoints:
+    """Where each ``tinker://<model_id>/<kind>/<name>`` lives: ``<root>/<model_id>/<kind>/<name>``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def new(self, model_id: str, kind: str, name: str, overwrite: bool = False) -> tuple[str, Path]:
+        """The path and folder for a checkpoint about to be written; an existing one is refused
+        (checkpoints are immutable) unless ``overwrite``, which removes it first."""
+        if not NAME.match(name or ""):
+            raise UserError(f"checkpoint name {name!r} must be letters, digits, '.', '_' or '-' (not starting with '.' or '-')")
+        folder = self.root / run_folder(model_id) / kind / name
+        if folder.exists():
+            if not overwrite:
+                raise UserError(f"checkpoint tinker://{model_id}/{kind}/{name} exists and checkpoints are immutable; choose another name or pass overwrite=True")
+            import shutil
+
+            shutil.rmtree(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        return f"tinker://{model_id}/{kind}/{name}", folder
+
+    def find(self, path: str, kind: str) -> tuple[str, Path]:
+        """The model id and folder of an existing ``tinker://`` path of ``kind``."""
+        match = PATH.match(path or "")
+        if not match:
+            raise UserError(f"path {path!r} is not a tinker:// path this server wrote (tinker://<model_id>/{kind}/<name>)")
+        model_id, found, name = match.groups()
+        if found != kind:
+            raise UserError(f"path {path!r} names {KINDS[found]}, here {KINDS[kind]} are needed (tinker://<model_id>/{kind}/<name>)")
+        folder = self.root / run_folder(model_id) / kind / name
+        if not folder.is_dir():
+            raise UserError(f"path {path!r} does not exist on this server (no {folder})")
+        return model_id, folder
