@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from served import TOKEN, start_server, stop_server
+from served import MODEL, TOKEN, UNTIED, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    running = start_server(tiny_model_path, tmp_path_factory.mktemp("serve") / "root")
+def models(tiny_model_path, tiny_untied_model_path) -> dict[str, str]:
+    return {MODEL: tiny_model_path, UNTIED: tiny_untied_model_path}
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    running = start_server(models, tmp_path_factory.mktemp("serve") / "root")
     yield running
     stop_server(running)
 

@@ -1,5 +1,5 @@
 """``trellis serve`` started for real: the installed command, a subprocess on a free loopback port,
-serving a model folder under the name ``tiny``."""
+serving model folders under names (the tests' tiny models as ``tiny`` and ``tiny-untied``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN = "tml-trellis-test-token"
-MODEL = "tiny"
+MODEL, UNTIED = "tiny", "tiny-untied"  # the second's unembedding is its own (a LoRA adapter may train it)
 
 
 @dataclass
@@ -33,11 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_path: str, root: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> Server:
-    """``trellis serve`` on ``port`` (a free one by default), waited for until it answers its health check."""
+def start_server(models: dict[str, str], root: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> Server:
+    """``trellis serve`` of ``models`` (name -> folder) on ``port`` (a free one by default), waited
+    for until it answers its health check."""
     port = port or free_port()
     log = root.parent / f"serve-{port}.log"
-    command = [os.path.join(os.path.dirname(sys.executable), "trellis"), "serve", "--model", f"{MODEL}={model_path}", "--port", str(port), "--root", str(root), *extra]
+    named = [arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}")]
+    command = [os.path.join(os.path.dirname(sys.executable), "trellis"), "serve", *named, "--port", str(port), "--root", str(root), *extra]
     env = {**os.environ, "TRELLIS_SERVE_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

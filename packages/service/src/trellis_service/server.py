@@ -99,17 +99,22 @@ def make_app(service: Service, token: str) -> web.Application:
     async def sampler(request: web.Request) -> web.Response:
         return web.json_response(service.sampler_info(request.match_info["sampler_id"]))
 
-    async def ok(_: web.Request) -> web.Response:
+    async def heartbeat(request: web.Request) -> web.Response:
+        if not service.live((await body(request)).get("session_id", "")):
+            return web.json_response({"error": "the session is finished or unknown"}, status=410)  # the SDK stops its heartbeat
+        return web.json_response({"type": "session_heartbeat"})
+
+    async def finish(request: web.Request) -> web.Response:
+        service.finish_session(request.match_info["session_id"])
         return web.json_response({})
 
     routes = {
         "/client/config": answer(lambda _: CLIENT_CONFIG),
         "/client/dynamic_config": answer(lambda _: {}),
         "/create_session": answer(service.create_session),
-        "/session_heartbeat": answer(lambda _: {"type": "session_heartbeat"}),
+        "/session_heartbeat": heartbeat,
         "/telemetry": answer(lambda _: {"status": "accepted"}),
-        "/cancel_future": ok,
-        "/sessions/{session_id}/finish": ok,
+        "/sessions/{session_id}/finish": finish,
         "/create_model": queued(service.create_model),
         "/get_info": answer(service.get_info),
         "/forward_backward": forward_backward,

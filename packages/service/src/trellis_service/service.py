@@ -66,8 +66,15 @@ class Service:
 
     def _session(self, session_id: str) -> str:
         if session_id not in self.sessions:
-            raise UserError(f"session_id {session_id!r} is unknown to this server (sessions end when it restarts); create a new ServiceClient")
+            raise UserError(f"session_id {session_id!r} is unknown or finished (sessions end with ServiceClient.close and when the server restarts); create a new ServiceClient")
         return session_id
+
+    def live(self, session_id: str) -> bool:
+        return session_id in self.sessions
+
+    def finish_session(self, session_id: str) -> None:
+        """A closed ServiceClient's session: refused from now on (its models stay until the server stops)."""
+        self.sessions.discard(session_id)
 
     def _folder(self, base_model: str) -> Path:
         folder = self.config.models.get(base_model)
@@ -87,12 +94,7 @@ class Service:
     def create_model(self, body: dict) -> str:
         request = types.CreateModelRequest.model_validate(body)
         model_id = f"{self._session(request.session_id)}:train:{request.model_seq_id}"
-        lora = request.lora_config
-        shape = ModelShape(request.base_model, 0, seed=0)
-        if lora is not None:
-            if lora.rank < 0:
-                raise UserError(f"lora_config.rank={lora.rank} must be >= 1 for LoRA, or 0 for full fine-tuning")
-            shape = ModelShape(request.base_model, lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed, lora.seed or 0)
+        shape = model_shape(request.base_model, request.lora_config)
         self._check_optimizer(request.optimizer_config)
         folder = self._folder(request.base_model)
         check_unembed(shape, folder)
@@ -275,3 +277,17 @@ def check_unembed(shape: ModelShape, folder: Path) -> None:
             f"train_unembed=True: {shape.base_model!r} ties its unembedding to its embedding, which a LoRA adapter on the "
             "unembedding would untie; pass train_unembed=False (or serve a model with untied embeddings)"
         )
+
+
+def model_shape(base_model: str, lora) -> ModelShape:
+    """A new training client's shape from its ``lora_config``: ``rank`` 0 is full fine-tuning (every
+    weight trains, so the layer flags must keep their default True)."""
+    if lora is None or lora.rank == 0:
+        if lora is not None and not (lora.train_mlp and lora.train_attn and lora.train_unembed):
+            raise UserError("lora_config.rank=0 is full fine-tuning, which trains every weight: leave train_mlp, train_attn and train_unembed True")
+        return ModelShape(base_model, 0)
+    if lora.rank < 0:
+        raise UserError(f"lora_config.rank={lora.rank} must be >= 1 for LoRA, or 0 for full fine-tuning")
+    if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
+        raise UserError("lora_config: train_mlp, train_attn and train_unembed are all False; the adapter would train nothing")
+    return ModelShape(base_model, lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed, lora.seed or 0)
