@@ -161,6 +161,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [],
         "tests/verl_compat",
     ),
+    # trellis serve driven over HTTP by the real tinker SDK (pinned by trellis-service); untied LoRA on the fsdp backend
+    "service": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "packages/service"], [], "tests/service"),
     "parity": (["packages/core", "packages/algos"], [VERL], "tests/parity"),
     # the model code's paths (forward outputs, generate) under an older transformers: see _install_old_transformers
     "old_transformers": (
@@ -459,6 +461,7 @@ PACKAGE_TESTS = {
     "agents": "agents",
     "judges": "judges",
     "vision": "vision",
+    "service": "service",
 }
 
 

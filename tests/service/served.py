@@ -62,4 +62,3 @@ def stop_server(server: Server) -> None:
         server.process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         server.process.kill()
-

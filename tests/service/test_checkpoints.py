@@ -9,7 +9,9 @@ from served import MODEL, TOKEN, start_server, stop_server
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
-DATA = [types.Datum(model_input=types.ModelInput.from_ints([20, 21, 22, 23]), loss_fn_inputs={"target_tokens": [21, 22, 23, 24], "weights": [1.0] * 4})]
+DATA = [
+    types.Datum(model_input=types.ModelInput.from_ints([20, 21, 22, 23]), loss_fn_inputs={"target_tokens": [21, 22, 23, 24], "weights": [1.0] * 4})
+]
 ADAM = types.AdamParams(learning_rate=2e-2)
 
 

@@ -47,14 +47,29 @@ def test_lora_on_a_tied_unembedding(service_client):
 @pytest.mark.parametrize(
     "data, loss_fn, config, message",
     [
-        ([datum([1, 2, 3], target_tokens=[2, 3])], "cross_entropy", None, r"loss_fn_inputs\['target_tokens'\] has shape \[2\], but model_input has 3 tokens"),
+        (
+            [datum([1, 2, 3], target_tokens=[2, 3])],
+            "cross_entropy",
+            None,
+            r"loss_fn_inputs\['target_tokens'\] has shape \[2\], but model_input has 3 tokens",
+        ),
         ([datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[[1.0, 1.0]])], "ppo", None, r"'advantages'\] has shape \[1, 2\]"),
         ([datum([1, 2], target_tokens=[2, 3])], "ppo", None, r"lacks \['logprobs', 'advantages'\]"),
-        ([datum([1, 2], target_tokens=[2, 3], mask=np.ones(2, dtype=np.float32))], "cross_entropy", None, r"has \['mask'\], which loss_fn 'cross_entropy' does not read"),
+        (
+            [datum([1, 2], target_tokens=[2, 3], mask=np.ones(2, dtype=np.float32))],
+            "cross_entropy",
+            None,
+            r"has \['mask'\], which loss_fn 'cross_entropy' does not read",
+        ),
         ([datum([1, 2], target_tokens=[2, 99999])], "cross_entropy", None, "token id 99999 is outside the model's vocabulary"),
         ([datum([1, 2], target_tokens=[2, 3])], "stable_reinforce", None, "loss_fn 'stable_reinforce' is not supported by this server"),
         ([datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0])], "dro", None, r"needs loss_fn_config\['beta'\] > 0"),
-        ([datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0])], "ppo", {"clip": 0.2}, r"key\(s\) \['clip'\] are not read by 'ppo'"),
+        (
+            [datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0])],
+            "ppo",
+            {"clip": 0.2},
+            r"key\(s\) \['clip'\] are not read by 'ppo'",
+        ),
     ],
 )
 def test_datums_that_do_not_fit_their_loss(service_client, data, loss_fn, config, message):

@@ -61,7 +61,9 @@ def test_prompt_log_probs_and_top_k_equal_the_model(trained_sampler):
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert logprobs[0] is None
     np.testing.assert_allclose(logprobs[1:], expected, rtol=0, atol=1e-4)
-    result = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    result = sampler.sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3
+    ).result()
     top = result.topk_prompt_logprobs
     assert top[0] is None and len(top) == len(prompt)
     for position, row in enumerate(top[1:], start=1):

@@ -31,7 +31,9 @@ class Checkpoints:
         folder = self.root / run_folder(model_id) / kind / name
         if folder.exists():
             if not overwrite:
-                raise UserError(f"checkpoint tinker://{model_id}/{kind}/{name} exists and checkpoints are immutable; choose another name or pass overwrite=True")
+                raise UserError(
+                    f"checkpoint tinker://{model_id}/{kind}/{name} exists and checkpoints are immutable; choose another name or pass overwrite=True"
+                )
             import shutil
 
             shutil.rmtree(folder)

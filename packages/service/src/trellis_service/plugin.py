@@ -18,7 +18,13 @@ log = logging.getLogger("trellis")
 @trellis.hookimpl
 def trellis_add_commands(commands):
     p = commands.add("serve", serve, help="serve the Tinker training API (tinker SDK, tinker-cookbook) over trellis's backends and engines")
-    p.add_argument("--model", action="append", default=[], metavar="NAME=FOLDER", help="a base model clients may name, and its Hugging Face folder (repeat for more)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help="a base model clients may name, and its Hugging Face folder (repeat for more)",
+    )
     p.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default loopback only)")
     p.add_argument("--root", default="trellis-serve", help="the folder checkpoints (tinker:// paths) are written under (default ./trellis-serve)")
@@ -70,6 +76,9 @@ def serve(args: argparse.Namespace) -> int:
     token = server_token()
     config.root.mkdir(parents=True, exist_ok=True)
     service = Service(config, registry)
-    print(f"trellis serve: http://{args.host}:{args.port} (TINKER_BASE_URL), models {', '.join(config.models)}, checkpoints under {config.root}", flush=True)
+    print(
+        f"trellis serve: http://{args.host}:{args.port} (TINKER_BASE_URL), models {', '.join(config.models)}, checkpoints under {config.root}",
+        flush=True,
+    )
     web.run_app(make_app(service, token), host=args.host, port=args.port, print=None)
     return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trellis import Batch, BackendSpec, RolloutSpec, SamplingParams
+from trellis import BackendSpec, Batch, RolloutSpec, SamplingParams
 from trellis_service.datums import datum_batch
 from trellis_service.errors import UserError
 from trellis_service.wire import Sequence, WireDatum, encode_samples

@@ -4,6 +4,7 @@ queues its work; the HTTP layer (``server.py``) only decodes, authenticates and 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import uuid
 from dataclasses import dataclass
@@ -66,7 +67,10 @@ class Service:
 
     def _session(self, session_id: str) -> str:
         if session_id not in self.sessions:
-            raise UserError(f"session_id {session_id!r} is unknown or finished (sessions end with ServiceClient.close and when the server restarts); create a new ServiceClient")
+            raise UserError(
+                f"session_id {session_id!r} is unknown or finished (sessions end with ServiceClient.close and when the server "
+                "restarts); create a new ServiceClient"
+            )
         return session_id
 
     def live(self, session_id: str) -> bool:
@@ -179,11 +183,11 @@ class Service:
 
     def load_weights(self, body: dict) -> str:
         request = types.LoadWeightsRequest.model_validate(body)
-        source_id, folder = self.checkpoints.find(request.path, "weights")
-        saved = read_shape(folder)
+        _, folder = self.checkpoints.find(request.path, "weights")
         if request.session_id is not None:  # a new training client made from the checkpoint
             model_id = f"{self._session(request.session_id)}:train:{request.model_seq_id}"
-            shape = ModelShape(request.base_model or saved.base_model, saved.lora_rank, saved.train_mlp, saved.train_attn, saved.train_unembed, saved.seed)
+            saved = read_shape(folder)
+            shape = dataclasses.replace(saved, base_model=request.base_model or saved.base_model)
             self._check_optimizer(request.optimizer_config)
             base = self._folder(shape.base_model)
             check_unembed(shape, base)
@@ -264,7 +268,6 @@ class Service:
                 self.engines.pop(next(iter(self.engines)))
             self.engines[folder] = Sampler(folder, self.registry, self.config.engine, self.config.backend)
         return self.engines[folder]
-
 
 
 def check_unembed(shape: ModelShape, folder: Path) -> None:

@@ -53,7 +53,9 @@ class TrainedModel:
         self.model_id, self.shape, self.folder = model_id, shape, folder
         entry = registry.get("backend", backend)
         optim = OptimConfig(lr=1e-4, betas=[0.9, 0.95], eps=1e-12, grad_clip=0.0)  # Tinker's AdamParams defaults
-        spec = BackendSpec("policy", str(folder), entry.options() if entry.options else None, True, optim=optim, seed=shape.seed, adapter=shape.adapter())
+        spec = BackendSpec(
+            "policy", str(folder), entry.options() if entry.options else None, True, optim=optim, seed=shape.seed, adapter=shape.adapter()
+        )
         self.backend = entry.obj(spec)
         self.backend.build()
         self.optimizer = getattr(self.backend, "optimizer", None)
@@ -111,14 +113,16 @@ class TrainedModel:
         """Weights (the adapter alone for LoRA) and optimizer state, and what the model was built as."""
         path.mkdir(parents=True)
         self.backend.save(path)
-        (path / META).write_text(json.dumps({"shape": asdict(self.shape), "steps": self.steps}) + "\n")
+        self._describe(path)
 
     def load_state(self, path: Path, optimizer: bool) -> None:
         """The weights saved at ``path`` and, with ``optimizer``, the optimizer's state; without it the
         optimizer starts afresh (its moments cleared)."""
         saved = read_shape(path)
         if saved != self.shape:
-            raise UserError(f"checkpoint {path.name!r} was saved from {saved}, this client is {self.shape}; create a client from the checkpoint instead")
+            raise UserError(
+                f"checkpoint {path.name!r} was saved from {saved}, this client is {self.shape}; create a client from the checkpoint instead"
+            )
         self.backend.load(path)
         if not optimizer:
             self.optimizer.state.clear()
@@ -127,6 +131,10 @@ class TrainedModel:
         """The weights (a LoRA adapter merged into them) as a Hugging Face folder a rollout engine loads."""
         weights = (pair for bucket in self.backend.export_weights() for pair in bucket)
         save_hf_folder(str(self.folder), weights, tokenizer, path)
+        self._describe(path)
+
+    def _describe(self, path: Path) -> None:
+        """Write beside a checkpoint what the model was built as (:func:`read_shape` reads it)."""
         (path / META).write_text(json.dumps({"shape": asdict(self.shape), "steps": self.steps}) + "\n")
 
 
