@@ -88,6 +88,8 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
     config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():  # the SDK writes both; v2 carries strings too
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
+    if any(d.model_input_spans or d.loss_fn_input_spans for d in msg.data):
+        raise UserError("data: provenance spans (Datum.with_provenance) are read only by stable_reinforce, which this server does not support")
     data = [WireDatum(_tokens(d.model_input), {k: _dense(v, k) for k, v in d.loss_fn_inputs.items()}) for d in msg.data]
     return FwdBwdRequest(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
 
