@@ -161,7 +161,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         [],
         "tests/verl_compat",
     ),
-    # trellis serve driven over HTTP by the real tinker SDK (pinned by trellis-service); untied LoRA on the fsdp backend
+    # trellis serve driven over HTTP by the real tinker SDK (pinned by trellis-service) and tinker-cookbook's loops
+    # (see _install_with_cookbook); LoRA on the fsdp backend
     "service": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "packages/service"], [], "tests/service"),
     "parity": (["packages/core", "packages/algos"], [VERL], "tests/parity"),
     # the model code's paths (forward outputs, generate) under an older transformers: see _install_old_transformers
@@ -306,6 +307,21 @@ def _install_with_verl(session: nox.Session, packages: list[str], extra: list[st
     return env
 
 
+# tinker-cookbook 0.6.1, whose sl_loop and rl_loop the service tests run against `trellis serve`. Installed
+# without its dependencies: it asks for tml-renderers>=0.4.1, which no index has (only its Inkling and Kimi
+# renderers import it); then what the two loops import, under the lock (chz, blobfile and pylatexenc are not in it).
+COOKBOOK = "tinker-cookbook==0.6.1"
+COOKBOOK_IMPORTS = ["chz==0.4.0", "blobfile==3.3.0", "pylatexenc==2.11", "datasets", "math-verify", "sympy"]
+
+
+def _install_with_cookbook(session: nox.Session, packages: list[str], extra: list[str]) -> dict[str, str]:
+    """The default set-up, then tinker-cookbook without its dependencies and what its loops import."""
+    env = _install(session, packages, extra)
+    _pip(session, "project", *COOKBOOK_IMPORTS)
+    _pip(session, None, "--no-deps", COOKBOOK)
+    return env
+
+
 # What verl 0.9.1's `core_algos` and `rollout_corr_helper` import (verl/__init__ pulls in its
 # DataProto, hence ray and tensordict), pinned to its own requirements; nothing else of verl's.
 VERL_IMPORTS = ["ray", "tensordict>=0.8,<=0.10.0,!=0.9.0", "transformers>=5.5.3,<5.11,!=5.6.0", "codetiming", "pyvers", "cloudpickle", "pyyaml"]
@@ -359,6 +375,7 @@ SESSION_SETUP: dict[str, Callable[[nox.Session, list[str], list[str]], dict[str,
     "interactions": _install_with_verl,
     "verl_compat": _install_with_verl,
     "old_transformers": _install_old_transformers,
+    "service": _install_with_cookbook,
 }
 
 

@@ -60,3 +60,21 @@ def test_state_survives_a_server_restart(models, tmp_path):
         service.close("success").result()
     finally:
         stop_server(second)
+
+
+def test_expired_checkpoints_are_removed(tmp_path):
+    """A checkpoint saved with ttl_seconds is removed by the first sweep after it expires (the server
+    sweeps at start-up and at each save); one without stays."""
+    from trellis_service.checkpoints import Checkpoints
+
+    checkpoints = Checkpoints(tmp_path)
+    _, short = checkpoints.new("s:train:0", "weights", "short")
+    _, kept = checkpoints.new("s:train:0", "weights", "kept")
+    for folder in (short, kept):
+        folder.mkdir()
+    checkpoints.keep_for(short, 3600)
+    checkpoints.keep_for(kept, None)
+    now = __import__("time").time()
+    assert checkpoints.sweep(now + 3500) == [] and short.is_dir()
+    assert checkpoints.sweep(now + 3700) == [short]
+    assert not short.exists() and kept.is_dir()

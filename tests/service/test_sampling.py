@@ -97,3 +97,16 @@ def test_base_model_sampling_client(service_client, models):
     sampler = service_client.create_sampling_client(base_model=MODEL).result()
     seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=4, seed=1)).result().sequences[0]
     np.testing.assert_allclose(seq.logprobs, hf_logprobs(models[MODEL], PROMPT + seq.tokens)[-len(seq.tokens) :], rtol=0, atol=1e-4)
+
+
+def test_unnamed_snapshots_keep_the_latest_four(service_client, server):
+    """``save_weights_and_get_sampling_client()`` (an RL loop's per-step snapshot) keeps the latest four
+    per training client on disk; a sampling client of an older one is told it was replaced."""
+    trainer = service_client.create_lora_training_client(base_model=MODEL, rank=0).result()
+    samplers = [trainer.save_weights_and_get_sampling_client().result() for _ in range(5)]
+    one = types.SamplingParams(max_tokens=1, seed=0)
+    assert len(samplers[-1].sample(types.ModelInput.from_ints(PROMPT), 1, one).result().sequences) == 1
+    with pytest.raises(tinker.BadRequestError, match="newer snapshots of its model replaced"):
+        samplers[0].sample(types.ModelInput.from_ints(PROMPT), 1, one).result()
+    run = server.root / trainer.model_id.replace(":", "__") / "sampler_weights"
+    assert len(list(run.iterdir())) == 4

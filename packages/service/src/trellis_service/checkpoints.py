@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import time
 from pathlib import Path
 
 from trellis_service.errors import UserError
@@ -10,6 +12,7 @@ from trellis_service.errors import UserError
 KINDS = {"weights": "training state", "sampler_weights": "sampler weights"}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
+EXPIRES = "expires_at"  # in a checkpoint saved with ttl_seconds: when the server removes it (seconds since the epoch)
 
 
 def run_folder(model_id: str) -> str:
@@ -34,8 +37,6 @@ class Checkpoints:
                 raise UserError(
                     f"checkpoint tinker://{model_id}/{kind}/{name} exists and checkpoints are immutable; choose another name or pass overwrite=True"
                 )
-            import shutil
-
             shutil.rmtree(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
         return f"tinker://{model_id}/{kind}/{name}", folder
@@ -52,3 +53,16 @@ class Checkpoints:
         if not folder.is_dir():
             raise UserError(f"path {path!r} does not exist on this server (no {folder})")
         return model_id, folder
+
+    def keep_for(self, folder: Path, ttl_seconds: int | None) -> None:
+        """A checkpoint just written at ``folder`` lives ``ttl_seconds`` (None: until deleted)."""
+        if ttl_seconds is not None:
+            (folder / EXPIRES).write_text(f"{time.time() + ttl_seconds:.0f}\n")
+
+    def sweep(self, now: float | None = None) -> list[Path]:
+        """Remove the checkpoints whose time to live has passed; returns their folders."""
+        now = time.time() if now is None else now
+        expired = [f.parent for f in self.root.glob(f"*/*/*/{EXPIRES}") if float(f.read_text()) <= now]
+        for folder in expired:
+            shutil.rmtree(folder)
+        return expired

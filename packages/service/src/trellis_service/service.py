@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from trellis_service.training import ModelShape, TrainedModel, read_shape
 from trellis_service.wire import FwdBwdRequest, encode_forward_backward
 
 ENGINES_KEPT = 4  # sampler folders kept loaded on an engine
+SNAPSHOTS_KEPT = 4  # unnamed sampler weights kept per training client (an RL loop saves one per step)
 
 
 @dataclass
@@ -40,12 +42,15 @@ class Service:
     def __init__(self, config: ServeConfig, registry) -> None:
         self.config, self.registry = config, registry
         self.checkpoints = Checkpoints(config.root)
+        self.checkpoints.sweep()
         self.futures = Futures(config.max_queue)
         self.sessions: set[str] = set()
         self.models: dict[str, TrainedModel] = {}
         self.lanes: dict[str, Lane] = {}
         self.samplers: dict[str, tuple[str, Path, str | None]] = {}  # id -> base model, folder, tinker path
         self.engines: dict[Path, Sampler] = {}
+        self.snapshots: dict[str, list[str]] = {}  # model id -> its unnamed samplers, oldest first
+        self.replaced: set[str] = set()  # samplers whose unnamed weights newer snapshots replaced
         self._ids = itertools.count()
         self._tokenizers: dict[str, Any] = {}
 
@@ -172,11 +177,14 @@ class Service:
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_weights(self, body: dict) -> str:
         request = types.SaveWeightsRequest.model_validate(body)
+        check_ttl(request.ttl_seconds)
         name = request.path or f"state-{next(self._ids)}"
 
         def job() -> Result:
+            self.checkpoints.sweep()
             path, folder = self.checkpoints.new(request.model_id, "weights", name, request.overwrite)
             self.model(request.model_id).save_state(folder)
+            self.checkpoints.keep_for(folder, request.ttl_seconds)
             return {"type": "save_weights", "path": path}
 
         return self._queue(request.model_id, request.seq_id, job)
@@ -211,18 +219,35 @@ class Service:
         request = types.SaveWeightsForSamplerRequest.model_validate(body)
         if request.kind != "snapshot":
             raise UserError(f"kind={request.kind!r} sampling clients are not supported; this server makes snapshots (kind='snapshot')")
+        check_ttl(request.ttl_seconds)
         named = request.path is not None
         name = request.path if named else f"ephemeral-{next(self._ids)}"
 
         def job() -> Result:
             model = self.model(request.model_id)
+            self.checkpoints.sweep()
             path, folder = self.checkpoints.new(request.model_id, "sampler_weights", name)
             model.save_for_sampler(folder, self.tokenizer(model.shape.base_model))
+            self.checkpoints.keep_for(folder, request.ttl_seconds)
             if named:
                 return {"type": "save_weights_for_sampler", "path": path}
-            return {"type": "save_weights_for_sampler", "sampling_session_id": self._new_sampler(model.shape.base_model, folder, path)}
+            sampler_id = self._new_sampler(model.shape.base_model, folder, path)
+            self._keep_latest_snapshots(request.model_id, sampler_id)
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
 
         return self._queue(request.model_id, request.seq_id, job)
+
+    def _keep_latest_snapshots(self, model_id: str, sampler_id: str) -> None:
+        """Unnamed sampler weights (``save_weights_and_get_sampling_client()``, once per RL step) are
+        kept for the latest ``SNAPSHOTS_KEPT`` of a model; older ones are deleted with their sessions."""
+        kept = self.snapshots.setdefault(model_id, [])
+        kept.append(sampler_id)
+        while len(kept) > SNAPSHOTS_KEPT:
+            old = kept.pop(0)
+            _, folder, _ = self.samplers.pop(old)
+            self.engines.pop(folder, None)
+            shutil.rmtree(folder, ignore_errors=True)
+            self.replaced.add(old)
 
     # -- sampling ------------------------------------------------------------------------------------------
     def create_sampling_session(self, body: dict) -> dict:
@@ -243,6 +268,11 @@ class Service:
         return sampler_id
 
     def sampler_info(self, sampler_id: str) -> dict:
+        if sampler_id in self.replaced:
+            raise UserError(
+                f"sampling session {sampler_id!r} sampled unnamed weights that {SNAPSHOTS_KEPT} newer snapshots of its model replaced "
+                "(they are deleted); sample from a newer one, or save named weights (save_weights_for_sampler(name))"
+            )
         if sampler_id not in self.samplers:
             raise UserError(f"sampling session {sampler_id!r} is unknown to this server")
         base, _, path = self.samplers[sampler_id]
@@ -294,3 +324,8 @@ def model_shape(base_model: str, lora) -> ModelShape:
     if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
         raise UserError("lora_config: train_mlp, train_attn and train_unembed are all False; the adapter would train nothing")
     return ModelShape(base_model, lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed, lora.seed or 0)
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    if ttl_seconds is not None and ttl_seconds <= 0:
+        raise UserError(f"ttl_seconds={ttl_seconds} must be positive (or None: kept until deleted)")
