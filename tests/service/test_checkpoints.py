@@ -57,6 +57,12 @@ def test_state_survives_a_server_restart(models, tmp_path):
         assert loss_now(fresh) == pytest.approx(expected_loss, rel=1e-6)
         step(fresh)
         assert loss_now(fresh) != pytest.approx(expected_after_third, rel=1e-5)
+
+        with pytest.warns(FutureWarning):  # the SDK's older verb: load into an existing client
+            fresh.load_state_with_optimizer(saved).result()
+        assert loss_now(fresh) == pytest.approx(expected_loss, rel=1e-6)
+        step(fresh)
+        assert loss_now(fresh) == pytest.approx(expected_after_third, rel=1e-5)
         service.close("success").result()
     finally:
         stop_server(second)

@@ -64,6 +64,8 @@ def test_prompt_log_probs_and_top_k_equal_the_model(trained_sampler):
     result = sampler.sample(
         types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3
     ).result()
+    last_two = sampler.compute_logprobs(types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=2).result()
+    assert last_two[:-2] == [None] * (len(prompt) - 2) and last_two[-2:] == pytest.approx(logprobs[-2:], abs=1e-6)
     top = result.topk_prompt_logprobs
     assert top[0] is None and len(top) == len(prompt)
     for position, row in enumerate(top[1:], start=1):

@@ -80,5 +80,5 @@ def serve(args: argparse.Namespace) -> int:
         f"trellis serve: http://{args.host}:{args.port} (TINKER_BASE_URL), models {', '.join(config.models)}, checkpoints under {config.root}",
         flush=True,
     )
-    web.run_app(make_app(service, token), host=args.host, port=args.port, print=None)
+    web.run_app(make_app(service, token), host=args.host, port=args.port, print=None, access_log=None)
     return 0

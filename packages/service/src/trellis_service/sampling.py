@@ -63,9 +63,9 @@ class Sampler:
         stop_ids, stop_texts = self._stops(params.stop)
         sampling = SamplingParams(
             n=request.num_samples,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
+            temperature=float(params.temperature),  # the SDK's default is the int 1, which samplers refuse
+            top_p=float(params.top_p),
+            top_k=int(params.top_k),
             max_new_tokens=params.max_tokens,
             greedy=params.temperature == 0,
             stop_token_ids=stop_ids,
