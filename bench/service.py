@@ -5,8 +5,8 @@ HTTP, no futures, no protobuf).
 Training: steps of ``forward_backward`` (cross_entropy, ``--datums`` datums of ``--tokens`` tokens)
 then ``optim_step``; through the SDK both are sent before either is read, as tinker-cookbook's loops
 do. Sampling: ``--samples`` samples of up to ``--new-tokens`` tokens from a 16-token prompt (one
-request, the same seed both ways), tokens per second, the median of 5 requests. A random tiny Qwen2 (hidden 64, 2 layers) built locally, full fine-tuning, one
-thread for the server's work. Prints a table and a ``RESULT`` line.
+request, the same seed both ways), tokens per second, the median of 5 requests. A random tiny Qwen2
+(hidden 64, 2 layers) built locally, full fine-tuning, one thread for the server's work. Prints a table and a ``RESULT`` line.
 
     python bench/service.py [--steps 20] [--datums 8] [--tokens 64]
 """
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # conftest: the tests' tiny-model texts
 
 def tiny_model(folder: Path) -> Path:
     from conftest import TEXTS
+
     from trellis.examples.tiny import make_tiny_model
 
     return make_tiny_model(folder, TEXTS, hidden_size=64, num_layers=2, seed=0)
@@ -56,11 +57,11 @@ def in_process(folder: Path, data, steps: int, samples: int, new_tokens: int) ->
     """(training steps/s, sampled tokens/s) calling the service's classes directly."""
     from tinker import types
     from tinker.proto.response_conv import deserialize_sample_response
-
-    from trellis import load_plugins
     from trellis_service.sampling import Sampler
     from trellis_service.training import ModelShape, TrainedModel
     from trellis_service.wire import FwdBwdRequest, WireDatum
+
+    from trellis import load_plugins
 
     registry = load_plugins().registry
     model = TrainedModel("bench:train:0", ModelShape("tiny"), folder, registry, "fsdp")
@@ -94,7 +95,9 @@ def through_service(folder: Path, data, steps: int, samples: int, new_tokens: in
     try:
         client = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
         trainer = client.create_lora_training_client(base_model="tiny", rank=0).result()
-        datums = [types.Datum(model_input=types.ModelInput.from_ints(t), loss_fn_inputs={"target_tokens": y, "weights": [1.0] * len(y)}) for t, y in data]
+        datums = [
+            types.Datum(model_input=types.ModelInput.from_ints(t), loss_fn_inputs={"target_tokens": y, "weights": [1.0] * len(y)}) for t, y in data
+        ]
         adam = types.AdamParams(learning_rate=1e-4)
 
         def step():
@@ -133,7 +136,8 @@ def main() -> None:
     data = batch(np.random.default_rng(0), args.datums, args.tokens)
     local = in_process(folder, data, args.steps, args.samples, args.new_tokens)
     served = through_service(folder, data, args.steps, args.samples, args.new_tokens)
-    print(f"| work ({args.datums} datums x {args.tokens} tokens; {args.samples} x {args.new_tokens} sampled) | in process | trellis serve + SDK | service / in process |")
+    work = f"{args.datums} datums x {args.tokens} tokens; {args.samples} x {args.new_tokens} sampled"
+    print(f"| work ({work}) | in process | trellis serve + SDK | service / in process |")
     print("| --- | --- | --- | --- |")
     print(f"| forward_backward + optim_step, steps/s | {local[0]:.2f} | {served[0]:.2f} | {served[0] / local[0]:.3f} |")
     print(f"| sample, tokens/s | {local[1]:.1f} | {served[1]:.1f} | {served[1] / local[1]:.3f} |")
