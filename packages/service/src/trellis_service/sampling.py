@@ -1,6 +1,7 @@
-"""Sampling clients' work: a trellis rollout engine samples from a folder of sampler weights (or a
-base model's folder), and a frozen trellis backend on the same folder scores prompts (their
-log-probs and top-k) and the top-k of sampled tokens."""
+"""Sampling clients' work: one base model's trellis rollout engine samples and a frozen trellis backend
+scores prompts (their log-probs and top-k) and the top-k of sampled tokens, each holding one
+folder's weights at a time (the base model's own, or sampler weights a training client saved),
+swapped in memory as a training run syncs its engine, and checked by digest."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from trellis import BackendSpec, Batch, RolloutSpec, SamplingParams
+from trellis.kit.engine import tensor_digest
 from trellis_service.datums import datum_batch
 from trellis_service.errors import UserError
 from trellis_service.wire import Sequence, WireDatum, encode_samples
@@ -37,26 +39,62 @@ class Scorer:
         return logprobs, top
 
 
-class Sampler:
-    """Samples for one sampler path (a folder of weights) on a rollout engine built from it."""
+def folder_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder's safetensors files, by name."""
+    from safetensors.torch import load_file
 
-    def __init__(self, folder: Path, registry, engine: str, backend: str, seed: int = 0) -> None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} holds no safetensors weights")
+    return {name: tensor for f in files for name, tensor in load_file(str(f)).items()}
+
+
+def sync_checked(engine, weights: dict[str, torch.Tensor]) -> None:
+    """Load ``weights`` into ``engine`` and check each tensor's digest as the engine holds it (an
+    engine that cannot tell is trusted, as in training runs without a digest)."""
+    engine.load_weights(list(weights.items()))  # the service never puts an engine to sleep
+    held = engine.weight_checksums(list(weights))
+    if held is None:
+        return
+    dtype = engine.weight_dtype
+    wrong = [name for name, t in weights.items() if name in held and held[name] != tensor_digest(t.to(dtype) if dtype else t)]
+    if wrong:
+        raise RuntimeError(f"the rollout engine holds other values than the sampler weights for {wrong[:3]} after loading them")
+
+
+class Sampler:
+    """One base model's rollout engine and frozen scorer; :meth:`sample` swaps in a folder's weights first."""
+
+    def __init__(self, base: Path, registry, engine: str, backend: str, seed: int = 0) -> None:
         from transformers import AutoTokenizer
 
-        self.folder, self.registry, self.backend_name = folder, registry, backend
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.base, self.registry, self.backend_name = base, registry, backend
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
         entry = registry.get("rollout", engine)
-        self.engine = entry.obj(RolloutSpec(str(folder), entry.options() if entry.options else None, self.tokenizer, seed=seed))
+        self.engine = entry.obj(RolloutSpec(str(base), entry.options() if entry.options else None, self.tokenizer, seed=seed))
+        self.engine_holds = base
         self._scorer: Scorer | None = None
+        self.scorer_holds = base
+
+    def _hold(self, folder: Path) -> None:
+        if folder != self.engine_holds:
+            sync_checked(self.engine, folder_weights(folder))
+            self.engine_holds = folder
 
     @property
     def scorer(self) -> Scorer:
         if self._scorer is None:
-            self._scorer = Scorer(self.folder, self.registry, self.backend_name)
+            self._scorer = Scorer(self.base, self.registry, self.backend_name)
+        if self.scorer_holds != self.engine_holds:
+            self._scorer.backend.load_weights(folder_weights(self.engine_holds).items())
+            self.scorer_holds = self.engine_holds
         return self._scorer
 
-    def sample(self, request) -> bytes:
-        """A Tinker ``SampleRequest``'s answer, as the protobuf ``SampleResponse``."""
+    def sample(self, folder: Path, request) -> bytes:
+        """A Tinker ``SampleRequest``'s answer from ``folder``'s weights, as the protobuf ``SampleResponse``."""
+        if not folder.is_dir():
+            raise UserError(f"the sampler weights at {folder} were deleted; sample from newer ones")
+        self._hold(folder)
         prompt = _prompt_tokens(request.prompt)
         refuse_unsupported(request, len(prompt))
         params = request.sampling_params

@@ -21,7 +21,6 @@ from trellis_service.sampling import Sampler
 from trellis_service.training import ModelShape, TrainedModel, read_shape
 from trellis_service.wire import FwdBwdRequest, encode_forward_backward
 
-ENGINES_KEPT = 4  # sampler folders kept loaded on an engine
 SNAPSHOTS_KEPT = 4  # unnamed sampler weights kept per training client (an RL loop saves one per step)
 
 
@@ -48,7 +47,7 @@ class Service:
         self.models: dict[str, TrainedModel] = {}
         self.lanes: dict[str, Lane] = {}
         self.samplers: dict[str, tuple[str, Path, str | None]] = {}  # id -> base model, folder, tinker path
-        self.engines: dict[Path, Sampler] = {}
+        self.engines: dict[str, Sampler] = {}  # base model name -> its engine and scorer
         self.snapshots: dict[str, list[str]] = {}  # model id -> its unnamed samplers, oldest first
         self.replaced: set[str] = set()  # samplers whose unnamed weights newer snapshots replaced
         self._ids = itertools.count()
@@ -245,7 +244,6 @@ class Service:
         while len(kept) > SNAPSHOTS_KEPT:
             old = kept.pop(0)
             _, folder, _ = self.samplers.pop(old)
-            self.engines.pop(folder, None)
             shutil.rmtree(folder, ignore_errors=True)
             self.replaced.add(old)
 
@@ -282,22 +280,23 @@ class Service:
         request = types.SampleRequest.model_validate(body)
         if request.sampling_session_id is not None:
             self.sampler_info(request.sampling_session_id)
-            _, folder, _ = self.samplers[request.sampling_session_id]
+            base, folder, _ = self.samplers[request.sampling_session_id]
         elif request.model_path is not None:
             _, folder = self.checkpoints.find(request.model_path, "sampler_weights")
+            base = read_shape(folder).base_model
         else:
-            folder = self._folder(request.base_model or "")
+            base = request.base_model or ""
+            folder = self._folder(base)
+        base_folder = self._folder(base)
         request_id = self.futures.reserve()
-        self.futures.run(request_id, lambda: self._engine(folder).sample(request))
+        self.futures.run(request_id, lambda: self._sampler(base, base_folder).sample(folder, request))
         return request_id, [f"{request_id}-{i}" for i in range(request.num_samples)]
 
-    def _engine(self, folder: Path) -> Sampler:
-        """The sampler loaded from ``folder`` (the oldest of ``ENGINES_KEPT`` dropped for a new one)."""
-        if folder not in self.engines:
-            if len(self.engines) >= ENGINES_KEPT:
-                self.engines.pop(next(iter(self.engines)))
-            self.engines[folder] = Sampler(folder, self.registry, self.config.engine, self.config.backend)
-        return self.engines[folder]
+    def _sampler(self, base: str, folder: Path) -> Sampler:
+        """The base model's sampler (its engine built on first use)."""
+        if base not in self.engines:
+            self.engines[base] = Sampler(folder, self.registry, self.config.engine, self.config.backend)
+        return self.engines[base]
 
 
 def check_unembed(shape: ModelShape, folder: Path) -> None:
