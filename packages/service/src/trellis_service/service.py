@@ -34,7 +34,6 @@ class ServeConfig:
     backend: str = "fsdp"
     engine: str = "hf"
     max_queue: int = 256
-    max_context: int = 0  # advertised per model; 0: the model config's max_position_embeddings
 
 
 class Service:
@@ -59,7 +58,7 @@ class Service:
 
         supported = []
         for name, folder in self.config.models.items():
-            context = self.config.max_context or getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+            context = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
             supported.append({"model_name": name, "max_context_length": context, "trainable": True, "sampleable": True})
         return {"supported_models": supported}
 
@@ -81,8 +80,13 @@ class Service:
         return session_id in self.sessions
 
     def finish_session(self, session_id: str) -> None:
-        """A closed ServiceClient's session: refused from now on (its models stay until the server stops)."""
+        """A closed ServiceClient's session: refused from now on, its training clients' models freed
+        (their checkpoints stay)."""
         self.sessions.discard(session_id)
+        for model_id in [m for m in self.lanes if m.startswith(f"{session_id}:")]:
+            for request_id, _ in self.lanes.pop(model_id).waiting.values():  # waiting for a seq_id that will not come
+                self.futures.release(request_id)
+            self.models.pop(model_id, None)
 
     def _folder(self, base_model: str) -> Path:
         folder = self.config.models.get(base_model)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from trellis import AdapterConfig, BackendSpec, OptimConfig, save_hf_folder
-from trellis_service.datums import TARGETS, check_datum, datum_batch, micro_batches
+from trellis_service.datums import check_datum, datum_batch, micro_batches
 from trellis_service.errors import UserError
 from trellis_service.losses import loss_spec, summed_loss
 from trellis_service.wire import FwdBwdRequest
@@ -94,7 +94,7 @@ class TrainedModel:
                     loss_fn(micro, out)
         else:
             self.backend.forward_backward(micros, (OUTPUT,), loss_fn)
-        rows = torch.cat([torch.nn.functional.pad(lp, (0, micros[0][TARGETS].shape[1] - lp.shape[1])) for lp in logps])
+        rows = torch.cat(logps)  # (datums, width): the micro-batches keep the batch's width
         outputs = [{"logprobs": rows[i, : len(d.tokens)].numpy().astype(np.float32)} for i, d in enumerate(request.data)]
         return outputs, {"loss:sum": total}
 
