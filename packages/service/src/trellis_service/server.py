@@ -4,6 +4,7 @@ sends them, on aiohttp. Every route but the health check needs the server's toke
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -130,6 +131,7 @@ def make_app(service: Service, token: str) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=1 << 30, handler_args={"auto_decompress": False})
     for path, handler in routes.items():
         app.router.add_post("/api/v1" + path, handler)
+    app.on_cleanup.append(lambda _: asyncio.to_thread(service.close))
     app.router.add_get("/api/v1/healthz", lambda _: web.json_response({"status": "ok"}))
     app.router.add_get("/api/v1/get_server_capabilities", capabilities)
     app.router.add_get("/api/v1/samplers/{sampler_id}", sampler)

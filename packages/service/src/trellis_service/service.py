@@ -52,6 +52,13 @@ class Service:
         self._ids = itertools.count()
         self._tokenizers: dict[str, Any] = {}
 
+    def close(self) -> None:
+        """Stop the worker after the request it runs, and release the engines (their processes,
+        their process groups) while the process can still do so cleanly."""
+        self.futures.worker.shutdown(wait=True, cancel_futures=True)
+        for sampler in self.engines.values():
+            sampler.engine.close()
+
     # -- sessions and capabilities ---------------------------------------------------------------------
     def capabilities(self) -> dict:
         from transformers import AutoConfig
