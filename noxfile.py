@@ -55,7 +55,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
     # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; judges: the docs' judge
-    # rewards; ray: the dry run's checks of a two-rank placement (no cluster starts)
+    # rewards; ray: the dry run's checks of a two-rank placement (no cluster starts); service: the docs' `trellis serve`
     "integration": (
         [
             "packages/core",
@@ -68,6 +68,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/interactions",
             "packages/sandbox",
             "packages/verl-compat",
+            "packages/service",
             "tests/plugins/plain",
             "tests/plugins/example",
         ],
