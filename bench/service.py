@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "service"))  # served: trellis serve as a subprocess
-sys.path.insert(0, str(ROOT / "tests"))  # conftest: the tests' tiny-model texts
+sys.path.insert(0, str(ROOT / "tests"))  # conftest: the tests' tiny-model texts; served: trellis serve as a subprocess
 
 
 def tiny_model(folder: Path) -> Path:
