@@ -5,6 +5,15 @@
    third crashing) scored by the reward manager with ``reward.max_concurrency`` 1 (serial) and 32.
 
     python bench/sandbox.py [--workers N] [--requests 1000] [--samples 256]   # --samples 0 skips 2.
+        [--program print|stdin] [--hostile ROUNDS] [--isolation auto|bwrap|unshare]
+
+Load patterns (each figure below says its own): ``print``, the one-line ``print(i)``; ``stdin``, a
+short solution reading its case from stdin (the shape of a code-reward run); ``--hostile N`` first
+runs N rounds of the hostile programs of tests/sandbox/test_hostile.py at once (fork bomb, memory
+bomb, infinite loop, busy child, daemon, output flood), so the load meets a server that has cleaned
+up after them. 2026-12-04, this VM, quiet, ``--samples 0``, stdin program after 1 hostile round:
+bwrap p50 375 / 421 ms, p99 418 / 477 ms (two runs an hour apart); unshare p50 468 ms, p99 530 ms,
+24.2 ms CPU per run (29.1-29.6 with a ``mount`` exec per folder; print program then: p99 595-638 ms).
 
 Needs trellis-sandbox (and bubblewrap or unshare). For scale: the upstream Sandbox Fusion server,
 default install, on a 2-core machine: p50 398 ms, p99 432 ms.
@@ -50,6 +59,22 @@ from trellis.rewards import RewardConfig, RewardManager
 from trellis_sandbox.api import RunRequest
 from trellis_sandbox.client import SandboxClient
 
+# what the server meets before the load with --hostile: the kinds tests/sandbox/test_hostile.py runs
+HOSTILE = [
+    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", 2.0),  # fork bomb
+    ("x = bytearray(2 * 2**30)\nprint('allocated')", 10.0),  # memory bomb
+    ("while True:\n    pass", 1.0),  # infinite loop
+    ("import subprocess\nsubprocess.Popen(['python3', '-c', 'while True: pass'])\nprint('parent done')", 10.0),  # busy child left behind
+    ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.closerange(0, 3)\n        time.sleep(60)\n    os._exit(0)\n", 10.0),  # daemon
+    ("import sys\nwhile True:\n    sys.stdout.write('x' * 4096)", 20.0),  # output flood
+]
+# the load's program per --program: a one-line print, or a short solution that reads its case from stdin
+LOAD = {
+    "print": lambda i: RunRequest(f"print({i})", "python"),
+    "stdin": lambda i: RunRequest("n = int(input())\nprint(sum(k * k for k in range(n)) % 1000)", "python", stdin=f"{i}\n"),
+}
+EXPECTED = {"print": lambda i: f"{i}\n", "stdin": lambda i: f"{sum(k * k for k in range(i)) % 1000}\n"}
+
 PROGRAMS = [
     "```python\na, b = map(int, input().split())\nprint(a + b)\n```",
     "```python\na, b = map(int, input().split())\nprint(a - b)\n```",
@@ -57,8 +82,8 @@ PROGRAMS = [
 ]
 
 
-def start(workers: int) -> tuple[str, subprocess.Popen]:
-    cmd = [sys.executable, "-m", "trellis_sandbox.cli", "serve", "--port", "0", "--workers", str(workers)]
+def start(workers: int, isolation: str = "auto") -> tuple[str, subprocess.Popen]:
+    cmd = [sys.executable, "-m", "trellis_sandbox.cli", "serve", "--port", "0", "--workers", str(workers), "--isolation", isolation]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     line = proc.stdout.readline()
     if "serving " not in line:
@@ -67,7 +92,12 @@ def start(workers: int) -> tuple[str, subprocess.Popen]:
     return line.split("serving ", 1)[1].split(" ", 1)[0], proc
 
 
-async def load(client: SandboxClient, n: int, concurrency: int) -> tuple[list[float], int, float]:
+async def hostile(client: SandboxClient, rounds: int) -> None:
+    """Every hostile program ``rounds`` times, all at once."""
+    await asyncio.gather(*(client.run(RunRequest(code, "python", run_timeout=t)) for _ in range(rounds) for code, t in HOSTILE))
+
+
+async def load(client: SandboxClient, n: int, concurrency: int, program: str = "print") -> tuple[list[float], int, float]:
     """Latencies (s) of the requests that succeeded, the number lost, the wall time."""
     gate = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
@@ -75,8 +105,8 @@ async def load(client: SandboxClient, n: int, concurrency: int) -> tuple[list[fl
     async def one(i: int) -> bool:
         async with gate:
             t = time.perf_counter()
-            resp = await client.run(RunRequest(f"print({i})", "python"))
-            ok = resp.status == "Success" and resp.run_result.stdout == f"{i}\n"
+            resp = await client.run(LOAD[program](i))
+            ok = resp.status == "Success" and resp.run_result.stdout == EXPECTED[program](i)
             if ok:
                 latencies.append(time.perf_counter() - t)
             return ok
@@ -130,22 +160,30 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--program", choices=tuple(LOAD), default="print", help="the load's program (see LOAD)")
+    p.add_argument("--hostile", type=int, default=0, help="rounds of the hostile programs before the load (0: none)")
+    p.add_argument("--isolation", choices=("auto", "bwrap", "unshare"), default="auto")
     args = p.parse_args()
-    url, proc = start(args.workers)
+    url, proc = start(args.workers, args.isolation)
     try:
         client = SandboxClient(url, max_concurrency=args.concurrency)
-        asyncio.run(load(client, 20, args.concurrency))  # warm-up
+        if args.hostile:
+            t = time.perf_counter()
+            asyncio.run(hostile(client, args.hostile))
+            print(f"{args.hostile} round(s) of {len(HOSTILE)} hostile programs: {time.perf_counter() - t:.1f} s")
+        asyncio.run(load(client, 20, args.concurrency, args.program))  # warm-up
         cpu0 = tree_cpu_s(proc.pid)
-        latencies, lost, wall = asyncio.run(load(client, args.requests, args.concurrency))
+        latencies, lost, wall = asyncio.run(load(client, args.requests, args.concurrency, args.program))
         cpu_ms = (tree_cpu_s(proc.pid) - cpu0) / args.requests * 1e3
         latencies.sort()
         p50, p99 = latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3
         rate = args.requests / wall
-        print(f"\n{args.requests} requests of print(i), concurrency {args.concurrency}, {args.workers} workers")
+        after = f", after {args.hostile} round(s) of hostile programs" if args.hostile else ""
+        print(f"\n{args.requests} requests of the {args.program} program, concurrency {args.concurrency}, {args.workers} workers{after}")
         print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server CPU ms/run':>18}")
         print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>18.1f}")
         client.close()
-        result = f"RESULT requests={args.requests} lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f}"
+        result = f"RESULT program={args.program} hostile={args.hostile} requests={args.requests} lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f}"
         if args.samples:
             result += reward_stage(url, args.samples, args.concurrency)
         print(result)

@@ -56,31 +56,49 @@ class Isolation:
         return [*cmd, "--cap-drop", "ALL", "--", *argv]
 
     def _unshare(self, argv: list[str], workdir: Path, stage: Path) -> list[str]:
-        # Inside a new user namespace the setup shell is root with capabilities over its own mounts:
-        # it builds the new /tmp on `stage`, binds the work dir into it, moves it over /tmp, hides the
-        # home, mounts /proc for the new PID namespace and makes / read-only; then `setpriv` drops every
-        # capability (so the program cannot undo a mount) and runs the program in a clean environment. The
-        # shell stays as PID 1 (as bwrap does), so the program is an ordinary process: signals reach it,
-        # and its exit status (128 + n when killed by signal n) is the shell's.
+        # Inside a new user namespace the setup shell is root with capabilities over its own mounts. One
+        # `mount -a` reads the run's mount table (written into `stage`, read before anything is mounted
+        # over it): a tmpfs on `stage` with the work dir bound into it, that tree bound over /tmp, the home
+        # and the other hidden folders under tmpfs, /proc for the new PID namespace; then / turns
+        # read-only and `setpriv` drops every capability (so the program cannot undo a mount) and runs
+        # the program in the launcher's clean environment (the caller starts this command with
+        # env=SCRUBBED_ENV, as it does bwrap). Each exec costs about 1.5 ms in a VM: one table instead of
+        # a `mount` per folder halves the set-up. The shell stays as PID 1 (as bwrap does), so the program
+        # is an ordinary process: signals reach it, and its exit status (128 + n when killed by signal n)
+        # is the shell's.
         q = shlex.quote
+        table = stage / "fstab"
+        table.write_text(_mount_table(workdir, stage, [d for d in _outside_tmp(("/var/tmp", "/dev/shm", *self.hidden)) if os.path.isdir(d)]))
         ip = shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin")
         steps = [
-            f"mount -n -t tmpfs -o mode=1777 tmpfs {q(str(stage))}",
-            f"mkdir {q(str(stage))}/work",
-            f"mount -n --bind {q(str(workdir))} {q(str(stage))}/work",
-            f"mount -n --move {q(str(stage))} /tmp",
-            *(f"mount -n -t tmpfs tmpfs {q(d)}" for d in _outside_tmp(("/var/tmp", "/dev/shm", *self.hidden)) if os.path.isdir(d)),
-            "mount -n -t proc proc /proc",
+            f"mount -n -a -T {q(str(table))}",
             *([f"{q(ip)} link set lo up"] if ip else []),  # as bwrap does: a loopback of its own
             "mount -n -o remount,bind,ro /",
             f"cd {WORK_MOUNT}",
-            "setpriv --bounding-set=-all --inh-caps=-all --no-new-privs env -i "
-            + " ".join(q(f"{k}={v}") for k, v in SCRUBBED_ENV.items())
-            + " "
-            + " ".join(q(a) for a in argv),
+            "unset OLDPWD PWD",  # the shell's own, not the launcher's
+            "setpriv --bounding-set=-all --inh-caps=-all --no-new-privs " + " ".join(q(a) for a in argv),
         ]
         unshare = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child"]
         return [*unshare, "--propagation", "private", "sh", "-ec", "; ".join(steps)]
+
+
+def _mount_table(workdir: Path, stage: Path, hidden: list[str]) -> str:
+    """The fstab(5) lines of an unshare run's mounts, in order (``mount -a`` keeps it). The tmpfs and
+    proc sources are named ``sandbox`` so that none looks like a mount the host already has (which
+    ``mount -a`` would skip); ``rbind`` carries the work dir's bind along with the tmpfs."""
+    lines = [
+        ("sandbox", stage, "tmpfs", "mode=1777"),
+        (workdir, stage / "work", "none", "bind,X-mount.mkdir"),
+        (stage, "/tmp", "none", "rbind"),
+        *(("sandbox", d, "tmpfs", "defaults") for d in hidden),
+        ("sandbox", "/proc", "proc", "defaults"),
+    ]
+    return "".join(f"{_fstab_field(src)} {_fstab_field(dst)} {kind} {opts} 0 0\n" for src, dst, kind, opts in lines)
+
+
+def _fstab_field(path: object) -> str:
+    """A path as fstab(5) spells it: white space and backslashes as octal escapes."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in str(path))
 
 
 def _outside_tmp(folders: tuple[str, ...]) -> list[str]:
