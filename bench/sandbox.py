@@ -65,7 +65,11 @@ HOSTILE = [
     ("x = bytearray(2 * 2**30)\nprint('allocated')", 10.0),  # memory bomb
     ("while True:\n    pass", 1.0),  # infinite loop
     ("import subprocess\nsubprocess.Popen(['python3', '-c', 'while True: pass'])\nprint('parent done')", 10.0),  # busy child left behind
-    ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.closerange(0, 3)\n        time.sleep(60)\n    os._exit(0)\n", 10.0),  # daemon
+    (  # daemon
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        os.closerange(0, 3)\n        time.sleep(60)\n    os._exit(0)\n",
+        10.0,
+    ),
     ("import sys\nwhile True:\n    sys.stdout.write('x' * 4096)", 20.0),  # output flood
 ]
 # the load's program per --program: a one-line print, or a short solution that reads its case from stdin
@@ -183,7 +187,10 @@ def main() -> None:
         print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server CPU ms/run':>18}")
         print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>18.1f}")
         client.close()
-        result = f"RESULT program={args.program} hostile={args.hostile} requests={args.requests} lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f}"
+        result = (
+            f"RESULT program={args.program} hostile={args.hostile} isolation={args.isolation} requests={args.requests} lost={lost} "
+            f"p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f}"
+        )
         if args.samples:
             result += reward_stage(url, args.samples, args.concurrency)
         print(result)
