@@ -160,6 +160,9 @@ def main() -> None:
         "trainer.controller=ray", "trainer.procs_per_node=1", "trainer.rollout_pool=1", "trainer.threads=1",
     ]  # fmt: skip
     modes = args.modes.split(",")
+    from trellis_ray.controller import WORKER_NICENESS
+
+    os.environ.update(WORKER_NICENESS)  # the ranks and engine at the default niceness, as in a cluster trellis starts
     ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(work / "ray"), log_to_driver=False)
     try:
         runs = {m: run_mode(m, common, work) for m in modes}

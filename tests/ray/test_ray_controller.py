@@ -249,6 +249,28 @@ def test_ray_address_joins_an_existing_cluster_and_leaves_it_running(ray_cluster
     assert ray.util.placement_group_table() == {} or all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
+def test_the_cluster_trellis_starts_runs_its_ranks_at_the_default_niceness(tmp_path):
+    """Ray starts the workers of a cluster that ray.init starts at niceness 15, where any neighbour
+    process takes their cores (the async bench beside a busy process got ~3% of a core per rank):
+    the private cluster the controller starts runs its ranks at 0 and leaves the environment as it was."""
+    import subprocess
+
+    script = tmp_path / "nice.py"
+    script.write_text(
+        "import os\n"
+        "from trellis_ray.controller import RayController\n"
+        "c = RayController(nnodes=1, procs_per_node=1, timeout_s=60, call_timeout_s=60)\n"
+        "pool = c._pool('actor')\n"
+        "print('rank niceness', c.ray.get(pool.ranks[0].__ray_call__.remote(lambda rank: os.nice(0))), 'started', c.started_cluster)\n"
+        "c.shutdown()\n"
+        "print('left in the environment:', 'RAY_worker_niceness' in os.environ)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, str(script)], env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank niceness 0 started True" in out.stdout and "left in the environment: False" in out.stdout
+
+
 def test_ranks_are_packed_one_placement_group_per_node(tmp_path):
     """Two Ray nodes of 2 CPUs on this machine (``ray.cluster_utils.Cluster``, in a subprocess:
     its own cluster) and nnodes=2 x procs_per_node=2: each node's 2 ranks in one STRICT_PACK

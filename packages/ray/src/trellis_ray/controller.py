@@ -25,6 +25,13 @@ from trellis_ray.ranks import RankFailure, RayPool, RayRollout, RayWorkerGroup
 log = logging.getLogger("trellis")
 
 
+# Ray starts the worker processes of a cluster that ray.init starts at niceness 15 (its daemons stay
+# responsive), so any neighbour at the default niceness takes their cores: a neighbour's two busy
+# threads left the ranks and engines of a 2-core machine about 3% of a core. Here they do the run's
+# work: niceness 0, as `ray job submit` gives its jobs' workers. Read by the raylet when it starts.
+WORKER_NICENESS = {"RAY_worker_niceness": "0"}
+
+
 def _set_env(values: dict[str, str | None]) -> None:
     for key, value in values.items():
         if value is None:
@@ -150,8 +157,8 @@ class RayController(Controller):
         os.write(fd, secrets.token_hex(32).encode())
         os.close(fd)
         auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self._token), "RAY_AUTH_TOKEN": None}
-        self._restore_env = {k: os.environ.get(k) for k in auth}
-        _set_env(auth)
+        self._restore_env = {k: os.environ.get(k) for k in (*auth, *WORKER_NICENESS)}
+        _set_env({**auth, **WORKER_NICENESS})
         _reload_auth_settings()
         self.started_cluster = True
         try:
