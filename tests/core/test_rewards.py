@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import os
 import sys
 import textwrap
 import threading
@@ -24,6 +25,7 @@ from trellis.rewards import (
     RewardManager,
     extract_gsm8k_answer,
     gsm8k_score,
+    load_function,
     math_score,
     unknown_sources,
 )
@@ -252,6 +254,22 @@ def test_user_function_by_path(tok, tmp_path):
         RewardManager(RewardConfig(name="exact", path=str(tmp_path / "missing.py")), Registry(), tok)
     with pytest.raises(RewardError, match=r"reward.name 'compute_score' is not defined there in '.*my_reward.py'; functions found: exact, helper"):
         RewardManager(RewardConfig(name="compute_score", path=str(path)), Registry(), tok)
+
+
+def test_a_reward_file_runs_once_per_process_and_again_when_it_changes(tok, tmp_path):
+    """The config check, the reward manager and a judge engine each load reward.path: its top level
+    (here, a line appended to a file) runs once, and again only after the file changed."""
+    runs = tmp_path / "runs.txt"
+    path = tmp_path / "counted.py"
+    body = "open({runs!r}, 'a').write('x')\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n    return {value}\n"
+    path.write_text(body.format(runs=str(runs), value=1.0))
+    first = load_function(path, "score")
+    token_scores, _ = RewardManager(RewardConfig(name="score", path=str(path)), Registry(), tok)(responses(tok, ["#### 46"]))
+    assert load_function(str(tmp_path / "." / "counted.py"), "score") is first and runs.read_text() == "x"
+    assert token_scores.sum().item() == 1.0
+    path.write_text(body.format(runs=str(runs), value=2.0))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a changed file, even within the clock's resolution
+    assert load_function(path, "score")("s", "", "") == 2.0 and runs.read_text() == "xx"
 
 
 def test_unknown_registered_reward_lists_the_installed(tok, registry):

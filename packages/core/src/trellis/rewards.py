@@ -21,8 +21,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
@@ -307,23 +308,34 @@ def load_function(path: str | Path, name: str, keys: tuple[str, str] = ("reward.
     path_key, name_key = keys
     if not path.is_file():
         raise RewardError(f"{path_key} {str(path)!r} does not exist; give the path of a .py file that defines {name!r}")
-    module_name = f"trellis_user_{path_key.split('.')[0]}_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RewardError(f"{path_key} {str(path)!r} cannot be imported as Python; give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise RewardError(f"{path_key} {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    resolved = path.resolve()
+    module = _user_module(str(resolved), resolved.stat().st_mtime_ns, path_key)
+    module_name = module.__name__
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module_name)
         what = "is not callable" if fn is not None else "is not defined there"
         raise RewardError(f"{name_key} {name!r} {what} in {str(path)!r}; functions found: {', '.join(found) or 'none'}; set {name_key}")
     return fn
+
+
+@cache
+def _user_module(resolved: str, mtime_ns: int, path_key: str) -> ModuleType:
+    """The module of a user's Python file, run once per process and version of the file: the config
+    check, the reward manager and a judge engine all read it, and its top level (a model loaded, a
+    line printed) must not run once for each."""
+    module_name = f"trellis_user_{path_key.split('.')[0]}_{abs(hash(resolved))}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"{path_key} {resolved!r} cannot be imported as Python; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise RewardError(f"{path_key} {resolved!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    return module
 
 
 def check_reward(node: Any, registry: Any, recipe: str = "", services: Sequence[type[RewardService]] = ()) -> None:
