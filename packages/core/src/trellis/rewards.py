@@ -309,7 +309,12 @@ def load_function(path: str | Path, name: str, keys: tuple[str, str] = ("reward.
     if not path.is_file():
         raise RewardError(f"{path_key} {str(path)!r} does not exist; give the path of a .py file that defines {name!r}")
     resolved = path.resolve()
-    module = _user_module(str(resolved), resolved.stat().st_mtime_ns, path_key)
+    try:
+        module = _user_module(str(resolved), resolved.stat().st_mtime_ns, path_key)
+    except _NotPython:
+        raise RewardError(f"{path_key} {str(path)!r} cannot be imported as Python; give a .py file") from None
+    except Exception as exc:
+        raise RewardError(f"{path_key} {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
     module_name = module.__name__
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
@@ -319,22 +324,27 @@ def load_function(path: str | Path, name: str, keys: tuple[str, str] = ("reward.
     return fn
 
 
+class _NotPython(Exception):
+    """The file is no Python module importlib can load."""
+
+
 @cache
 def _user_module(resolved: str, mtime_ns: int, path_key: str) -> ModuleType:
     """The module of a user's Python file, run once per process and version of the file: the config
     check, the reward manager and a judge engine all read it, and its top level (a model loaded, a
-    line printed) must not run once for each."""
+    line printed) must not run once for each. Raises what the file's top level raises (not cached:
+    a failed import runs again at the next call)."""
     module_name = f"trellis_user_{path_key.split('.')[0]}_{abs(hash(resolved))}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
-        raise RewardError(f"{path_key} {resolved!r} cannot be imported as Python; give a .py file")
+        raise _NotPython(resolved)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except BaseException:
         del sys.modules[module_name]
-        raise RewardError(f"{path_key} {resolved!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise
     return module
 
 

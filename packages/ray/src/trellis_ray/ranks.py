@@ -69,12 +69,13 @@ class RankProcess:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ["LOCAL_RANK"] = str(local_rank)  # not the driver's (a torchrun-launched driver has one)
         torch.set_num_threads(threads)
-        if os.nice(0) > 0:  # a cluster started by ray.init without trellis's setting (trellis_ray.controller.WORKER_NICENESS)
+        niceness = os.nice(0)  # above 0: a cluster started by ray.init without trellis_ray.controller.WORKER_NICENESS
+        if niceness > 0:
             log.warning(
                 "rank %d runs at niceness %d: any process at the default niceness on this node takes its cores first; "
                 "start the Ray cluster with RAY_worker_niceness=0 in its environment",
                 rank,
-                os.nice(0),
+                niceness,
             )
         self.rank = rank
         self.workers: dict[str, Worker] = {}

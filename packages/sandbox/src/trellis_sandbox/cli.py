@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if isolation.kind == "unshare" and args.isolation == "auto":
             print(
-                "trellis-sandbox: note: bubblewrap is not installed, so runs are isolated by unshare, which execs a dozen "
-                "set-up commands per run (about 1.7x bubblewrap's CPU per run: fewer runs/s, longer waits under load); "
+                "trellis-sandbox: note: bubblewrap is not installed, so runs are isolated by unshare, whose set-up execs "
+                "four commands per run (about 1.4x bubblewrap's CPU per run: fewer runs/s, longer waits under load); "
                 "install it for throughput (Debian/Ubuntu: `apt-get install bubblewrap`)",
                 file=sys.stderr,
             )

@@ -35,7 +35,8 @@ class Isolation:
 
     def wrap(self, argv: list[str], workdir: Path, stage: Path) -> list[str]:
         """The command that runs ``argv`` inside the sandbox with ``workdir`` at ``WORK_MOUNT``.
-        ``stage``: an empty folder next to ``workdir`` (the unshare form builds the new /tmp there)."""
+        ``stage``: an empty folder next to ``workdir`` (the unshare form writes its mount table there and
+        builds the new /tmp on it)."""
         if self.kind == "bwrap":
             return self._bwrap(argv, workdir)
         if self.kind == "unshare":
