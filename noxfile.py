@@ -52,6 +52,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
     "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
+    # conversations through the tool_agent loop on scripted engines (interactions and tools of the example plugin); no model trains
+    "multiturn": (["packages/core", "packages/multiturn", "tests/plugins/example"], [], "tests/multiturn"),
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
     # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; judges: the docs' judge
@@ -59,6 +61,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "integration": (
         [
             "packages/core",
+            "packages/multiturn",
             "packages/agents",
             "packages/judges",
             "packages/ray",
@@ -78,6 +81,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "ray": (
         [
             "packages/core",
+            "packages/multiturn",
             "packages/agents",
             "packages/ray",
             "packages/algos",
@@ -89,13 +93,25 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
         "tests/ray",
     ),
     # the openai_agent loop and its policy endpoint, on the real openai client (hf engine, FSDP actor for the recipe runs)
-    "agents": (["packages/core", "packages/agents", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/agents"),
+    "agents": (
+        ["packages/core", "packages/multiturn", "packages/agents", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"],
+        [],
+        "tests/agents",
+    ),
     # the judge reward against a local HTTP server, and a judge model served by the hf engine for rl runs
     "judges": (["packages/core", "packages/judges", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/judges"),
     # image prompts through the hf engine and the FSDP backend (its worker tests' helpers, which import the plain backend),
     # and rl runs on a tiny Qwen2-VL
     "vision": (
-        ["packages/core", "packages/vision", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "tests/plugins/plain"],
+        [
+            "packages/core",
+            "packages/multiturn",
+            "packages/vision",
+            "packages/algos",
+            "packages/backend-fsdp[lora]",
+            "packages/rollout-hf",
+            "tests/plugins/plain",
+        ],
         [],
         "tests/vision",
     ),
@@ -104,6 +120,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "interactions": (
         [
             "packages/core",
+            "packages/multiturn",
             "packages/algos",
             "packages/backend-fsdp",
             "packages/rollout-hf",
@@ -120,6 +137,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "vllm": (
         [
             "packages/core",
+            "packages/multiturn",
             "packages/ray",
             "packages/judges",
             "packages/algos",
@@ -135,6 +153,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "sglang": (
         [
             "packages/core",
+            "packages/multiturn",
             "packages/ray",
             "packages/judges",
             "packages/algos",
@@ -152,6 +171,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "verl_compat": (
         [
             "packages/core",
+            "packages/multiturn",
             "packages/ray",
             "packages/algos",
             "packages/backend-fsdp[lora]",
@@ -478,6 +498,7 @@ PACKAGE_TESTS = {
     "sandbox": "sandbox",
     "verl-compat": "verl_compat",
     "ray": "ray",
+    "multiturn": "multiturn",
     "agents": "agents",
     "judges": "judges",
     "vision": "vision",
@@ -561,7 +582,7 @@ def demo(session: nox.Session) -> None:
 def demo_multiturn(session: nox.Session) -> None:
     """The demo with feedback: RL on conversations where a wrong answer is told so and tries again."""
     _pip(session, "project", TORCH)
-    _pip(session, "project", *[f"./{p}" for p in DEMO_PACKAGES], "./packages/interactions")
+    _pip(session, "project", *[f"./{p}" for p in DEMO_PACKAGES], "./packages/multiturn", "./packages/interactions")
     session.run("trellis", "demo", "--multiturn", "--out", "runs/demo-multiturn", *session.posargs)
 
 

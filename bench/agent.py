@@ -4,7 +4,7 @@ HTTP on loopback) against core's in-process ``tool_agent`` loop doing the same w
 Every episode is one tool call and an answer: the model (the tiny model of
 ``trellis.examples.tiny``, first taught in a few seconds of SFT to answer every arithmetic
 question of the demo's task with the same ``add`` call, then ``#### 46`` after the tool's result:
-``trellis.examples.tool_call``)
+``tool_calling``)
 calls the tool, the result goes back, and the model answers (each turn ``--tokens`` new tokens at most). Both loops decode
 greedily from the same prompts, so they sample the same tokens: the script checks that every
 trajectory is the same token for token, then times each (median of ``--repeats``). The ratio
@@ -52,11 +52,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from tool_calling import ADD, make_tool_calling_model
     from transformers import AutoTokenizer
 
     from trellis.data import PromptDataset
     from trellis.examples.tasks import make_arithmetic_split
-    from trellis.examples.tool_call import ADD, make_tool_calling_model
     from trellis.interfaces.rollout import RolloutSpec
     from trellis_hf.engine import make_engine
 
@@ -97,15 +97,15 @@ def main() -> None:
 def rollout_fn(name: str, tokenizer, args):
     """``fn(engine, prompts) -> Batch``: one rollout of every prompt's ``n`` episodes through ``name``'s loop."""
     from omegaconf import OmegaConf
+    from tool_calling import ADD
+    from trellis_multiturn.environment import agent_spec
+    from trellis_multiturn.rollout import agent_rollout
 
     from trellis.config import validate
-    from trellis.examples.tool_call import ADD
     from trellis.interfaces.agents import Tool, ToolResult
     from trellis.interfaces.rollout import SamplingParams
-    from trellis.multiturn.config import MultiTurnConfig
-    from trellis.multiturn.environment import agent_spec
-    from trellis.multiturn.rollout import agent_rollout
     from trellis.plugins import load_plugins
+    from trellis.recipes.rl.multi_turn import MultiTurnConfig
 
     class Add(Tool):
         schema = ADD

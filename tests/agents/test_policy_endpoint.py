@@ -13,20 +13,20 @@ import openai
 import pytest
 from omegaconf import OmegaConf
 from scripted import REASONING_TEMPLATE, ScriptedEngine
+from tool_calling import ADD
+from trellis_multiturn.environment import agent_spec
+from trellis_multiturn.rollout import AgentRollout
+from trellis_multiturn.sampled import check_sampled
+from trellis_multiturn.tool_calls import HermesParser
 
 import trellis_agents.endpoint as endpoint_module
+from trellis.chat import ChatDeltas
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
-from trellis.examples.tool_call import ADD
 from trellis.interfaces.rollout import SamplingParams
-from trellis.multiturn.chat import ChatDeltas
-from trellis.multiturn.config import MultiTurnConfig
-from trellis.multiturn.environment import agent_spec
-from trellis.multiturn.rollout import AgentRollout
-from trellis.multiturn.sampled import check_sampled
-from trellis.multiturn.tool_calls import HermesParser
 from trellis.plugins import load_plugins
+from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
 

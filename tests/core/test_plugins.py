@@ -16,8 +16,9 @@ def test_example_plugin_is_discovered_with_every_kind():
     example = next(i for i in plugins.infos if i.name == "example")
     assert example.distribution == "trellis-example-plugin" and example.version == "0.1.0"
     assert example.error is None
-    # every kind but class_adapter, which core reads by the name of its config field (verl_class: "verl")
-    assert {kind for kind, _ in example.registered} == set(KINDS) - {"class_adapter"}
+    # every kind but those core reads by one fixed name: class_adapter by its config field's (verl_class: "verl"),
+    # rollout_function by its section's (multi_turn: trellis-multiturn's)
+    assert {kind for kind, _ in example.registered} == set(KINDS) - {"class_adapter", "rollout_function"}
     core = plugins.infos[0]
     assert (core.name, core.distribution) == ("core", "trellis-core")
     assert ("tracker", "jsonl") in core.registered

@@ -9,10 +9,10 @@ import json
 import agent_loops
 import pytest
 from multiturn_runs import multi_turn_run
+from trellis_multiturn.sampled import NotSampled
 
 from trellis.config import ConfigError
 from trellis.examples.tasks import make_arithmetic_split, write_rows
-from trellis.multiturn.sampled import NotSampled
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import openai
+from trellis_multiturn import AgentSpec, Environment, current_record, finite_reward, load_reference
 
 from trellis import AgentLoop, ConfigError, MultiTurnConfig, RolloutEngine, SamplingParams, Trajectory
-from trellis.kit.agents import AgentSpec, Environment, current_record, finite_reward, load_reference
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 
 log = logging.getLogger("trellis")

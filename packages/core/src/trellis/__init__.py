@@ -88,9 +88,9 @@ _API = {
     "InteractionTurn": "trellis.interfaces.agents",
     "Tool": "trellis.interfaces.agents",
     "ToolResult": "trellis.interfaces.agents",
-    "ToolCall": "trellis.multiturn.tool_calls",
-    "ToolCallParser": "trellis.multiturn.tool_calls",
-    "MultiTurnConfig": "trellis.multiturn.config",
+    "ToolCall": "trellis.interfaces.agents",
+    "ToolCallParser": "trellis.interfaces.agents",
+    "MultiTurnConfig": "trellis.recipes.rl.multi_turn",
     "AgentLoop": "trellis.interfaces.agents",
     "Trajectory": "trellis.interfaces.agents",
     # runtime: the harness recipes compose, controllers, trackers

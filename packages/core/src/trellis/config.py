@@ -336,10 +336,16 @@ def validate(raw: DictConfig, schema: type, registry: Registry, path: str = "", 
         allowed, choices = field_range(f), field_choices(f)
         if allowed is not None:
             check_range(sub_path, node[name], allowed)
-        if choices is not None:
+        if choices is not None and not (choices.kind is not None and name not in raw and _switched_off(node, schema)):
             choices.check(sub_path, node[name], registry)
     _refuse_switched_off(raw, node, schema if default is None else default, path)
     return node
+
+
+def _switched_off(node: DictConfig, schema: type) -> bool:
+    """Whether ``node``'s section is switched off: the components its options name by default are
+    then not looked up (the package providing them may be absent; a name given is still checked)."""
+    return any(SWITCH in f.metadata and node[f.name] == f.metadata[SWITCH][0] for f in dataclasses.fields(schema))
 
 
 def _refuse_switched_off(raw: DictConfig, node: DictConfig, default: Any, path: str) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
-from trellis.multiturn.loop import ToolAgentLoop
-from trellis.multiturn.tool_calls import HermesParser
 from trellis.recipes.rl import RLRecipe
 from trellis.recipes.rl.dynamic_sampling import group_has_signal
 from trellis.recipes.rm import RMRecipe
@@ -24,8 +22,6 @@ def trellis_register(registry):
     registry.add("reward", "gsm8k", gsm8k_score)
     registry.add("reward", "math", math_score)
     registry.add("reward", "auto", auto_score)
-    registry.add("tool_parser", "hermes", HermesParser)
-    registry.add("agent_loop", "tool_agent", ToolAgentLoop)
     registry.add("group_filter", "zero_variance", group_has_signal)
     registry.add("controller", "local", LocalController)
     registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)

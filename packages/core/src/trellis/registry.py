@@ -33,6 +33,7 @@ KINDS = (
     "reward_service",
     "prompt_encoder",
     "class_adapter",
+    "rollout_function",
 )
 
 # Names that Trellis's own packages provide, so that a missing one can be met with the install
@@ -57,6 +58,9 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("agent_loop", "verl"): "trellis-verl-compat",
     ("class_adapter", "verl"): "trellis-verl-compat",
     ("agent_loop", "openai_agent"): "trellis-agents",
+    ("agent_loop", "tool_agent"): "trellis-multiturn",
+    ("tool_parser", "hermes"): "trellis-multiturn",
+    ("rollout_function", "multi_turn"): "trellis-multiturn",
     ("controller", "ray"): "trellis-ray",
     ("reward", "judge"): "trellis-judges",
     ("reward_service", "judge_engine"): "trellis-judges",
@@ -120,6 +124,7 @@ INTERFACES: dict[str, Interface] = {
     "advantage": Interface(optional={"needs": ()}, members={"needs": ADVANTAGE_NEEDS}),
     "tool": Interface(optional={"schema": None}),
     "tracker": Interface(optional={"requires": None}),
+    "rollout_function": Interface(("check", "load")),  # trellis.recipes.rl.multi_turn.MultiTurnRunner
 }
 
 

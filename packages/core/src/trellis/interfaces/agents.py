@@ -18,6 +18,27 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class ToolCall:
+    """One call the model asked for; ``error`` says why it cannot run (then ``name`` may be "")."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class ToolCallParser:
+    """``parse(text) -> list[ToolCall]``; an empty list means the turn called no tool."""
+
+    def parse(self, text: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The text outside the calls and the calls that can run (the policy endpoint answers them
+        as ``content`` and ``tool_calls``); by default the whole text and every call without an error."""
+        return text, [c for c in self.parse(text) if c.error is None]
+
+
+@dataclass
 class InteractionTurn:
     """The environment's answer to a model turn."""
 
@@ -124,11 +145,11 @@ class AgentLoop:
     engine (``cls(engine, spec, env, options)`` for an entry of ``multi_turn.agent_loops``: a loop
     registered with an options dataclass gets its checked options there): ``engine`` to await
     ``agenerate`` on; ``spec`` the resolved ``multi_turn`` section
-    (``trellis.multiturn.environment.AgentSpec``: ``settings``, ``tokenizer``,
+    (trellis-multiturn's ``AgentSpec``: ``settings``, ``tokenizer``,
     ``template_kwargs``); ``env`` its interactions, tools and tool-call parser built in this process
     (``Environment``), shared by every loop of the call. Many ``sample`` calls run at once on one
-    loop object. Core's ``tool_agent`` (``trellis.multiturn.loop.ToolAgentLoop``) is the default;
-    ``trellis.multiturn.chat.ChatDeltas`` renders environment turns token-exactly.
+    loop object. trellis-multiturn's ``tool_agent`` is the default;
+    ``trellis.chat.ChatDeltas`` renders environment turns token-exactly.
 
     ``runs_tools``: the loop runs the model's tool calls itself from ``env.tools``, so it cannot
     serve a ``multi_turn.tools`` entry that gives only a schema (a tool the agent runs; refused

@@ -131,7 +131,7 @@ class Generation:
 
 class RolloutFn(Protocol):
     """A rollout of a kind of its own, run by ``RolloutGroup.rollout`` next to each engine on its
-    share of the prompts (the multi-turn recipe's is ``trellis.multiturn.rollout.AgentRollout``).
+    share of the prompts (trellis-multiturn's ``AgentRollout``, the conversations of the rl recipe's ``multi_turn`` runs).
     It must pickle: the Ray controller sends it to every rank.
 
     inputs: the prompt fields it reads (e.g. ``MODEL_INPUTS`` plus ``raw_prompt``); the other

@@ -14,12 +14,10 @@ from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_pro
 from trellis.interfaces.moe import expert_counts
 from trellis.interfaces.signatures import OBJECTIVE
 from trellis.memory import check_activation_memory, text_config
-from trellis.multiturn.checks import check_multi_turn
-from trellis.multiturn.environment import agent_spec
-from trellis.multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 from trellis.recipes.options import check_inputs, prompt_images
 from trellis.recipes.reward_model import check_reward_model
 from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
+from trellis.recipes.rl.multi_turn import ConversationRollout, MultiTurnRunner
 from trellis.recipes.teacher import TEACHER_NEED, check_teacher
 from trellis.registry import RegistryError
 from trellis.rewards import AUTO_SOURCES, RewardConfig, RewardService, check_reward, unknown_sources
@@ -53,7 +51,8 @@ def check(cfg: DictConfig, registry) -> None:
     if cfg.algorithm.use_kl_in_reward:
         _lookup(registry, "objective", "kl_in_reward", "algorithm.use_kl_in_reward")
     check_auto_reward(cfg)
-    check_multi_turn(cfg, registry)
+    if cfg.multi_turn.enable:
+        multi_turn_runner(registry).check(cfg, registry)
     check_streaming(cfg)
     declared = needs(registry, cfg.algorithm.advantage.name)
     check_length_shaping(cfg)
@@ -228,22 +227,18 @@ def _lookup(registry, kind: str, name: str, key: str):
         raise ConfigError(f"config key {key!r}: {exc}") from None
 
 
-def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[AgentRollout | None, PromptLoader, PromptDataset | None]:
+def multi_turn_runner(registry) -> MultiTurnRunner:
+    """What runs the ``multi_turn`` section (trellis-multiturn), or an error naming the package."""
+    return _lookup(registry, "rollout_function", "multi_turn", "multi_turn.enable").obj
+
+
+def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[ConversationRollout | None, PromptLoader, PromptDataset | None]:
     """The rollout function of conversations (multi-turn runs: the agent loops the rows pick), the
     training prompt loader and the held-out prompts."""
     encoder = prompt_images(cfg.model.path, cfg.data, registry, tokenizer)
     if not cfg.multi_turn.enable:
         return (None, *load_prompt_data(cfg.data, tokenizer, cfg.seed, encoder=encoder))
-    spec = agent_spec(cfg.multi_turn, registry, tokenizer)
-    spec.images = encoder  # renders the images tools return; the loops used must take images
-    spec.max_prompt_length = cfg.data.max_prompt_length
-    train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed, spec.template_kwargs, encoder)
-    names = {
-        f"data.{key} {cfg.data[key]!r}": [(item["index"], item[AGENT_COLUMN]) for item in dataset.items]
-        for key, dataset in (("train_path", train.dataset), ("val_path", val))
-        if dataset is not None
-    }
-    return agent_rollout(spec, registry, names), train, val
+    return multi_turn_runner(registry).load(cfg, registry, tokenizer, encoder)
 
 
 def check_data(cfg: DictConfig, registry) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trellis.config import choice, component, ranged
-from trellis.multiturn.config import MultiTurnConfig
 from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig
 from trellis.recipes.rl.ahead import MODES, SCHEDULES
 from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig
+from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis.recipes.teacher import TeacherConfig
 from trellis.rewards import RewardConfig
 from trellis.runtime.sync_probe import SyncCheckConfig

@@ -18,14 +18,13 @@ from trellis.batch import Batch
 from trellis.config import instantiate_options
 from trellis.data import PromptLoader
 from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
-from trellis.multiturn.rollout import AgentRollout
-from trellis.multiturn.scoring import ConversationScorer
 from trellis.recipes.options import without_adapter
 from trellis.recipes.reward_model import ROLE as REWARD_MODEL
 from trellis.recipes.reward_model import ModelReward, reward_inputs
 from trellis.recipes.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
 from trellis.recipes.rl.checks import reward_services
 from trellis.recipes.rl.dynamic_sampling import fill
+from trellis.recipes.rl.multi_turn import ConversationRollout
 from trellis.recipes.rl.partial import generate_in_chunks
 from trellis.recipes.rl.streaming import generate_scored
 from trellis.rewards import RewardConfig, RewardManager, RewardResult, Scorer, add_overlong_penalty, reward_figures, reward_name
@@ -100,7 +99,7 @@ class SampleSource:
     (reward components, a greedy baseline). With ``bound`` (``trainer.async_mode``) a producer
     thread makes them up to ``bound`` steps ahead; :attr:`position` is what checkpoints keep."""
 
-    def __init__(self, cfg: DictConfig, run: Run, rollout: RolloutGroup, loader: PromptLoader, agent: AgentRollout | None,
+    def __init__(self, cfg: DictConfig, run: Run, rollout: RolloutGroup, loader: PromptLoader, agent: ConversationRollout | None,
                  reward_fn: Scorer, tokenizer, estimator_needs: tuple[str, ...], bound: int | None) -> None:  # fmt: skip
         self.cfg, self.run, self.rollout, self.loader, self.agent = cfg, run, rollout, loader, agent
         self.reward_fn, self.tokenizer, self.needs, self.bound = reward_fn, tokenizer, estimator_needs, bound
@@ -271,15 +270,15 @@ def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> Scorer:
     return scorer
 
 
-def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: AgentRollout | None) -> Batch:
+def sample(rollout: RolloutGroup, prompts: Batch, params: SamplingParams, agent: ConversationRollout | None) -> Batch:
     """Single-turn generation, or conversations through the agent loops when ``agent`` is given."""
     return rollout.generate(prompts, params) if agent is None else rollout.rollout(prompts, params, agent)
 
 
-def scorer_of(reward_fn: Scorer, agent: AgentRollout | None, max_error_rate: float) -> Scorer:
+def scorer_of(reward_fn: Scorer, agent: ConversationRollout | None, max_error_rate: float) -> Scorer:
     """The run's reward, or with agent loops the reward of whole conversations (which stops the run
     when more than ``max_error_rate`` of a batch's conversations ended in an error)."""
-    return reward_fn if agent is None else ConversationScorer(agent.spec.settings, reward_fn, max_error_rate)
+    return reward_fn if agent is None else agent.scorer(reward_fn, max_error_rate)
 
 
 def _groups(batch: Batch) -> int:

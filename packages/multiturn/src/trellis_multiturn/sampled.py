@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-from trellis.interfaces.agents import Trajectory
-from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams, with_images
+from trellis import Generation, RolloutEngine, SamplingParams, Trajectory
+from trellis.kit.multiturn import with_images
 
 _TURNS: contextvars.ContextVar[list[Generation]] = contextvars.ContextVar("trellis_sampled_turns")
 

@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from trellis.interfaces.agents import ToolCall
 from trellis.interfaces.rollout import Generation
-from trellis.multiturn.tool_calls import ToolCall
 
 MODEL = "trellis-policy"
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "user", "tools", "tool_choice", "stream")

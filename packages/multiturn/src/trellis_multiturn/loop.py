@@ -10,12 +10,10 @@ import traceback
 import uuid
 from typing import Any
 
-from trellis.interfaces.agents import AgentLoop, Trajectory
-from trellis.interfaces.backend import join_images
-from trellis.interfaces.rollout import RolloutEngine, SamplingParams, with_images
-from trellis.multiturn.chat import ChatDeltas
-from trellis.multiturn.environment import AgentSpec, Environment, interaction_name
-from trellis.multiturn.tool_calls import ToolCall
+from trellis import AgentLoop, RolloutEngine, SamplingParams, Trajectory
+from trellis.kit.multiturn import ChatDeltas, join_images, with_images
+from trellis_multiturn.environment import AgentSpec, Environment, interaction_name
+from trellis_multiturn.tool_calls import ToolCall
 
 log = logging.getLogger("trellis")
 

@@ -13,13 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trellis.config import ConfigError, instantiate_options, validate
-from trellis.data import PromptEncoder, renders_tools
-from trellis.interfaces.agents import ClassAdapter, Interaction, Tool
-from trellis.multiturn.config import AgentLoopConfig, InteractionConfig, MultiTurnConfig, ToolConfig
-from trellis.multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
-from trellis.multiturn.tool_calls import ToolCallParser
-from trellis.registry import Registry, RegistryError
+from trellis import ConfigError, Interaction, MultiTurnConfig, PromptEncoder, Registry, RegistryError, Tool, instantiate_options, validate
+from trellis.kit.multiturn import AgentLoopConfig, ClassAdapter, InteractionConfig, ToolConfig, renders_tools
+from trellis_multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
+from trellis_multiturn.tool_calls import ToolCallParser
 
 
 @dataclass

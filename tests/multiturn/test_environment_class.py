@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import pytest
+from trellis_multiturn.checks import check_reset_fields
+from trellis_multiturn.environment_class import describe_environment, json_schema, parse_docstring
 
 from trellis.config import ConfigError
-from trellis.multiturn.checks import check_reset_fields
-from trellis.multiturn.environment_class import describe_environment, json_schema, parse_docstring
 
 ENVIRONMENTS = Path(__file__).parents[1] / "environments.py"
 HERE = Path(__file__)
@@ -191,7 +191,7 @@ def test_args_naming_no_parameter_is_refused_with_the_closest():
                 cuont: again.
             """
 
-    from trellis.multiturn.environment_class import tool_schema
+    from trellis_multiturn.environment_class import tool_schema
 
     with pytest.raises(ConfigError, match=r"Typo.act's docstring describes 'cuont' in Args:, which is not a parameter \(did you mean 'count'\?\)"):
         tool_schema("Typo", Typo.act)

@@ -1,33 +1,11 @@
-"""Tool-call parsers (kind ``tool_parser``): find the function calls in a model turn's text."""
+"""The Hermes tool-call parser (kind ``tool_parser``, name ``hermes``): the function calls in a model turn's text."""
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any
 
-
-@dataclass
-class ToolCall:
-    """One call the model asked for; ``error`` says why it cannot run (then ``name`` may be "")."""
-
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-
-class ToolCallParser:
-    """``parse(text) -> list[ToolCall]``; an empty list means the turn called no tool."""
-
-    def parse(self, text: str) -> list[ToolCall]:
-        raise NotImplementedError
-
-    def split(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The text outside the calls and the calls that can run (the policy endpoint answers them
-        as ``content`` and ``tool_calls``); by default the whole text and every call without an error."""
-        return text, [c for c in self.parse(text) if c.error is None]
-
+from trellis import ToolCall, ToolCallParser
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

@@ -1,13 +1,18 @@
-"""The ``multi_turn`` config section: turn and token limits, interactions, tools, scoring."""
+"""The ``multi_turn`` config section (turn and token limits, interactions, tools, scoring) and what
+the ``rl`` recipe asks of the package that runs it (trellis-multiturn)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
-from trellis.config import choice, ranged
+from trellis.config import choice, ranged, switch
+from trellis.data import PromptDataset, PromptEncoder, PromptLoader
+from trellis.interfaces.rollout import RolloutFn
+from trellis.registry import Registry
+from trellis.rewards import Scorer
 
 SCORES = ("last", "sum", "reward")
 
@@ -96,7 +101,7 @@ class MultiTurnConfig:
     environment_timeout_s: the longest its ``reset``, one method call or ``reward()`` may take.
     """
 
-    enable: bool = False
+    enable: bool = switch(field(default=False), off=False, turn_on="to true to sample conversations")
     agent_loop: str = choice("tool_agent", kind="agent_loop")
     agent_loops: list[AgentLoopConfig] = field(default_factory=list)
     max_assistant_turns: int = ranged(2, ge=1)
@@ -112,3 +117,26 @@ class MultiTurnConfig:
     agent_timeout_s: float = ranged(600.0, gt=0)
     environment: str = ""
     environment_timeout_s: float = ranged(30.0, gt=0)
+
+
+class ConversationRollout(RolloutFn, Protocol):
+    """The rollout function of a run's conversations, and how they are scored."""
+
+    def scorer(self, reward_fn: Scorer, max_error_rate: float) -> Scorer:
+        """The reward of whole conversations from ``reward_fn`` and the scores the environment gave
+        (``multi_turn.score``); more than ``max_error_rate`` of a batch failing stops the run."""
+
+
+class MultiTurnRunner(Protocol):
+    """What runs the ``multi_turn`` section: kind ``rollout_function``, name ``multi_turn``
+    (trellis-multiturn registers it). The recipe looks it up only with ``multi_turn.enable=true``."""
+
+    def check(self, cfg: DictConfig, registry: Registry) -> None:
+        """Errors in the section, its components and the rows of the data (``cfg``: the whole rl
+        config), each naming the key and the fix, before any model is built."""
+
+    def load(
+        self, cfg: DictConfig, registry: Registry, tokenizer: Any, encoder: PromptEncoder | None
+    ) -> tuple[ConversationRollout, PromptLoader, PromptDataset | None]:
+        """The run's conversations (the agent loops the rows pick), its training prompt loader and
+        held-out prompts, read with the chat template's keyword arguments the section sets."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from trellis.batch import Batch, last_valid_index
-from trellis.multiturn.config import MultiTurnConfig
-from trellis.rewards import RewardError, RewardResult, Scorer, reward_figures
+from trellis import Batch, MultiTurnConfig, RewardError, RewardResult, Scorer, last_valid_index
+from trellis.kit.multiturn import reward_figures
 
 
 class ConversationScorer:

@@ -10,13 +10,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trellis.config import ConfigError
-from trellis.data import load_prompt_rows
-from trellis.interfaces.agents import AgentLoop
-from trellis.multiturn.config import InteractionConfig
-from trellis.multiturn.environment import agent_spec, check_interaction_names, class_adapter, interaction_name
-from trellis.multiturn.rollout import AGENT_COLUMN, agent_rollout
-from trellis.registry import Registry
+from trellis import AgentLoop, ConfigError, Registry
+from trellis.kit.multiturn import InteractionConfig, load_prompt_rows
+from trellis_multiturn.environment import agent_spec, check_interaction_names, class_adapter, interaction_name
+from trellis_multiturn.rollout import AGENT_COLUMN, agent_rollout
 
 log = logging.getLogger("trellis")
 
@@ -27,15 +24,6 @@ def check_multi_turn(cfg: DictConfig, registry: Registry) -> None:
     rows that lack what their interaction needs to start, and a token budget with no room for
     feedback: errors naming the key, except the budget (a warning)."""
     mt = cfg.multi_turn
-    if not mt.enable:
-        given = [f"multi_turn.{k} ({len(mt[k])} given)" for k in ("interactions", "tools", "agent_loops") if len(mt[k])]
-        given += [f"multi_turn.{k} ({mt[k]!r})" for k in ("agent", "environment") if mt[k]]
-        if given:
-            raise ConfigError(
-                f"config key {' and '.join(given)} is set but multi_turn.enable is false, so it would be ignored; "
-                "set multi_turn.enable=true or remove it"
-            )
-        return
     spec = agent_spec(mt, registry, tokenizer=None)
     if cfg.reward.path and mt.score != "reward":
         raise ConfigError(

@@ -9,8 +9,7 @@ import math
 import numbers
 from typing import Any
 
-from trellis.config import ConfigError
-from trellis.rewards import RewardError, load_function
+from trellis import ConfigError, RewardError, load_function
 
 
 @functools.cache  # one module per process, however many rollouts load it

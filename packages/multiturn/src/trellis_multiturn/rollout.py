@@ -12,15 +12,25 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from trellis.batch import Batch
-from trellis.config import ConfigError, instantiate_options, validate
-from trellis.interfaces.agents import AgentLoop, Trajectory
-from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, PROMPT_IMAGES, join_images
-from trellis.interfaces.moe import ROUTED_EXPERTS, batch_routes, conversation_routes
-from trellis.interfaces.rollout import RolloutEngine, SamplingParams, pad_id, rollout_batch
-from trellis.multiturn.environment import AgentSpec, Environment
-from trellis.multiturn.sampled import RecordingEngine, check_sampled, recording
-from trellis.registry import Registry, RegistryError
+from trellis import (
+    IMAGE_INPUTS,
+    AgentLoop,
+    Batch,
+    ConfigError,
+    Registry,
+    RegistryError,
+    RolloutEngine,
+    SamplingParams,
+    Scorer,
+    Trajectory,
+    instantiate_options,
+    rollout_batch,
+    validate,
+)
+from trellis.kit.multiturn import MODEL_INPUTS, PROMPT_IMAGES, ROUTED_EXPERTS, batch_routes, conversation_routes, join_images, pad_id
+from trellis_multiturn.environment import AgentSpec, Environment
+from trellis_multiturn.sampled import RecordingEngine, check_sampled, recording
+from trellis_multiturn.scoring import ConversationScorer
 
 AGENT_COLUMN = "agent_name"  # verl's column: the agent loop of a row
 
@@ -46,6 +56,10 @@ class AgentRollout:
         if any(cls.row_fields for cls in self.loops.values()):
             return None
         return (*MODEL_INPUTS, IMAGE_INPUTS, "raw_prompt", "extra_info", AGENT_COLUMN)
+
+    def scorer(self, reward_fn: Scorer, max_error_rate: float) -> ConversationScorer:
+        """The reward of whole conversations (``multi_turn.score``)."""
+        return ConversationScorer(self.spec.settings, reward_fn, max_error_rate)
 
     async def __call__(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` conversations per prompt, every loop's samples in flight together (up to

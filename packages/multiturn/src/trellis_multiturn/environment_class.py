@@ -14,9 +14,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from trellis.config import ConfigError
-from trellis.interfaces.agents import Tool, ToolResult
-from trellis.multiturn.references import finite_reward, load_reference
+from trellis import ConfigError, Tool, ToolResult
+from trellis_multiturn.references import finite_reward, load_reference
 
 KEY = "multi_turn.environment"
 RESERVED = ("reset", "reward")

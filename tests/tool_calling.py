@@ -30,10 +30,10 @@ def make_tool_calling_model(out_dir: str | os.PathLike, rows: Sequence[dict[str,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trellis.chat import ChatDeltas
     from trellis.data import PromptDataset, encode_text
     from trellis.examples.tasks import task_texts
     from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
-    from trellis.multiturn.chat import ChatDeltas
 
     out = Path(out_dir)
     texts = [*task_texts(), json.dumps(ADD), CALL, "Tools:\ntool\n"]

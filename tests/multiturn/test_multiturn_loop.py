@@ -13,17 +13,17 @@ import agent_loops
 import pytest
 import torch
 from scripted import REASONING_TEMPLATE, ScriptedEngine, prompts, row, run, spec, tool_agent
+from trellis_multiturn.environment import check_interaction_names
+from trellis_multiturn.rollout import agent_rollout
+from trellis_multiturn.sampled import NotSampled, check_sampled
+from trellis_multiturn.scoring import environment_scores
 
+from trellis.chat import ChatDeltas
 from trellis.config import ConfigError
 from trellis.data import encode_text, render_chat
 from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult, Trajectory
 from trellis.interfaces.rollout import Generation, SamplingParams
-from trellis.multiturn.chat import ChatDeltas
-from trellis.multiturn.environment import check_interaction_names
-from trellis.multiturn.rollout import agent_rollout
-from trellis.multiturn.sampled import NotSampled, check_sampled
-from trellis.multiturn.scoring import environment_scores
 from trellis.plugins import load_plugins
 
 EVENTS: list[tuple[str, str]] = []  # (what, instance) from the recording components below
@@ -105,9 +105,11 @@ class Broken(Adder):
 @pytest.fixture(scope="module")
 def registry():
     import trellis_example.plugin
+    import trellis_multiturn.plugin
 
-    # core, the example plugin and the loop observation_first, whatever else this venv has installed
-    reg = load_plugins(entry_points=False, extra=[("example", trellis_example.plugin), ("agent_loops", agent_loops)]).registry
+    # core, trellis-multiturn, the example plugin and the loop observation_first, whatever else this venv has installed
+    plugins = [("multiturn", trellis_multiturn.plugin), ("example", trellis_example.plugin), ("agent_loops", agent_loops)]
+    reg = load_plugins(entry_points=False, extra=plugins).registry
     reg.adding_for("test_multiturn_loop")
     for name, cls in (("checker", Checker), ("raising", Raising), ("slow", Slow)):
         reg.add("interaction", name, cls)
@@ -288,7 +290,8 @@ def test_many_samples_are_in_flight_at_once(registry, tokenizer):
 def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, tokenizer):
     """score=reward: the reward function sees the whole decoded conversation, and the numbers it
     returns beside ``score`` come back per sample (for estimators such as gdpo)."""
-    from trellis.multiturn.scoring import score_multiturn
+    from trellis_multiturn.scoring import score_multiturn
+
     from trellis.rewards import RewardConfig, RewardManager
 
     def turns_seen(data_source, solution_str, ground_truth, extra_info=None):
@@ -313,7 +316,8 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
 def test_a_loops_own_reward_is_the_samples_reward_under_score_reward(registry, tokenizer):
     """verl's rule for an agent loop's ``reward_score``: where the loop gave one it is the sample's
     reward; the reward function scores only the other samples (and is not called for them)."""
-    from trellis.multiturn.scoring import score_multiturn
+    from trellis_multiturn.scoring import score_multiturn
+
     from trellis.rewards import RewardConfig, RewardManager
 
     seen = []

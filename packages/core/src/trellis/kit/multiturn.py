@@ -1,0 +1,38 @@
+"""What a package running the ``rl`` recipe's ``multi_turn`` section (kind ``rollout_function``) needs beyond ``trellis``."""
+
+from trellis.chat import ChatDeltas
+from trellis.data import load_prompt_rows, renders_tools
+from trellis.interfaces.agents import ClassAdapter
+from trellis.interfaces.backend import MODEL_INPUTS, PROMPT_IMAGES, join_images
+from trellis.interfaces.moe import ROUTED_EXPERTS, batch_routes, conversation_routes
+from trellis.interfaces.rollout import pad_id, with_images
+from trellis.recipes.rl.multi_turn import AgentLoopConfig, ConversationRollout, InteractionConfig, MultiTurnRunner, ToolConfig
+from trellis.rewards import reward_figures
+
+__all__ = [
+    # the protocols the recipe calls, and the section's entries (MultiTurnConfig itself is in trellis)
+    "MultiTurnRunner",
+    "ConversationRollout",
+    "InteractionConfig",
+    "ToolConfig",
+    "AgentLoopConfig",
+    # a verl class run through an adapter (kind class_adapter: trellis-verl-compat's)
+    "ClassAdapter",
+    # the data's rows as read, before tokenizing; whether a chat template renders tools
+    "load_prompt_rows",
+    "renders_tools",
+    # environment turns token-exactly after sampled ones
+    "ChatDeltas",
+    # the prompt fields an engine reads, a vision-language prompt's images, the pad token
+    "MODEL_INPUTS",
+    "PROMPT_IMAGES",
+    "join_images",
+    "with_images",
+    "pad_id",
+    # a mixture-of-experts model's experts per token, over a conversation's turns
+    "ROUTED_EXPERTS",
+    "batch_routes",
+    "conversation_routes",
+    # a batch's reward metrics
+    "reward_figures",
+]

@@ -1,1 +1,0 @@
-"""Multi-turn rollouts: the config section, the environment (interactions and tools), the agent loop, scoring."""
