@@ -41,11 +41,12 @@ OPEN_ENDED["RLTrainerConfig"] = OPEN_ENDED["TrainerConfig"]  # the rl recipe's t
 
 def test_every_core_string_option_with_a_fixed_set_of_values_declares_and_enforces_it(assert_choices_enforced):
     checked = sum(assert_choices_enforced(s, CORE, OPEN_ENDED.get(s.__qualname__, ())) for s in CORE_SCHEMAS)
-    # 3 loss_agg_mode, lr_schedule, controller, ray_network, trackers, separate_pools, weight_transport, kl_ctrl_type, tool_parser,
-    # score, agent_loop, dynamic_sampling.metric, dynamic_sampling.filters, adapter.init, reward.model.layout, actor.router_replay
-    # (actor.kl_loss_type and algorithm.kl_penalty name kl estimators: tests/algos, where they are installed), and the rl recipe's
-    # trainer section: the trainer's 5 again plus async_mode and async_schedule
-    assert checked == 25
+    # 3 loss_agg_mode, lr_schedule, controller, ray_network, trackers, separate_pools, weight_transport, kl_ctrl_type,
+    # multi_turn.score, dynamic_sampling.metric, dynamic_sampling.filters, adapter.init, reward.model.layout, actor.router_replay
+    # (actor.kl_loss_type and algorithm.kl_penalty name kl estimators: tests/algos, where they are installed; multi_turn.agent_loop
+    # and tool_parser name trellis-multiturn's components: tests/multiturn), and the rl recipe's trainer section: the
+    # trainer's 5 again plus async_mode and async_schedule
+    assert checked == 23
 
 
 def test_compose_names_key_value_valid_values_and_closest():
