@@ -1,10 +1,10 @@
 """Agent episodes per second through the policy endpoint (an agent on the ``openai`` client over
-HTTP on loopback) against core's in-process ``tool_agent`` loop doing the same work on the same engine.
+HTTP on loopback) against trellis-multiturn's in-process ``tool_agent`` loop doing the same work on the same engine.
 
 Every episode is one tool call and an answer: the model (the tiny model of
 ``trellis.examples.tiny``, first taught in a few seconds of SFT to answer every arithmetic
 question of the demo's task with the same ``add`` call, then ``#### 46`` after the tool's result:
-``tool_calling``)
+``tests/tool_calling.py``)
 calls the tool, the result goes back, and the model answers (each turn ``--tokens`` new tokens at most). Both loops decode
 greedily from the same prompts, so they sample the same tokens: the script checks that every
 trajectory is the same token for token, then times each (median of ``--repeats``). The ratio
@@ -21,9 +21,12 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))  # tool_calling: the tests' tool-calling model
 
 
 async def agent(client, sample):
@@ -98,14 +101,14 @@ def rollout_fn(name: str, tokenizer, args):
     """``fn(engine, prompts) -> Batch``: one rollout of every prompt's ``n`` episodes through ``name``'s loop."""
     from omegaconf import OmegaConf
     from tool_calling import ADD
-    from trellis_multiturn.environment import agent_spec
-    from trellis_multiturn.rollout import agent_rollout
 
     from trellis.config import validate
     from trellis.interfaces.agents import Tool, ToolResult
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_multiturn.environment import agent_spec
+    from trellis_multiturn.rollout import agent_rollout
 
     class Add(Tool):
         schema = ADD

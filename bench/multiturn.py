@@ -92,8 +92,6 @@ def build_engine(name: str, path: str, tokenizer):
 
 def measure(name: str, engine, tokenizer, args) -> dict:
     from omegaconf import OmegaConf
-    from trellis_multiturn.environment import agent_spec
-    from trellis_multiturn.rollout import agent_rollout
 
     from trellis.config import validate
     from trellis.data import PromptDataset
@@ -102,6 +100,8 @@ def measure(name: str, engine, tokenizer, args) -> dict:
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_multiturn.environment import agent_spec
+    from trellis_multiturn.rollout import agent_rollout
 
     class AlwaysWrong(Interaction):
         async def respond(self, instance_id, messages):
@@ -177,11 +177,11 @@ def verl_loop_rollout(section: dict, registry, tokenizer, prompts, args):
     import sys
 
     from omegaconf import OmegaConf
-    from trellis_multiturn.environment import agent_spec
-    from trellis_multiturn.rollout import AGENT_COLUMN, agent_rollout
 
     from trellis.config import validate
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_multiturn.environment import agent_spec
+    from trellis_multiturn.rollout import AGENT_COLUMN, agent_rollout
 
     if importlib.util.find_spec("hydra") is None or importlib.util.find_spec("verl") is None:
         return None

@@ -84,10 +84,9 @@ def batch_checks_seconds(repeats: int = 200) -> float:
 
 def multiturn_check_seconds(repeats: int = 200) -> float:
     """Seconds ``check_sampled`` takes on one conversation: 4 model turns of 96 tokens, environment turns between."""
-    from trellis_multiturn.sampled import check_sampled
-
     from trellis.interfaces.agents import Trajectory
     from trellis.interfaces.rollout import Generation
+    from trellis_multiturn.sampled import check_sampled
 
     turns = [Generation(list(range(t, t + 96)), [-0.5] * 96, "stop") for t in range(4)]
     traj = Trajectory()

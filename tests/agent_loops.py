@@ -8,12 +8,11 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
-from trellis_multiturn.environment import interaction_name
-
 import trellis
 from trellis.chat import ChatDeltas
 from trellis.interfaces.agents import AgentLoop, Interaction, InteractionTurn, Trajectory
 from trellis.interfaces.rollout import Generation
+from trellis_multiturn.environment import interaction_name
 
 OBSERVATION = "Observation: 7"
 SEEN: list[list[dict]] = []  # the conversations ContainsAnswer scored, in this process

@@ -371,13 +371,13 @@ def always_wrong_agent(tokenizer, max_assistant_turns: int, max_user_turns: int,
     """The rollout function (core's default agent loop) of conversations whose every answer is
     called wrong, within these limits: ``asyncio.run(agent(engine, prompts, params))``."""
     from omegaconf import OmegaConf
-    from trellis_multiturn.environment import agent_spec
-    from trellis_multiturn.rollout import agent_rollout
 
     from trellis.config import validate
     from trellis.interfaces.agents import Interaction, InteractionTurn
     from trellis.plugins import load_plugins
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_multiturn.environment import agent_spec
+    from trellis_multiturn.rollout import agent_rollout
 
     class Wrong(Interaction):
         async def respond(self, instance_id, messages):

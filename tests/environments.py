@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from trellis_multiturn.tool_calls import ToolCall, ToolCallParser
-
 import trellis
+from trellis_multiturn.tool_calls import ToolCall, ToolCallParser
 
 RESETS: list[dict] = []  # what reset() got, in this process
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 
 from omegaconf import OmegaConf
-from trellis_multiturn.environment import agent_spec
-from trellis_multiturn.loop import ToolAgentLoop
-from trellis_multiturn.rollout import AgentRollout
 
 from trellis.config import validate
 from trellis.data import PromptDataset, encode_text
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
 from trellis.recipes.rl.multi_turn import MultiTurnConfig
+from trellis_multiturn.environment import agent_spec
+from trellis_multiturn.loop import ToolAgentLoop
+from trellis_multiturn.rollout import AgentRollout
 
 
 class ScriptedEngine(RolloutEngine):

@@ -17,9 +17,6 @@ from multiturn_runs import multi_turn_run
 from omegaconf import OmegaConf
 from tool_calling import ADD, make_tool_calling_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trellis_multiturn.environment import agent_spec
-from trellis_multiturn.rollout import AgentRollout
-from trellis_multiturn.tool_calls import HermesParser
 
 import trellis.recipes.rl.samples as rl
 from trellis.config import ConfigError, validate
@@ -31,6 +28,9 @@ from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis.recipes.train import train
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
+from trellis_multiturn.environment import agent_spec
+from trellis_multiturn.rollout import AgentRollout
+from trellis_multiturn.tool_calls import HermesParser
 
 AGENTS = Path(__file__).parents[1] / "openai_agents.py"
 AGENT = f"{AGENTS}:answer_then_follow_up"

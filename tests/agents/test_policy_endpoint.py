@@ -14,10 +14,6 @@ import pytest
 from omegaconf import OmegaConf
 from scripted import REASONING_TEMPLATE, ScriptedEngine
 from tool_calling import ADD
-from trellis_multiturn.environment import agent_spec
-from trellis_multiturn.rollout import AgentRollout
-from trellis_multiturn.sampled import check_sampled
-from trellis_multiturn.tool_calls import HermesParser
 
 import trellis_agents.endpoint as endpoint_module
 from trellis.chat import ChatDeltas
@@ -29,6 +25,10 @@ from trellis.plugins import load_plugins
 from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
+from trellis_multiturn.environment import agent_spec
+from trellis_multiturn.rollout import AgentRollout
+from trellis_multiturn.sampled import check_sampled
+from trellis_multiturn.tool_calls import HermesParser
 
 AGENTS = Path(__file__).parents[1] / "openai_agents.py"
 

@@ -96,8 +96,8 @@ GSM8K = "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]"
     [
         (
             [GSM8K],  # multi_turn.enable is false
-            "config key multi_turn.interactions (1 given) is set but multi_turn.enable is false, so it would be ignored; "
-            "set multi_turn.enable=true or remove it",
+            "but multi_turn.enable is false, so it would be ignored; set multi_turn.enable to true to sample conversations, "
+            "or drop multi_turn.interactions",
         ),
         (
             ["multi_turn.enable=true", GSM8K],  # the arithmetic rows carry no interaction_kwargs

@@ -13,10 +13,6 @@ import agent_loops
 import pytest
 import torch
 from scripted import REASONING_TEMPLATE, ScriptedEngine, prompts, row, run, spec, tool_agent
-from trellis_multiturn.environment import check_interaction_names
-from trellis_multiturn.rollout import agent_rollout
-from trellis_multiturn.sampled import NotSampled, check_sampled
-from trellis_multiturn.scoring import environment_scores
 
 from trellis.chat import ChatDeltas
 from trellis.config import ConfigError
@@ -25,6 +21,10 @@ from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult, Trajectory
 from trellis.interfaces.rollout import Generation, SamplingParams
 from trellis.plugins import load_plugins
+from trellis_multiturn.environment import check_interaction_names
+from trellis_multiturn.rollout import agent_rollout
+from trellis_multiturn.sampled import NotSampled, check_sampled
+from trellis_multiturn.scoring import environment_scores
 
 EVENTS: list[tuple[str, str]] = []  # (what, instance) from the recording components below
 
@@ -290,9 +290,8 @@ def test_many_samples_are_in_flight_at_once(registry, tokenizer):
 def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, tokenizer):
     """score=reward: the reward function sees the whole decoded conversation, and the numbers it
     returns beside ``score`` come back per sample (for estimators such as gdpo)."""
-    from trellis_multiturn.scoring import score_multiturn
-
     from trellis.rewards import RewardConfig, RewardManager
+    from trellis_multiturn.scoring import score_multiturn
 
     def turns_seen(data_source, solution_str, ground_truth, extra_info=None):
         return {"score": float(solution_str.count("####")), "feedback": float("wrong, try again" in solution_str),
@@ -316,9 +315,8 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
 def test_a_loops_own_reward_is_the_samples_reward_under_score_reward(registry, tokenizer):
     """verl's rule for an agent loop's ``reward_score``: where the loop gave one it is the sample's
     reward; the reward function scores only the other samples (and is not called for them)."""
-    from trellis_multiturn.scoring import score_multiturn
-
     from trellis.rewards import RewardConfig, RewardManager
+    from trellis_multiturn.scoring import score_multiturn
 
     seen = []
 

@@ -4,7 +4,6 @@ and the recipe finds the package's runner only when the section is switched on."
 from __future__ import annotations
 
 import trellis_multiturn.plugin
-
 from trellis.plugins import load_plugins
 from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis_multiturn.runner import MultiTurn

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from trellis_multiturn.sampled import NotSampled, check_sampled
 
 from trellis.interfaces.agents import Trajectory
 from trellis.interfaces.rollout import Generation
+from trellis_multiturn.sampled import NotSampled, check_sampled
 
 
 class Chars:

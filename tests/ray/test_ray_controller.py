@@ -336,8 +336,6 @@ def test_agent_loops_run_next_to_each_engine(ray_cluster, tiny_model_path):
     pickled to the ranks), come back as the same trajectories (greedy) as on one local engine."""
     import agent_loops
     from transformers import AutoTokenizer
-    from trellis_multiturn.environment import agent_spec
-    from trellis_multiturn.rollout import agent_rollout
 
     from trellis.data import PromptDataset
     from trellis.examples.tasks import make_arithmetic_split
@@ -345,6 +343,8 @@ def test_agent_loops_run_next_to_each_engine(ray_cluster, tiny_model_path):
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
     from trellis.runtime.controller import LocalRollout
     from trellis_hf.engine import make_engine
+    from trellis_multiturn.environment import agent_spec
+    from trellis_multiturn.rollout import agent_rollout
 
     ray.cloudpickle.register_pickle_by_value(agent_loops)
     registry = load_plugins(extra=[("agent_loops", agent_loops)]).registry

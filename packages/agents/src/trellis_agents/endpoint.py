@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from trellis_multiturn import ChatDeltas, record_into
 
 from trellis import Generation, RolloutEngine, SamplingParams, ToolCallParser, Trajectory
 from trellis.kit import serving as kit
 from trellis.kit.serving import Refused, canonical, encode_text, render_chat, renders_tools
+from trellis_multiturn import ChatDeltas, record_into
 
 log = logging.getLogger("trellis")
 

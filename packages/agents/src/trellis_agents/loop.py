@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import openai
-from trellis_multiturn import AgentSpec, Environment, current_record, finite_reward, load_reference
 
 from trellis import AgentLoop, ConfigError, MultiTurnConfig, RolloutEngine, SamplingParams, Trajectory
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
+from trellis_multiturn import AgentSpec, Environment, current_record, finite_reward, load_reference
 
 log = logging.getLogger("trellis")
 

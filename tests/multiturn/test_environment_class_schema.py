@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import pytest
-from trellis_multiturn.checks import check_reset_fields
-from trellis_multiturn.environment_class import describe_environment, json_schema, parse_docstring
 
 from trellis.config import ConfigError
+from trellis_multiturn.checks import check_reset_fields
+from trellis_multiturn.environment_class import describe_environment, json_schema, parse_docstring
 
 ENVIRONMENTS = Path(__file__).parents[1] / "environments.py"
 HERE = Path(__file__)
