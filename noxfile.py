@@ -48,12 +48,12 @@ OWN_LOCK = {"vllm": "vllm", "sglang": "sglang", "parity": "parity"}  # session -
 
 # session -> (local packages to install, extra requirements, tests folders, space-separated)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
-    "core": (["packages/core[math,tensorboard,wandb,mlflow]", "tests/plugins/example"], [], "tests/core"),
-    "algos": (["packages/core", "packages/algos"], [], "tests/algos"),
-    "fsdp": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
-    "hf": (["packages/core", "packages/rollout-hf"], [], "tests/hf"),
+    "core": (["packages/core[math,tensorboard,wandb,mlflow]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
+    "algos": (["packages/core", "packages/demo", "packages/algos"], [], "tests/algos"),
+    "fsdp": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
+    "hf": (["packages/core", "packages/demo", "packages/rollout-hf"], [], "tests/hf"),
     # conversations through the tool_agent loop on scripted engines (interactions and tools of the example plugin); no model trains
-    "multiturn": (["packages/core", "packages/multiturn", "tests/plugins/example"], [], "tests/multiturn"),
+    "multiturn": (["packages/core", "packages/demo", "packages/multiturn", "tests/plugins/example"], [], "tests/multiturn"),
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
     # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; judges: the docs' judge
@@ -61,6 +61,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "integration": (
         [
             "packages/core",
+            "packages/demo",
             "packages/multiturn",
             "packages/agents",
             "packages/judges",
@@ -81,6 +82,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "ray": (
         [
             "packages/core",
+            "packages/demo",
             "packages/multiturn",
             "packages/agents",
             "packages/ray",
@@ -94,17 +96,22 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     # the openai_agent loop and its policy endpoint, on the real openai client (hf engine, FSDP actor for the recipe runs)
     "agents": (
-        ["packages/core", "packages/multiturn", "packages/agents", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"],
+        ["packages/core", "packages/demo", "packages/multiturn", "packages/agents", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"],
         [],
         "tests/agents",
     ),
     # the judge reward against a local HTTP server, and a judge model served by the hf engine for rl runs
-    "judges": (["packages/core", "packages/judges", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/judges"),
+    "judges": (
+        ["packages/core", "packages/demo", "packages/judges", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"],
+        [],
+        "tests/judges",
+    ),
     # image prompts through the hf engine and the FSDP backend (its worker tests' helpers, which import the plain backend),
     # and rl runs on a tiny Qwen2-VL
     "vision": (
         [
             "packages/core",
+            "packages/demo",
             "packages/multiturn",
             "packages/vision",
             "packages/algos",
@@ -120,6 +127,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "interactions": (
         [
             "packages/core",
+            "packages/demo",
             "packages/multiturn",
             "packages/algos",
             "packages/backend-fsdp",
@@ -137,6 +145,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "vllm": (
         [
             "packages/core",
+            "packages/demo",
             "packages/multiturn",
             "packages/ray",
             "packages/judges",
@@ -153,6 +162,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "sglang": (
         [
             "packages/core",
+            "packages/demo",
             "packages/multiturn",
             "packages/ray",
             "packages/judges",
@@ -171,6 +181,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "verl_compat": (
         [
             "packages/core",
+            "packages/demo",
             "packages/multiturn",
             "packages/ray",
             "packages/algos",
@@ -186,11 +197,15 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     # trellis serve driven over HTTP by the real tinker SDK (pinned by trellis-service) and tinker-cookbook's loops
     # (see _install_with_cookbook); LoRA on the fsdp backend
-    "service": (["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "packages/service"], [], "tests/service"),
-    "parity": (["packages/core", "packages/algos"], [VERL], "tests/parity"),
+    "service": (
+        ["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "packages/service"],
+        [],
+        "tests/service",
+    ),
+    "parity": (["packages/core", "packages/demo", "packages/algos"], [VERL], "tests/parity"),
     # the model code's paths (forward outputs, generate) under an older transformers: see _install_old_transformers
     "old_transformers": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "tests/plugins/plain"],
+        ["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp[lora]", "packages/rollout-hf", "tests/plugins/plain"],
         [],
         "tests/fsdp tests/hf",
     ),
@@ -199,6 +214,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "megatron": (
         [
             "packages/core",
+            "packages/demo",
             "packages/ray",
             "packages/algos",
             "packages/backend-fsdp",
@@ -211,7 +227,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     ),
     # the RL test runs the rl recipe rewarded through the server; the official client is tested against it
     "sandbox": (
-        ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/sandbox"],
+        ["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/sandbox"],
         ["sandbox-fusion>=0.3.7"],
         "tests/sandbox",
     ),
@@ -233,7 +249,7 @@ def _pytest_workers(name: str) -> list[str]:
     return [*WORKERS, "--dist", "loadscope" if name in WHOLE_SCOPES else "load"]
 
 
-DEMO_PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"]
+DEMO_PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/demo"]
 
 
 def _lock(name: str) -> list[str]:
@@ -500,6 +516,7 @@ PACKAGE_TESTS = {
     "ray": "ray",
     "multiturn": "multiturn",
     "agents": "agents",
+    "demo": "core",
     "judges": "judges",
     "vision": "vision",
     "service": "service",

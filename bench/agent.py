@@ -2,7 +2,7 @@
 HTTP on loopback) against trellis-multiturn's in-process ``tool_agent`` loop doing the same work on the same engine.
 
 Every episode is one tool call and an answer: the model (the tiny model of
-``trellis.examples.tiny``, first taught in a few seconds of SFT to answer every arithmetic
+``trellis_demo.tiny``, first taught in a few seconds of SFT to answer every arithmetic
 question of the demo's task with the same ``add`` call, then ``#### 46`` after the tool's result:
 ``tests/tool_calling.py``)
 calls the tool, the result goes back, and the model answers (each turn ``--tokens`` new tokens at most). Both loops decode
@@ -59,8 +59,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from trellis.data import PromptDataset
-    from trellis.examples.tasks import make_arithmetic_split
     from trellis.interfaces.rollout import RolloutSpec
+    from trellis_demo.tasks import make_arithmetic_split
     from trellis_hf.engine import make_engine
 
     work = Path(tempfile.mkdtemp(prefix="trellis-bench-agent-"))

@@ -134,8 +134,8 @@ def main() -> None:
 
     import ray
 
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="trellis-bench-async-"))
     model = make_tiny_model(work / "model", task_texts(), hidden_size=args.hidden, num_layers=args.layers, seed=0)

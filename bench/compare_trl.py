@@ -125,8 +125,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from rl_step import SIZES, WORK
 
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="trellis-vs-trl-"))
     make_tiny_model(work / args.size, task_texts(), seed=0, **SIZES[args.size])

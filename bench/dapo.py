@@ -35,9 +35,10 @@ def dapo_sizes() -> list[str]:
     """The preset's updates per batch and overlong buffer share, scaled to the demo's batch and response budget."""
     from omegaconf import OmegaConf
 
-    from trellis.examples.demo import config_path
+    from trellis.cli import STARTERS
+    from trellis_demo.demo import config_path
 
-    dapo, demo = OmegaConf.load(config_path("starter_dapo.yaml")), OmegaConf.load(config_path("demo_rl.yaml"))
+    dapo, demo = OmegaConf.load(str(STARTERS["dapo"])), OmegaConf.load(config_path("demo_rl.yaml"))
     updates = dapo.data.train_batch_prompts * dapo.sampling.n // dapo.actor.mini_batch_samples
     mini = demo.data.train_batch_prompts * demo.sampling.n // updates
     buffer = round(dapo.reward.overlong.buffer_len * demo.sampling.max_new_tokens / dapo.sampling.max_new_tokens)
@@ -58,15 +59,16 @@ def main() -> None:
     from curves import SAMPLED, at_time, mean_std, plot_curves, val_curve
     from demo_start import demo_settings, demo_start
 
-    from trellis.examples.demo import config_path
+    from trellis.cli import STARTERS
     from trellis.plot import plot_metrics, read_metrics
     from trellis.recipes.train import train
+    from trellis_demo.demo import config_path
 
     out = Path(args.out)
     start, rl_data, test_data = demo_start(out, args.sft_steps, args.threads)
     methods = {
         "GRPO": (config_path("demo_rl.yaml"), [], args.grpo_steps),
-        "DAPO": (config_path("starter_dapo.yaml"), [*demo_settings(DEMO_KEYS), *dapo_sizes()], args.dapo_steps),
+        "DAPO": (str(STARTERS["dapo"]), [*demo_settings(DEMO_KEYS), *dapo_sizes()], args.dapo_steps),
     }
     runs: dict[str, list[Path]] = {m: [] for m in methods}
     for method, (config, settings, steps) in methods.items():

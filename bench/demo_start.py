@@ -9,10 +9,10 @@ def demo_start(out: Path, sft_steps: int, threads: int, stage: str = "sft") -> t
     """``(sft model folder, rl prompts, held-out prompts)`` of the demo (seed 0) under ``out``; the
     SFT stage (``sft_steps`` steps from the demo's initial tiny model, in ``out/stage``) runs only
     when ``out/stage/hf_model`` is missing (a link to another run's works too)."""
-    from trellis.examples.demo import NOISY_ANSWER, RL_ROWS, SFT_ROWS, TASK, VAL_ROWS, config_path
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
     from trellis.recipes.train import train
+    from trellis_demo.demo import NOISY_ANSWER, RL_ROWS, SFT_ROWS, TASK, VAL_ROWS, config_path
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     data = out / "data"
     write_rows(make_arithmetic_split(SFT_ROWS, 0, noisy_answer=NOISY_ANSWER, **TASK), data / "sft.parquet")
@@ -33,7 +33,7 @@ def demo_settings(keys: tuple[str, ...]) -> list[str]:
     another preset that must match the demo on them."""
     from omegaconf import OmegaConf
 
-    from trellis.examples.demo import config_path
+    from trellis_demo.demo import config_path
 
     demo = OmegaConf.load(config_path("demo_rl.yaml"))
     return [f"{key}={OmegaConf.select(demo, key)}" for key in keys]

@@ -32,9 +32,9 @@ VARIANTS = {  # name -> (trainer.threads, extra environment)
 
 def prepare(work: Path) -> None:
     """The demo's data and tiny model (seed 0), once for every variant."""
-    from trellis.examples import demo
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo import demo
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     data = work / "data"
     write_rows(make_arithmetic_split(demo.SFT_ROWS, 0, noisy_answer=demo.NOISY_ANSWER, **demo.TASK), data / "sft.parquet")
@@ -45,8 +45,8 @@ def prepare(work: Path) -> None:
 
 def child(threads: str, sft_steps: int, rl_steps: int, work: Path, out: Path) -> None:
     """SFT then RL from its model; prints the hashes as one JSON line."""
-    from trellis.examples.demo import config_path
     from trellis.recipes.train import train
+    from trellis_demo.demo import config_path
 
     data = work / "data"
     common = [f"trainer.threads={threads}", "trainer.trackers=[jsonl]", "trainer.val_every_steps=0", "trainer.save_hf_model=true"]

@@ -52,8 +52,8 @@ DEMO_KEYS = ("data.max_prompt_length", "sampling.temperature", "sampling.max_new
 
 def demo_teacher(out: Path, start: Path, rl_data: Path, test_data: Path, threads: int) -> Path:
     """The demo's RL stage from ``start``, run once per ``out`` folder: ``out/teacher/hf_model``."""
-    from trellis.examples.demo import config_path
     from trellis.recipes.train import train
+    from trellis_demo.demo import config_path
 
     teacher = out / "teacher" / "hf_model"
     if not teacher.is_dir():
@@ -71,8 +71,8 @@ def teacher_answers(teacher: Path, rl_data: Path, path: Path, max_new_tokens: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trellis.data import encode_text, left_pad, load_rows, render_chat
-    from trellis.examples.tasks import write_rows
     from trellis.rewards import gsm8k_score
+    from trellis_demo.tasks import write_rows
 
     begin = time.perf_counter()
     rows = load_rows(rl_data)
@@ -94,8 +94,8 @@ def teacher_answers(teacher: Path, rl_data: Path, path: Path, max_new_tokens: in
 
 def held_out(model: Path, rl_data: Path, test_data: Path, seed: int, threads: int) -> tuple[float, float]:
     """``trellis eval`` of ``model`` with the demo's RL settings: held-out (greedy accuracy, sampled reward)."""
-    from trellis.examples.demo import config_path
     from trellis.recipes.train import evaluate
+    from trellis_demo.demo import config_path
 
     overrides = [f"model.path={model}", f"data.train_path={rl_data}", f"data.val_path={test_data}", f"seed={seed}", f"trainer.threads={threads}"]
     figures = evaluate(config_path("demo_rl.yaml"), overrides)
@@ -241,11 +241,11 @@ def arm_config(out: Path, arm: str, loss: dict | None) -> Path:
     """The distill preset, with ``loss`` as its ``actor.distill.loss`` section when given, in ``out``."""
     from omegaconf import OmegaConf
 
-    from trellis.examples.demo import config_path
+    from trellis.cli import STARTERS
 
     if loss is None:
-        return config_path("starter_distill.yaml")
-    preset = OmegaConf.load(config_path("starter_distill.yaml"))
+        return str(STARTERS["distill"])
+    preset = OmegaConf.load(str(STARTERS["distill"]))
     preset.actor.distill.loss = loss
     path = out / "configs" / f"{arm}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,10 +261,10 @@ def main() -> None:
     from curves import SAMPLED, at_time, mean_std, plot_curves, train_seconds, val_curve
     from demo_start import demo_settings, demo_start
 
-    from trellis.examples.demo import config_path
     from trellis.export import export_checkpoint
     from trellis.plot import plot_metrics, read_metrics
     from trellis.recipes.train import train
+    from trellis_demo.demo import config_path
 
     out = Path(args.out)
     start, rl_data, test_data = demo_start(out, args.sft_steps, args.threads)

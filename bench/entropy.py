@@ -65,9 +65,9 @@ def main() -> None:
 
     from demo_start import demo_start
 
-    from trellis.examples.demo import config_path
     from trellis.plot import plot_metrics
     from trellis.recipes.train import train
+    from trellis_demo.demo import config_path
 
     out = Path(args.out)
     start, rl_data, test_data = demo_start(out, args.sft_steps, args.threads)

@@ -83,9 +83,9 @@ def main() -> None:
         print("RESULT cuda=0")
         return
 
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="trellis-gpu-smoke-"))
     start = time.perf_counter()

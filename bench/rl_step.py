@@ -182,8 +182,8 @@ def main() -> None:
         child(framework, size, int(length), int(steps), Path(work), int(threads), tag)
         return
 
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     sizes, lengths = args.sizes.split(","), [int(x) for x in args.lengths.split(",")]
     work = Path(tempfile.mkdtemp(prefix="trellis-rlstep-"))

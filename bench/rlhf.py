@@ -29,9 +29,9 @@ def main() -> None:
 
     from demo_start import demo_start
 
-    from trellis.examples.demo import TASK, VAL_ROWS
-    from trellis.examples.tasks import make_arithmetic_pairs, make_arithmetic_split, write_rows
     from trellis.recipes.train import evaluate, train
+    from trellis_demo.demo import TASK, VAL_ROWS
+    from trellis_demo.tasks import make_arithmetic_pairs, make_arithmetic_split, write_rows
 
     out = Path(args.out)
     start, rl_data, test_data = demo_start(out, args.sft_steps, args.threads)

@@ -56,8 +56,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from trellis.data import load_rows
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="trellis-bench-rollout-"))
     texts = task_texts()

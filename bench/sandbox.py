@@ -52,10 +52,10 @@ from pathlib import Path
 import torch
 
 from trellis.batch import Batch
-from trellis.examples.tasks import task_texts
-from trellis.examples.tiny import make_tiny_tokenizer
 from trellis.plugins import load_plugins
 from trellis.rewards import RewardConfig, RewardManager
+from trellis_demo.tasks import task_texts
+from trellis_demo.tiny import make_tiny_tokenizer
 from trellis_sandbox.api import RunRequest
 from trellis_sandbox.client import SandboxClient
 

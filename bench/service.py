@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # conftest: the tests' tiny-model texts
 def tiny_model(folder: Path) -> Path:
     from conftest import TEXTS
 
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     return make_tiny_model(folder, TEXTS, hidden_size=64, num_layers=2, seed=0)
 

@@ -38,7 +38,7 @@ def answer(a: int, b: int, style: int) -> str:
 
 def rows(n: int, seed: int, low: int, high: int, split: str, styled: bool) -> list[dict]:
     """``n`` addition rows in verl's schema; ``extra_info.answer`` in a random format when ``styled``."""
-    from trellis.examples.tasks import in_test_split
+    from trellis_demo.tasks import in_test_split
 
     rng = random.Random(f"dft:{split}:{seed}:{low}")
     out = []
@@ -97,9 +97,9 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-dft")
     args = parser.parse_args()
 
-    from trellis.examples.tasks import write_rows
-    from trellis.examples.tiny import make_tiny_model
     from trellis.plot import plot_metrics
+    from trellis_demo.tasks import write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     out = Path(args.out)
     test_in = rows(200, 0, 0, 99, "test", styled=False)

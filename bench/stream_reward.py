@@ -32,10 +32,10 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-stream-reward")
     args = parser.parse_args()
 
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
     from trellis.plot import read_metrics
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

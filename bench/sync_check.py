@@ -25,11 +25,11 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. sync_check.tokens=4")
     args = parser.parse_args()
 
-    from trellis.examples.demo import RL_ROWS, TASK, config_path
-    from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-    from trellis.examples.tiny import make_tiny_model
     from trellis.plot import read_metrics
     from trellis.recipes.train import train
+    from trellis_demo.demo import RL_ROWS, TASK, config_path
+    from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+    from trellis_demo.tiny import make_tiny_model
 
     out = Path(args.out)
     model = out / "model"

@@ -32,8 +32,8 @@ SETTINGS = {  # name -> (trainer.threads, extra environment)
 
 def child(stage: str, threads: str, steps: int, work: Path, run_dir: Path) -> None:
     """Run ``stage`` (sft from the base model, rl from the SFT model) for ``steps``; print the step times."""
-    from trellis.examples.demo import config_path
     from trellis.recipes.train import train
+    from trellis_demo.demo import config_path
 
     data = work / "data"
     common = [f"trainer.total_steps={steps}", f"trainer.threads={threads}", f"trainer.run_dir={run_dir}", "trainer.trackers=[jsonl]"]

@@ -12,14 +12,14 @@ TEXTS = [f"{a}+{b}={a + b} #### {a + b}" for a in range(0, 60, 7) for b in range
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TEXTS, hidden_size=32, num_layers=2, seed=0))
 
 
 @pytest.fixture(scope="session")
 def tiny_untied_model_path(tmp_path_factory):
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-untied"
     return str(make_tiny_model(path, TEXTS, hidden_size=32, num_layers=2, seed=1, tie_word_embeddings=False))
@@ -31,7 +31,7 @@ def tiny_tools_model_path(tmp_path_factory):
     for the tool schemas it puts in every prompt (2048 positions)."""
     from transformers import AutoTokenizer
 
-    from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
+    from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-tools", TEXTS, hidden_size=32, num_layers=2, max_position_embeddings=2048)
     tokenizer = AutoTokenizer.from_pretrained(path)

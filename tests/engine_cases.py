@@ -402,7 +402,7 @@ class MultiTurnCases:
         """Environment turns are the chat template's tokens, and the rollout log-probs of the
         model's tokens equal a forward pass over the whole conversation."""
         from trellis.data import PromptDataset
-        from trellis.examples.tasks import make_arithmetic_split
+        from trellis_demo.tasks import make_arithmetic_split
 
         engine = build(self.ENGINE, tiny_model_path, **{self.CONTEXT: 256})
         tokenizer = engine.tokenizer
@@ -439,8 +439,8 @@ def run_rl_with(engine: str, context_option: str, model_path: str, tmp_path) -> 
     import json
     import math
 
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     train_file = write_rows(make_arithmetic_split(64, 0, max_value=50), tmp_path / "train.parquet")
     test_file = write_rows(make_arithmetic_split(8, 0, split="test", max_value=50), tmp_path / "test.jsonl")
@@ -486,7 +486,7 @@ PLACEMENT_FIGURES = ("timing/", "dispatch/", "sync/")
 def length_rewarded_rl(model_path: str, tmp_path, name: str) -> list[str]:
     """The rl recipe's overrides for 3 GRPO steps rewarded by the response's length (sampling seed
     11, one process, the HF rollout unless more overrides name another), writing ``tmp_path/name``."""
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
     reward = tmp_path / "length.py"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ ANSWER = "#### 46"
 
 
 def make_tool_calling_model(out_dir: str | os.PathLike, rows: Sequence[dict[str, Any]], steps: int = 80, seed: int = 0) -> str:
-    """A tiny model (``trellis.examples.tiny``, chat template with tools) trained by SFT on one
+    """A tiny model (``trellis_demo.tiny``, chat template with tools) trained by SFT on one
     episode per row of ``rows`` (verl-schema prompts rendered with ``ADD``): ``CALL``, the tool's
     ``RESULT``, ``ANSWER``, until greedy decoding plays it. Returns the saved folder."""
     import torch
@@ -32,8 +32,8 @@ def make_tool_calling_model(out_dir: str | os.PathLike, rows: Sequence[dict[str,
 
     from trellis.chat import ChatDeltas
     from trellis.data import PromptDataset, encode_text
-    from trellis.examples.tasks import task_texts
-    from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
+    from trellis_demo.tasks import task_texts
+    from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
 
     out = Path(out_dir)
     texts = [*task_texts(), json.dumps(ADD), CALL, "Tools:\ntool\n"]

@@ -21,13 +21,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import trellis.recipes.rl.samples as rl
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.plugins import load_plugins
 from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis.recipes.train import train
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.rollout import AgentRollout
 from trellis_multiturn.tool_calls import HermesParser

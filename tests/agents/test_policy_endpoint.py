@@ -19,12 +19,12 @@ import trellis_agents.endpoint as endpoint_module
 from trellis.chat import ChatDeltas
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
-from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis.interfaces.rollout import SamplingParams
 from trellis.plugins import load_plugins
 from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
+from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.rollout import AgentRollout
 from trellis_multiturn.sampled import check_sampled

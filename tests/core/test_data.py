@@ -19,8 +19,8 @@ from trellis.data import (
     load_rows,
     sft_batches,
 )
-from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import make_tiny_tokenizer
+from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis_demo.tiny import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ import torch
 from omegaconf import OmegaConf
 from reward_batches import responses
 
-from trellis.examples.tasks import task_texts
-from trellis.examples.tiny import make_tiny_tokenizer
 from trellis.plugins import load_plugins
 from trellis.registry import Registry
 from trellis.rewards import (
@@ -29,6 +27,8 @@ from trellis.rewards import (
     math_score,
     unknown_sources,
 )
+from trellis_demo.tasks import task_texts
+from trellis_demo.tiny import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

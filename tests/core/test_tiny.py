@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from trellis.cli import main
-from trellis.examples import tiny
-from trellis.examples.tasks import task_texts
-from trellis.examples.tiny import make_tiny_model
+from trellis_demo import tiny
+from trellis_demo.tasks import task_texts
+from trellis_demo.tiny import make_tiny_model
 
 TEXTS = task_texts(300, seed=0)
 SMALL = {"hidden_size": 32, "num_layers": 1}

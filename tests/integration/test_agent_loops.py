@@ -11,9 +11,9 @@ import pytest
 from multiturn_runs import multi_turn_run
 
 from trellis.config import ConfigError
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 from trellis_multiturn.sampled import NotSampled
 
 OBSERVATION = {"role": "user", "content": agent_loops.OBSERVATION}

@@ -5,8 +5,8 @@ update; ``trellis config init dapo`` is DAPO's settings and passes the dry run."
 from __future__ import annotations
 
 import trellis.recipes.rl.learner as learner
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.runtime.worker import RoleWorker
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 HALF_REWARD = '''
 def half(data_source, solution_str, ground_truth, extra_info=None):

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trellis.recipes.rl.learner as learner
 from trellis.config import ConfigError
-from trellis.examples.tasks import make_arithmetic_split, write_rows
-from trellis.examples.tiny import make_tiny_model
+from trellis_demo.tasks import make_arithmetic_split, write_rows
+from trellis_demo.tiny import make_tiny_model
 
 DISTILL = ("algorithm.advantage.name=reverse_kl_teacher",)
 

@@ -8,7 +8,7 @@ from cli_runs import run_cli
 from transformers import AutoTokenizer
 
 from trellis.data import load_rows
-from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 
 @pytest.fixture

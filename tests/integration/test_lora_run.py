@@ -182,8 +182,8 @@ def test_an_adapter_the_backend_cannot_train_stops_the_dry_run(tiny_model_path, 
     config check (``--dry-run`` included) naming what to install or set, before any model is built;
     without the adapter the same dry run passes."""
     from trellis.config import ConfigError
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(8, 0, max_value=30), tmp_path / "train.parquet")
     overrides = ["recipe=rl", f"model.path={tiny_model_path}", f"data.train_path={data}", "data.train_batch_prompts=2", *more]

@@ -15,13 +15,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from trellis.batch import Batch, position_ids
 from trellis.config import ConfigError
-from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import make_tiny_model
 from trellis.interfaces.hf import forward_outputs, load_hf_model
 from trellis.interfaces.moe import ROUTED_EXPERTS, ROUTER_REPLAY, batch_routes, conversation_routes, generated_routes, recorded_routes, routers
 from trellis.interfaces.rollout import Generation, RolloutSpec, Routes, SamplingParams
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis_demo.tiny import make_tiny_model
 from trellis_hf.engine import HFRollout, HFRolloutOptions
 
 PROMPTS = ["1+2=", "12+34=", "7+7=", "40+13="]  # mixed prompt widths

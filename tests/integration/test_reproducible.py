@@ -13,11 +13,11 @@ import pytest
 import torch
 import transformers
 
-from trellis.examples.demo import stage_provenance
 from trellis.recipes.train import train
 from trellis.runtime import provenance
 from trellis.runtime import threads as threads_mod
 from trellis.runtime.checkpoint import read_manifest
+from trellis_demo.demo import stage_provenance
 
 LOCK = Path(__file__).parents[2] / "locks" / "project.txt"
 

@@ -22,11 +22,11 @@ from cli_runs import run_cli as run_in_process
 
 from trellis.cli import main as cli_main
 from trellis.config import ConfigError
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.hookspecs import hookimpl
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 from trellis.runtime.checkpoint import damaged_files, read_manifest
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 KILLABLE = Path(__file__).with_name("killable.py")
 

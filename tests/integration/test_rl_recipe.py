@@ -172,7 +172,7 @@ def test_sft_data_without_messages_or_prompt_is_refused_naming_the_sft_rows(tiny
     """A file with neither chat messages nor a prompt stops the dry run naming what the sft recipe
     reads (it recommended verl's RL schema)."""
     from trellis.data import DataError
-    from trellis.examples.tasks import write_rows
+    from trellis_demo.tasks import write_rows
 
     path = write_rows([{"question": "1+1=", "answer": "2"}], tmp_path / "qa.jsonl")
     with pytest.raises(DataError) as refused:

@@ -12,13 +12,13 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from trellis.batch import Batch, position_ids
 from trellis.config import ConfigError
-from trellis.examples.tiny import make_tiny_model
 from trellis.interfaces.rollout import SamplingParams, rollout_batch
 from trellis.plugins import load_plugins
 from trellis.recipes.reward_inputs import RewardInputs, retokenize_reason
 from trellis.recipes.reward_model import ModelReward
 from trellis.recipes.train import train
 from trellis.runtime.worker import build_worker
+from trellis_demo.tiny import make_tiny_model
 
 # another rendering than the actor's ChatML: "role: content" turns, no newlines
 OTHER_TEMPLATE = (

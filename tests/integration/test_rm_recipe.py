@@ -16,7 +16,6 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trellis.batch import Batch
 from trellis.config import ConfigError, compose
 from trellis.data import load_rows
-from trellis.examples.tasks import make_arithmetic_pairs, make_arithmetic_split, write_rows
 from trellis.export import export_checkpoint
 from trellis.interfaces.rollout import SamplingParams, rollout_batch
 from trellis.plugins import load_plugins
@@ -25,6 +24,7 @@ from trellis.recipes.reward_model import ModelReward
 from trellis.recipes.train import train
 from trellis.rewards import RewardConfig, RewardManager
 from trellis.runtime.worker import build_worker
+from trellis_demo.tasks import make_arithmetic_pairs, make_arithmetic_split, write_rows
 
 
 def separable(rows):

@@ -108,7 +108,7 @@ def test_bad_spin_config_fails_before_any_model_is_built(run_spin):
 
 
 def test_reference_pairs_without_answers_fail_before_any_model_is_built(run_spin, tmp_path, monkeypatch):
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     rows = make_arithmetic_split(8, 0, max_value=50)
     for row in rows:

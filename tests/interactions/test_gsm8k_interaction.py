@@ -11,9 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from trellis.config import ConfigError, validate
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 from trellis_interactions.answer_check import AnswerCheck, AnswerCheckOptions
 
 MULTI_TURN = [

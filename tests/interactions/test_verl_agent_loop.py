@@ -22,9 +22,9 @@ from verl.utils.profiler import simple_timer  # noqa: E402
 import trellis.recipes.rl.samples as rl  # noqa: E402
 import trellis_verl_compat.agent_loop as adapter  # noqa: E402
 from trellis.config import ConfigError  # noqa: E402
-from trellis.examples.tasks import make_arithmetic_split, write_rows  # noqa: E402
 from trellis.interfaces.rollout import Generation  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
+from trellis_demo.tasks import make_arithmetic_split, write_rows  # noqa: E402
 
 CHECK = "Check your answer."
 SEEN_FIELDS: list[dict[str, Any]] = []  # the keyword arguments each run got

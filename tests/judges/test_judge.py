@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 from reward_batches import responses
 
 from trellis.config import ConfigError
-from trellis.examples.tasks import task_texts
-from trellis.examples.tiny import make_tiny_tokenizer
 from trellis.plugins import load_plugins
 from trellis.registry import Registry
 from trellis.rewards import RewardConfig, RewardError, RewardManager, check_reward, gsm8k_score
+from trellis_demo.tasks import task_texts
+from trellis_demo.tiny import make_tiny_tokenizer
 from trellis_judges.client import JudgeError, judge_score, last_number, preflight, score_tag, yes_no
 
 TEMPLATE = "reference={reference} response={response}"

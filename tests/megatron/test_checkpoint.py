@@ -82,9 +82,9 @@ def test_mesh_names_the_fix_when_ranks_do_not_divide():
 
 
 def test_a_mixture_of_experts_model_is_refused_naming_its_type(tmp_path):
-    from trellis.examples.tasks import task_texts
-    from trellis.examples.tiny import make_tiny_model
     from trellis.interfaces.backend import BackendSpec
+    from trellis_demo.tasks import task_texts
+    from trellis_demo.tiny import make_tiny_model
     from trellis_megatron.backend import MegatronBackend
 
     moe = make_tiny_model(tmp_path / "moe", task_texts(), hidden_size=32, num_layers=2, moe=True)

@@ -14,7 +14,7 @@ import yaml
 from cli_runs import run_cli as trellis
 from ranks import boot_env
 
-from trellis.examples.tasks import make_arithmetic_split, write_rows
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 SCRIPT = Path(__file__).parents[1] / "verl_compat" / "launch" / "megatron.sh"
 TRAIN = "import sys; from trellis.recipes.train import train; train(sys.argv[1], sys.argv[2:])"

@@ -16,8 +16,8 @@ import torch
 from ranks import boot_env
 from safetensors.torch import load_file
 
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.export import export_checkpoint
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 HERE = Path(__file__).parent
 KILLABLE = HERE.parent / "integration" / "killable.py"

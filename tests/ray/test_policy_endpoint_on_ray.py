@@ -31,8 +31,8 @@ def ray_cluster():
 def test_openai_agent_episodes_run_against_an_endpoint_inside_the_rank(ray_cluster, tiny_model_path, tmp_path, pool):
     """Colocated, the endpoint runs in the actor rank's process; with a rollout pool, in the
     engine process's (either way not the driver's, and one process for the one engine)."""
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     log = tmp_path / "agents.jsonl"
     rows = make_arithmetic_split(8, 0, max_value=30)

@@ -31,7 +31,7 @@ def user_namespaces() -> bool:
 
 @pytest.mark.skipif(not user_namespaces(), reason="this kernel allows no unprivileged user namespaces (the run falls back to token auth)")
 def test_a_cli_ray_run_sees_only_loopback(tiny_model_path, tmp_path):
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(8, 0, max_value=50), tmp_path / "train.parquet")
     (tmp_path / "reward.py").write_text(INTERFACES)

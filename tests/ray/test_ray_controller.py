@@ -174,8 +174,8 @@ def test_copy_weights_and_agenerate_reach_the_ranks(ray_cluster, tiny_model_path
 
 def rl_on_two_ray_ranks(model_path, tmp_path, *overrides: str, plugins=None, val_prompts: int = 6) -> dict:
     """Two steps of the rl recipe on 2 Ray ranks of one node, 4 prompts a step, held-out prompts."""
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(32, 0, max_value=50), tmp_path / "train.parquet")
     val = write_rows(make_arithmetic_split(val_prompts, 0, split="test", max_value=50), tmp_path / "val.parquet")
@@ -204,8 +204,8 @@ def test_rl_recipe_runs_on_two_ray_ranks(ray_cluster, tiny_model_path, tmp_path)
 
 def test_critic_on_a_pool_of_its_own(ray_cluster, tiny_model_path, tmp_path):
     """PPO with GAE: actor+ref+rollout in one pool, the critic in another (1 rank each)."""
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
     train(
@@ -303,8 +303,8 @@ def test_ranks_are_packed_one_placement_group_per_node(tmp_path):
 def test_spin_recipe_on_two_ray_ranks_refreshes_the_reference_in_memory(ray_cluster, tiny_model_path, tmp_path):
     """SPIN on 2 ranks: every step's pairs start from policy == reference (margin 0) only if the
     reference took the actor's weights on every rank after the step before."""
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(16, 0, max_value=50), tmp_path / "train.parquet")
     train(
@@ -338,10 +338,10 @@ def test_agent_loops_run_next_to_each_engine(ray_cluster, tiny_model_path):
     from transformers import AutoTokenizer
 
     from trellis.data import PromptDataset
-    from trellis.examples.tasks import make_arithmetic_split
     from trellis.interfaces.rollout import RolloutSpec, SamplingParams
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
     from trellis.runtime.controller import LocalRollout
+    from trellis_demo.tasks import make_arithmetic_split
     from trellis_hf.engine import make_engine
     from trellis_multiturn.environment import agent_spec
     from trellis_multiturn.rollout import agent_rollout
@@ -469,8 +469,8 @@ def test_rl_on_ray_sleeps_the_engines_after_generation_and_wakes_weights_then_ca
 
 
 def test_tensor_parallel_engines_under_ray_are_refused_at_config_time(tiny_model_path, tmp_path):
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
     from trellis.recipes.train import train
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(8, 0, max_value=50), tmp_path / "train.parquet")
     overrides = [f"model.path={tiny_model_path}", f"data.train_path={data}", "rollout.name=recording_hf", "rollout.tensor_parallel_size=2",

@@ -14,10 +14,10 @@ pytest.importorskip("trellis_fsdp", reason="the rl recipe's check needs trellis-
 
 from trellis.batch import Batch  # noqa: E402
 from trellis.config import ConfigError  # noqa: E402
-from trellis.examples.tasks import write_rows  # noqa: E402
 from trellis.plugins import load_plugins  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
 from trellis.rewards import RewardConfig, RewardError, RewardManager  # noqa: E402
+from trellis_demo.tasks import write_rows  # noqa: E402
 from trellis_sandbox.reward import compute_score  # noqa: E402
 
 GOOD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"

@@ -14,8 +14,8 @@ from sandbox_server import start_server, stop
 
 pytest.importorskip("trellis_fsdp", reason="the RL run needs trellis-backend-fsdp, trellis-rollout-hf and trellis-algos")
 
-from trellis.examples.tasks import write_rows  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
+from trellis_demo.tasks import write_rows  # noqa: E402
 
 CLASSES = ("pass", "wrong_answer", "runtime_error", "timeout", "compile_error", "sandbox_error")
 

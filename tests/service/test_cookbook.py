@@ -35,7 +35,7 @@ def conversations(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     cwd = tmp_path_factory.mktemp("cookbook")
     rows = conversations(64)
@@ -101,7 +101,7 @@ def rl_workdir(tmp_path_factory) -> Path:
     """The tiny model with ``\\boxed{7}`` added to its vocabulary, and GSM8K-shaped rows whose answer is 7."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     cwd = tmp_path_factory.mktemp("cookbook-rl")
     rows = [{"question": f"What is {a} + {7 - a}?", "answer": f"{a} + {7 - a} = 7\n#### 7"} for a in range(8)] * 24

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from cli_runs import run_cli as trellis
 
-from trellis.examples.tasks import write_rows
+from trellis_demo.tasks import write_rows
 from trellis_verl_compat.convert import convert, read_verl
 from trellis_verl_compat.launch import read_script
 

@@ -17,10 +17,10 @@ import yaml
 from cli_runs import run_cli as trellis
 from torch.distributed.checkpoint import FileSystemReader
 
-from trellis.examples.shapes import make_shapes_split, shape_texts
-from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
 from trellis.recipes.train import train
+from trellis_demo.shapes import make_shapes_split, shape_texts
+from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
 
 SCRIPTS = Path(__file__).parent / "launch"
 

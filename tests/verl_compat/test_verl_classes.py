@@ -8,8 +8,8 @@ import verl_style
 from scripted import ScriptedEngine, prompts, row, run, spec
 
 from trellis.config import ConfigError
-from trellis.examples.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis.plugins import load_plugins
+from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import json
 import yaml
 from omegaconf import OmegaConf
 
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 from trellis_verl_compat.convert import convert, read_verl
 
 # the script's settings, sizes scaled to the tiny model (batch 256 -> 4 prompts, n 8 -> 2, 1024 + 3072 tokens -> 32 + 24)

@@ -14,7 +14,7 @@ QUESTIONS = ["how many squares?", "what color are the squares?", "red green blue
 
 @pytest.fixture(scope="session")
 def tiny_vision_model_path(tmp_path_factory):
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-vision", QUESTIONS, hidden_size=32, num_layers=2, seed=0, vision=True))
 

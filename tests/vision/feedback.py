@@ -6,7 +6,7 @@ takes no images."""
 from __future__ import annotations
 
 from trellis import AgentLoop, Interaction, InteractionTurn, Tool, ToolCall, ToolCallParser, ToolResult, Trajectory, hookimpl
-from trellis.examples.shapes import draw
+from trellis_demo.shapes import draw
 
 REPLY = "Count again."
 

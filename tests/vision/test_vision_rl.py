@@ -10,10 +10,10 @@ import pytest
 from images import image_row, squares
 
 from trellis.config import ConfigError
-from trellis.examples.tasks import write_rows
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 from trellis.runtime.sync_probe import SyncCheckFailed
+from trellis_demo.tasks import write_rows
 from trellis_fsdp.backend import FSDPBackend
 
 REWARD = "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str) / 20\n"

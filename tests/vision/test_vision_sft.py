@@ -13,10 +13,10 @@ from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTo
 from trellis_vision.prompts import ImagePrompts
 
 from trellis.data import DataError, SFTDataset, SFTLoader
-from trellis.examples.shapes import make_shapes_split
-from trellis.examples.tasks import write_rows
 from trellis.interfaces.backend import IMAGE_INPUTS
 from trellis.recipes.train import train
+from trellis_demo.shapes import make_shapes_split
+from trellis_demo.tasks import write_rows
 
 
 @pytest.fixture(scope="module")

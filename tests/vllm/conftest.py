@@ -25,14 +25,14 @@ ONE_HEAD = {"hidden_size": 32, "num_layers": 2, "num_heads": 1, "num_kv_heads": 
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-1head", TEXTS, seed=0, **ONE_HEAD))
 
 
 @pytest.fixture(scope="session")
 def tiny_untied_model_path(tmp_path_factory):
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-1head-untied"
     return str(make_tiny_model(path, TEXTS, seed=1, tie_word_embeddings=False, **ONE_HEAD))

@@ -21,7 +21,7 @@ def length(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def rl_with_adapter(model_path, tmp_path, *overrides):
-    from trellis.examples.tasks import make_arithmetic_split, write_rows
+    from trellis_demo.tasks import make_arithmetic_split, write_rows
 
     data = write_rows(make_arithmetic_split(32, 0, max_value=50), tmp_path / "train.parquet")
     (tmp_path / "length.py").write_text(LENGTH_REWARD)

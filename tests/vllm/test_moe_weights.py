@@ -8,11 +8,11 @@ import pytest
 import torch
 from engine_cases import TEXTS, build, forward_log_probs
 
-from trellis.examples.tasks import task_texts
-from trellis.examples.tiny import make_tiny_model
 from trellis.interfaces.hf import load_hf_model
 from trellis.interfaces.moe import ROUTED_EXPERTS
 from trellis.interfaces.rollout import SamplingParams
+from trellis_demo.tasks import task_texts
+from trellis_demo.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import math
 
-from trellis.examples.tasks import make_arithmetic_split, write_rows
 from trellis.recipes.train import train
+from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 
 def test_grpo_with_vllm_logs_rollout_correction_metrics(tiny_model_path, tmp_path):

@@ -9,8 +9,8 @@ import torch
 from engine_cases import MultiTurnCases, always_wrong_agent, build
 
 from trellis.data import PromptDataset
-from trellis.examples.tasks import make_arithmetic_split
 from trellis.interfaces.rollout import SamplingParams
+from trellis_demo.tasks import make_arithmetic_split
 
 
 class TestVLLMMultiTurn(MultiTurnCases):

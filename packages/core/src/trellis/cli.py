@@ -1,4 +1,4 @@
-"""The ``trellis`` command: plugins, doctor, config show/init, train, eval, make-tiny-model, demo, plot, export, and the plugins' commands."""
+"""The ``trellis`` command: plugins, doctor, config show/init, train, eval, plot, export, and the plugins' commands."""
 
 from __future__ import annotations
 
@@ -20,11 +20,9 @@ from trellis.plugins import Plugins, load_plugins
 from trellis.registry import RegistryError
 from trellis.rewards import RewardError
 
-# `trellis config init NAME` prints examples/configs/starter_NAME.yaml when there is one
+# `trellis config init NAME` prints starters/starter_NAME.yaml when there is one
 STARTERS = {
-    p.name.removeprefix("starter_").removesuffix(".yaml"): p
-    for p in (files("trellis.examples") / "configs").iterdir()
-    if p.name.startswith("starter_")
+    p.name.removeprefix("starter_").removesuffix(".yaml"): p for p in (files("trellis") / "starters").iterdir() if p.name.startswith("starter_")
 }
 
 
@@ -105,51 +103,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The demo parses its own flags: ``main`` hands it the command line before any parsing."""
-    from trellis.examples.demo import main as demo_main
-
-    return demo_main(args.argv[1:])
-
-
-def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from trellis.examples.tiny import make_tiny_model
-
-    if args.text_file:
-        path = Path(args.text_file)
-        if not path.is_file():
-            print(f"trellis: error: --text-file {str(path)!r} does not exist; give a text file (one text per line)", file=sys.stderr)
-            return 2
-        texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    else:
-        from trellis.examples.tasks import task_texts
-
-        texts = task_texts()
-    try:
-        out = make_tiny_model(
-            args.out_dir,
-            texts,
-            hidden_size=args.hidden_size,
-            num_layers=args.layers,
-            num_heads=args.heads,
-            num_kv_heads=args.kv_heads,
-            intermediate_size=args.intermediate_size,
-            vocab_size=args.vocab_size,
-            tie_word_embeddings=not args.untied,
-            seed=args.seed,
-            max_position_embeddings=args.max_position_embeddings,
-            vision=args.vision,
-            moe=args.moe,
-        )
-    except (ValueError, FileExistsError) as exc:
-        print(f"trellis: error: {exc}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -216,21 +169,6 @@ def all_commands(plugins: Plugins) -> Commands:
     p = add("eval", cmd_eval, help="validation alone, once, on model.path (the rl recipe's held-out data.val_path); prints its figures")
     p.add_argument("config", help="a YAML file, or the first key=value override (a run given by overrides alone)")
     p.add_argument("overrides", nargs="*", help="key=value")
-    p = add("make-tiny-model", cmd_make_tiny_model, help="build (or reuse) a tiny local Qwen2 (or Qwen2-VL) model + tokenizer trained on your text")
-    p.add_argument("out_dir")
-    p.add_argument("--text-file", help="tokenizer training text, one text per line (default: the arithmetic task's text)")
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=None, help="default: 4 x hidden size")
-    p.add_argument("--vocab-size", type=int, default=None, help="default: 256 bytes + 3 special tokens + up to 64 merges")
-    p.add_argument("--max-position-embeddings", type=int, default=512)
-    p.add_argument("--untied", action="store_true", help="separate output head (default: tied to the embeddings)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vision", action="store_true", help="a Qwen2-VL: a one-block vision tower, the vision tokens and an image processor")
-    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE: 4 experts per layer, each token routed to 2")
-    add("demo", cmd_demo, help="SFT then GRPO on arithmetic with a tiny model; prints a before/after table (see trellis demo -h)")
     p = add(
         "plot",
         cmd_plot,
@@ -257,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # at INFO it logs every request: a line per model call of an agent
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"]:
-        return cmd_demo(argparse.Namespace(argv=argv))
     try:
         plugins = load_plugins()
         commands = all_commands(plugins)

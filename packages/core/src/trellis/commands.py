@@ -8,7 +8,7 @@ from collections.abc import Callable
 from trellis.registry import RegistryError
 
 # commands that moved out of core -> the package that brings them (named when one is missing)
-MOVED = {"config from-verl": "trellis-verl-compat"}
+MOVED = {"config from-verl": "trellis-verl-compat", "demo": "trellis-demo", "make-tiny-model": "trellis-demo"}
 
 
 class Commands:

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from trellis.outdir import check_replaceable
+from trellis.kit.runs import check_replaceable
 
 logger = logging.getLogger("trellis")
 
@@ -114,7 +114,7 @@ def make_tiny_model(
     moe: a Qwen3-MoE instead: every layer's MLP is :data:`MOE_EXPERTS` experts of width
         ``intermediate_size / 4``, each token routed to the top :data:`MOE_TOP_K` (weights renormalised).
 
-    texts: the text the tokenizer is trained on (e.g. ``trellis.examples.tasks.task_texts()``).
+    texts: the text the tokenizer is trained on (e.g. ``trellis_demo.tasks.task_texts()``).
     intermediate_size: MLP width; None = ``4 * hidden_size``.
     vocab_size: embedding rows and the BPE trainer's cap; None = 256 bytes + 3 special tokens +
         up to 64 learned merges. Rows past the trained vocabulary are never produced by the tokenizer.
@@ -128,7 +128,7 @@ def make_tiny_model(
     out = Path(out_dir)
     texts = list(texts)
     if not texts:
-        raise ValueError("make_tiny_model: texts is empty; pass the task's text, e.g. trellis.examples.tasks.task_texts()")
+        raise ValueError("make_tiny_model: texts is empty; pass the task's text, e.g. trellis_demo.tasks.task_texts()")
     bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
     if bad:
         raise TypeError(f"make_tiny_model: texts[{bad[0]}] is {type(texts[bad[0]]).__name__}, not str; pass strings")

@@ -8,7 +8,7 @@ the ``gsm8k`` interaction (trellis-interactions) and a second try; the table sho
 the first answer alone (no feedback) and after feedback. Its SFT data shows the format: each row
 taught a wrong answer goes on with the feedback and the right answer.
 With ``--vision`` a tiny vision-language model (Qwen2-VL) learns to count the squares of generated
-images (``trellis.examples.shapes``; needs trellis-vision), with the same stages and table.
+images (``trellis_demo.shapes``; needs trellis-vision), with the same stages and table.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from trellis.examples.shapes import make_shapes_split, shape_texts
-from trellis.examples.tasks import make_arithmetic_split, task_texts, write_rows
-from trellis.examples.tiny import make_tiny_model
-from trellis.plot import plot_metrics
-from trellis.recipes.train import train
-from trellis.runtime import provenance
+from trellis import train
+from trellis.kit.runs import plot_metrics, read_provenance
+from trellis_demo.shapes import make_shapes_split, shape_texts
+from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
+from trellis_demo.tiny import make_tiny_model
 
 log = logging.getLogger("trellis")
 
@@ -55,7 +54,7 @@ VISION_RL = ["data.max_prompt_length=48", "trainer.total_steps=100"]
 
 
 def config_path(name: str) -> str:
-    return str(resources.files("trellis.examples") / "configs" / name)
+    return str(resources.files("trellis_demo") / "configs" / name)
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ def run_demo(out: Path, sft_overrides: list[str] = (), rl_overrides: list[str] =
 def stage_provenance(sft_dir: Path, rl_dir: Path) -> dict:
     """What the figures also depend on (versions, CPU), from the stages' ``provenance.json``, with
     the torch thread count of each stage."""
-    sft, rl = provenance.read(sft_dir), provenance.read(rl_dir)
+    sft, rl = read_provenance(sft_dir), read_provenance(rl_dir)
     return {**rl, "torch_threads": {"sft": sft["torch_threads"], "rl": rl["torch_threads"]}}
 
 
@@ -206,8 +205,8 @@ def format_multiturn_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trellis demo", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``trellis demo``'s flags."""
     parser.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft", nargs="*", default=[], help="overrides for the SFT stage (key=value)")
@@ -217,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         "--multiturn", action="store_true", help="RL with feedback: a wrong answer is told so and tries again (needs trellis-interactions)"
     )
     variant.add_argument("--vision", action="store_true", help="a tiny vision-language model counts squares in images (needs trellis-vision)")
-    args = parser.parse_args(argv)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     run_demo(Path(args.out), args.sft, args.rl, args.seed, "multiturn" if args.multiturn else "vision" if args.vision else "arithmetic")
     return 0

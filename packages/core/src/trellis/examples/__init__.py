@@ -1,1 +1,0 @@
-"""Examples that run without downloads: tiny models, the arithmetic task, the demo."""
