@@ -4,7 +4,7 @@ HTTP on loopback) against trellis-multiturn's in-process ``tool_agent`` loop doi
 Every episode is one tool call and an answer: the model (the tiny model of
 ``trellis_demo.tiny``, first taught in a few seconds of SFT to answer every arithmetic
 question of the demo's task with the same ``add`` call, then ``#### 46`` after the tool's result:
-``tests/tool_calling.py``)
+``trellis_demo.tool_call``)
 calls the tool, the result goes back, and the model answers (each turn ``--tokens`` new tokens at most). Both loops decode
 greedily from the same prompts, so they sample the same tokens: the script checks that every
 trajectory is the same token for token, then times each (median of ``--repeats``). The ratio
@@ -21,12 +21,9 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))  # tool_calling: the tests' tool-calling model
 
 
 async def agent(client, sample):
@@ -55,12 +52,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from tool_calling import ADD, make_tool_calling_model
     from transformers import AutoTokenizer
 
     from trellis.data import PromptDataset
     from trellis.interfaces.rollout import RolloutSpec
     from trellis_demo.tasks import make_arithmetic_split
+    from trellis_demo.tool_call import ADD, make_tool_calling_model
     from trellis_hf.engine import make_engine
 
     work = Path(tempfile.mkdtemp(prefix="trellis-bench-agent-"))
@@ -100,13 +97,13 @@ def main() -> None:
 def rollout_fn(name: str, tokenizer, args):
     """``fn(engine, prompts) -> Batch``: one rollout of every prompt's ``n`` episodes through ``name``'s loop."""
     from omegaconf import OmegaConf
-    from tool_calling import ADD
 
     from trellis.config import validate
     from trellis.interfaces.agents import Tool, ToolResult
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
     from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_demo.tool_call import ADD
     from trellis_multiturn.environment import agent_spec
     from trellis_multiturn.rollout import agent_rollout
 

@@ -4,7 +4,7 @@ again after a follow-up question, and returns a reward from the second answer.""
 
 from __future__ import annotations
 
-from tool_calling import ADD  # the agent's own tool, declared to the run by its schema alone
+from trellis_demo.tool_call import ADD  # the agent's own tool, declared to the run by its schema alone
 
 FOLLOW_UP = "again?"
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from multiturn_runs import multi_turn_run
 from omegaconf import OmegaConf
-from tool_calling import ADD, make_tool_calling_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trellis.recipes.rl.samples as rl
@@ -28,6 +27,7 @@ from trellis.recipes.train import train
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
 from trellis_demo.tasks import make_arithmetic_split, write_rows
+from trellis_demo.tool_call import ADD, make_tool_calling_model
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.rollout import AgentRollout
 from trellis_multiturn.tool_calls import HermesParser
@@ -117,7 +117,7 @@ def tool_calling_model(tmp_path_factory):
 
 
 def test_rl_trains_on_an_agent_whose_model_calls_a_tool(tool_calling_model, data, tmp_path, monkeypatch):
-    """A model that writes tool calls (taught one by SFT: ``tool_calling``) behind the
+    """A model that writes tool calls (taught one by SFT: ``trellis_demo.tool_call``) behind the
     endpoint, and an agent on the ``openai`` client that offers its own ``add`` (declared to the
     run by its schema alone), runs the calls the replies carry in ``tool_calls`` and asks again.
     Two rl steps train on exactly the ids the endpoint sampled, with the engine's log-probs."""

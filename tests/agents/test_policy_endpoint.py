@@ -13,7 +13,6 @@ import openai
 import pytest
 from omegaconf import OmegaConf
 from scripted import REASONING_TEMPLATE, ScriptedEngine
-from tool_calling import ADD
 
 import trellis_agents.endpoint as endpoint_module
 from trellis.chat import ChatDeltas
@@ -25,6 +24,7 @@ from trellis.recipes.rl.multi_turn import MultiTurnConfig
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
 from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
+from trellis_demo.tool_call import ADD
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.rollout import AgentRollout
 from trellis_multiturn.sampled import check_sampled

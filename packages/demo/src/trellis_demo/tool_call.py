@@ -30,8 +30,8 @@ def make_tool_calling_model(out_dir: str | os.PathLike, rows: Sequence[dict[str,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trellis.chat import ChatDeltas
-    from trellis.data import PromptDataset, encode_text
+    from trellis import PromptDataset, encode_text
+    from trellis.kit.serving import ChatDeltas
     from trellis_demo.tasks import task_texts
     from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
 
