@@ -129,6 +129,12 @@ class Generation:
     routes: Routes | None = None
 
 
+def engine_devices(options: Any) -> int:
+    """The devices one engine spans: its options' ``tensor_parallel_size`` (vLLM's, SGLang's), 1
+    for an engine whose options have no such field."""
+    return getattr(options, "tensor_parallel_size", 1)
+
+
 class RolloutFn(Protocol):
     """A rollout of a kind of its own, run by ``RolloutGroup.rollout`` next to each engine on its
     share of the prompts (trellis-multiturn's ``AgentRollout``, the conversations of the rl recipe's ``multi_turn`` runs).

@@ -50,7 +50,7 @@ def sync_from(engine: RolloutEngine, worker: Worker) -> None:
     memory). The engine checks the worker's ``weight_shapes()`` first (when the backend can tell),
     then reads the export one tensor at a time as the backend gathers it. A policy's LoRA adapter
     goes alone to an engine with ``adapter_sync`` (every rank gathers it whole: it is small)."""
-    if engine.adapter_sync and getattr(worker, "adapter", None) is not None:  # the adapter alone, on the engine's base
+    if engine.adapter_sync and worker.adapter is not None:  # the adapter alone, on the engine's base
         with weights_awake(engine):
             engine.load_adapter(*worker.export_adapter())
         return

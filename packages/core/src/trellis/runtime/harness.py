@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 from trellis.config import ConfigError, resolve_component, save
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.dispatch import Mesh
-from trellis.interfaces.rollout import RolloutSpec
+from trellis.interfaces.rollout import RolloutSpec, engine_devices
 from trellis.plugins import Plugins
 from trellis.registry import Registry
 from trellis.runtime import provenance
@@ -255,7 +255,7 @@ class Run:
         spec = RolloutSpec(self.cfg.model.path, options, tokenizer, seed=self.cfg.seed, max_len=max_len, adapter_rank=adapter.get("rank", 0))
         mesh = Mesh.for_options(options, self.controller.world_size())
         make = functools.partial(make_engine, spec)
-        return self.controller.spawn_rollout(make, actor, mesh, own_weights, engine_devices=getattr(options, "tensor_parallel_size", 1))
+        return self.controller.spawn_rollout(make, actor, mesh, own_weights, engine_devices=engine_devices(options))
 
     def start(
         self,

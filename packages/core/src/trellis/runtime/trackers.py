@@ -248,14 +248,14 @@ def _jsonable(v: Any) -> Any:
 
 class Trackers:
     """Every tracker named in ``trainer.trackers``, fed together, closed together. A run (re)started
-    after ``start_step`` tells each tracker that has ``resume(step)`` to drop what came later, so a
-    relaunch never repeats a step: a fresh start (0) drops everything, step 0's validation too."""
+    after ``start_step`` tells each tracker to drop what came later (``Tracker.resume``, a no-op
+    unless it keeps what it logged), so a relaunch never repeats a step: a fresh start (0) drops
+    everything, step 0's validation too."""
 
     def __init__(self, names: Iterable[str], registry: Registry, run_dir: Path, total_steps: int, start_step: int = 0) -> None:
         self.trackers = [registry.get("tracker", n).obj(run_dir, total_steps) for n in names]
         for t in self.trackers:
-            if hasattr(t, "resume"):
-                t.resume(start_step if start_step else -1)
+            t.resume(start_step if start_step else -1)
 
     @staticmethod
     def check(names: Iterable[str], registry: Registry) -> None:

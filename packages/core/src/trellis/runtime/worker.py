@@ -45,7 +45,11 @@ STATE_ROUTES = {
 
 
 class Worker(ABC):
-    """What a controller hosts on a rank: ``build()`` once, then verbs by name as ``routes()`` says."""
+    """What a controller hosts on a rank: ``build()`` once, then verbs by name as ``routes()`` says.
+    ``adapter``: the LoRA adapter the role trains (its ``AdapterConfig``), None for full weights;
+    a rollout engine with ``adapter_sync`` then gets the adapter alone (``export_adapter``)."""
+
+    adapter: Any = None
 
     @abstractmethod
     def build(self) -> None:

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from trellis.config import ConfigError, instantiate_options, resolve_component
 from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
 from trellis.interfaces.moe import expert_counts
+from trellis.interfaces.rollout import engine_devices
 from trellis.interfaces.signatures import OBJECTIVE
 from trellis.memory import check_activation_memory, text_config
 from trellis.recipes.options import check_inputs, prompt_images
@@ -188,7 +189,7 @@ def check_rollout_placement(cfg: DictConfig, registry) -> None:
     """Where the engines go: the controller places them as asked (``trainer.rollout_pool`` needs
     one with engine pools; see :meth:`~trellis.runtime.controller.Controller.check`)."""
     _, options = resolve_component(registry, "rollout", cfg.rollout)
-    controller_class(registry, cfg.trainer).check(cfg.trainer, getattr(options, "tensor_parallel_size", 1))
+    controller_class(registry, cfg.trainer).check(cfg.trainer, engine_devices(options))
 
 
 def on_policy_update(cfg: DictConfig, registry, estimator_needs: tuple[str, ...], samples: int) -> bool:
