@@ -45,6 +45,16 @@ def test_a_kind_s_interface_is_read_once_at_registration():
     reg.add("advantage", "plain", lambda data, options: None)
     assert reg.get("advantage", "plain").declared == {"needs": ()}
 
+    def bypass(data, agg, options):
+        return None
+
+    bypass.corrects_rollout = True  # a policy loss that corrects the engine's drift itself (algos' bypass_mode)
+    reg.add("policy_loss", "bypass", bypass)
+    assert reg.get("policy_loss", "bypass").declared == {"corrects_rollout": True}
+    bypass.corrects_rollouts = True
+    with pytest.raises(RegistryError, match=r"has 'corrects_rollouts', which no caller reads; did you mean 'corrects_rollout'\?"):
+        reg.add("policy_loss", "typo", bypass)
+
 
 def test_an_estimator_needing_what_nothing_provides_is_refused_at_registration():
     """The rl recipe fills or sets up each need an estimator declares; a need it does not know

@@ -47,7 +47,8 @@ class PolicyObjective:
         self.distill = resolve_component(registry, "distill_loss", distill.loss) if distill.coef > 0 else None
         opts = self.policy_options
         corrected = isinstance(opts, RolloutCorrectionOptions) and opts.enabled
-        self.correction = opts if corrected and not getattr(self.policy_loss, "corrects_rollout", False) else None
+        corrects = registry.get("policy_loss", options.policy_loss.name).declared["corrects_rollout"]
+        self.correction = opts if corrected and not corrects else None
         self.is_batch_mean: torch.Tensor | None = None
         self.kl = registry.get("kl", options.kl_loss_type).obj if options.use_kl_loss else None
         self.aux_coef = getattr(options, "router_aux_loss_coef", 0.0)

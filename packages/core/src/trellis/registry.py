@@ -122,6 +122,7 @@ INTERFACES: dict[str, Interface] = {
         ("Config", "run"), {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": (), "policy": None, "exports": {}}
     ),
     "advantage": Interface(optional={"needs": ()}, members={"needs": ADVANTAGE_NEEDS}),
+    "policy_loss": Interface(optional={"corrects_rollout": False}),  # the loss corrects the engine's drift itself (bypass_mode)
     "tool": Interface(optional={"schema": None}),
     "tracker": Interface(optional={"requires": None}),
     "rollout_function": Interface(("check", "load")),  # trellis.recipes.rl.multi_turn.MultiTurnRunner
