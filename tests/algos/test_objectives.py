@@ -119,7 +119,7 @@ def test_preference_pairs_whose_sides_differ_in_prompt_width_keep_each_response_
 
 
 def test_bradley_terry_objective_by_hand_on_three_pairs(registry):
-    from trellis.recipes.rm import RMTrainConfig
+    from trellis_algos.rm import RMTrainConfig
 
     objective = make(registry, "bradley_terry", RMTrainConfig)
     sides = {

@@ -52,6 +52,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("distill_loss", "*"): "trellis-algos",
     ("objective", "*"): "trellis-algos",
     ("recipe", "spin"): "trellis-algos",
+    ("recipe", "rm"): "trellis-algos",
     ("reward", "sandbox_fusion"): "trellis-sandbox",
     ("tool", "code_interpreter"): "trellis-sandbox",
     ("interaction", "*"): "trellis-interactions",

@@ -34,7 +34,7 @@ class RewardInputs:
     Each sample becomes the reward model's chat template over the row's messages with the
     generation prompt, then the response's text (the policy's tokens decoded without special
     tokens) and, when the response ended with the policy's eos token, the reward model's eos
-    token: the layout the ``rm`` recipe trains on (``trellis.recipes.pairs``), so its score is
+    token: the layout the ``rm`` recipe trains on (trellis-algos' ``pairs``), so its score is
     read at the answer's end. A sample longer than ``max_length`` tokens keeps its last
     ``max_length`` (the prompt's start is cut, never the answer's end), with one warning that
     counts them per batch."""

@@ -10,12 +10,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
-from trellis.config import ranged
-from trellis.data import load_rows
-from trellis.export import save_hf_folder
-from trellis.recipes.options import OptimConfig, RecipeConfig, TrainerConfig, check_inputs
-from trellis.recipes.pairs import PAIR_SCHEMA, SIDES, PairDataset, PairLoader
-from trellis.runtime.harness import Run, RunContext
+from trellis import OptimConfig, RecipeConfig, Run, RunContext, TrainerConfig, check_inputs, load_rows, ranged, save_hf_folder
+from trellis_algos.pairs import PAIR_SCHEMA, SIDES, PairDataset, PairLoader
 
 ROLE = "reward_model"  # the role's name: trellis export writes a checkpoint's reward_model as a sequence-classification folder
 

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from trellis.batch import Batch, position_ids
-from trellis.data import DataError, EpochLoader, chat_messages, encode_response, encode_text, render_chat, require_pad_id
+from trellis import Batch, DataError, EpochLoader, chat_messages, encode_response, encode_text, position_ids, render_chat, require_pad_id
 
 logger = logging.getLogger("trellis")
 
