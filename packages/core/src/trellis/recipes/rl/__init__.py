@@ -18,7 +18,8 @@ from trellis.interfaces.rollout import SamplingParams
 from trellis.recipes.rl.ahead import staleness_bound
 from trellis.recipes.rl.checks import check, check_data, load_data, longest_sequence
 from trellis.recipes.rl.config import AlgorithmConfig, RLConfig, RLTrainerConfig, ValidationConfig
-from trellis.recipes.rl.learner import Learner, compute_advantages, groups_with_signal, truncated, without_truncated
+from trellis.recipes.rl.figures import groups_with_signal, truncated, without_truncated
+from trellis.recipes.rl.learner import Learner, compute_advantages
 from trellis.recipes.rl.samples import SampleSource, make_reward, sample, scorer_of
 from trellis.rewards import Scorer
 from trellis.runtime.controller import RolloutGroup

@@ -7,10 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
-from trellis.batch import Batch, last_valid_index
+from trellis.batch import Batch
 from trellis.config import instantiate_options, resolve_component
 from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, without_replay
 from trellis.interfaces.rollout import SamplingParams
@@ -19,11 +18,10 @@ from trellis.memory import text_config
 from trellis.recipes.options import without_adapter
 from trellis.recipes.rl.ahead import staleness_metrics
 from trellis.recipes.rl.checks import needs, on_policy_update
-from trellis.recipes.rl.dynamic_sampling import group_has_signal
+from trellis.recipes.rl.figures import first_groups, groups_with_signal, kl_summary, throughput, truncated, without_truncated
 from trellis.recipes.rl.partial import version_span
 from trellis.recipes.rl.samples import COMPONENT, StepSamples
 from trellis.recipes.teacher import TEACHER_NEED, score_samples, wants_teacher
-from trellis.rewards import RewardResult
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run
 from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
@@ -147,7 +145,7 @@ class Learner:
             **kl_metrics,
             **teacher_metrics,
             **sync_metrics,
-            **_kl_summary(update_metrics, kl_metrics),
+            **kl_summary(update_metrics, kl_metrics),
             **({"actor/entropy": float((old["entropy"] * mask).sum() / mask.sum().clamp(min=1))} if old is not None else {}),
             **(router_metrics(batch, old, self.experts[0]) if self.experts and old is not None else {}),
             **(groups_with_signal(first.scores, first_groups(first, params.n)) if params.n > 1 else {}),
@@ -174,50 +172,3 @@ def compute_advantages(batch: Batch, estimator, options, kl_in_reward, declared:
     batch["advantages"] = advantages
     batch["returns"] = returns
     return metrics
-
-
-def groups_with_signal(scores: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
-    """``reward/groups_with_signal``: the share of prompt groups whose samples differ in reward
-    (``scores``, ``groups`` ``(batch,)``); 0 means no group-relative signal at all."""
-    return {"reward/groups_with_signal": float(group_has_signal(scores, groups).float().mean())}
-
-
-def first_groups(scored: RewardResult, n: int) -> torch.Tensor:
-    """``(batch,)`` the prompt group of each sample of a generation round (prompt i's ``n``
-    samples at rows i*n .. i*n+n-1)."""
-    return torch.arange(len(scored.scores)) // n
-
-
-def truncated(batch: Batch, params: SamplingParams, tokenizer) -> torch.Tensor:
-    """``(batch,)`` bool: samples cut by the length limit (``max_new_tokens`` response tokens, the
-    last neither the eos token nor a stop token)."""
-    mask = batch["response_mask"]
-    last = batch["responses"].gather(1, last_valid_index(mask).clamp(min=0)[:, None])[:, 0]
-    stops = torch.tensor([tokenizer.eos_token_id, *params.stop_token_ids])
-    return (mask.sum(-1) >= params.max_new_tokens) & ~torch.isin(last, stops)
-
-
-def without_truncated(batch: Batch, params: SamplingParams, tokenizer) -> Batch:
-    """``actor.mask_truncated``: a copy of ``batch`` whose truncated samples have a zero
-    ``response_mask``, so they leave the actor's loss."""
-    out = batch[torch.arange(len(batch))]
-    out["response_mask"] = batch["response_mask"] * ~truncated(batch, params, tokenizer)[:, None]
-    return out
-
-
-def throughput(batch: Batch, gen_s: float | None, times: dict[str, float]) -> dict[str, float]:
-    """``timing/gen_tokens_per_s`` (response tokens per second of this step's generation) and
-    ``timing/update_tokens_per_s`` (prompt + response tokens per second of the actor's update):
-    clock figures, kept with the timings."""
-    out = {}
-    if gen_s:
-        out["timing/gen_tokens_per_s"] = float(batch["response_mask"].sum()) / gen_s
-    if times.get("timing/update_actor_s"):
-        out["timing/update_tokens_per_s"] = float(batch["attention_mask"].sum()) / times["timing/update_actor_s"]
-    return out
-
-
-def _kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:
-    """``actor/kl``: the KL to the reference in use (as a loss term, else in the reward), if any."""
-    kl = update_metrics.get("actor/kl_loss", kl_metrics.get("actor/reward_kl"))
-    return {} if kl is None else {"actor/kl": kl}

@@ -1,0 +1,58 @@
+"""The ``rl`` step's figures beside the losses (groups with signal, throughput, the KL in use) and
+its truncated samples (``actor.mask_truncated``: counted, and masked out of the actor's loss)."""
+
+from __future__ import annotations
+
+import torch
+
+from trellis.batch import Batch, last_valid_index
+from trellis.interfaces.rollout import SamplingParams
+from trellis.recipes.rl.dynamic_sampling import group_has_signal
+from trellis.rewards import RewardResult
+
+
+def groups_with_signal(scores: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    """``reward/groups_with_signal``: the share of prompt groups whose samples differ in reward
+    (``scores``, ``groups`` ``(batch,)``); 0 means no group-relative signal at all."""
+    return {"reward/groups_with_signal": float(group_has_signal(scores, groups).float().mean())}
+
+
+def first_groups(scored: RewardResult, n: int) -> torch.Tensor:
+    """``(batch,)`` the prompt group of each sample of a generation round (prompt i's ``n``
+    samples at rows i*n .. i*n+n-1)."""
+    return torch.arange(len(scored.scores)) // n
+
+
+def truncated(batch: Batch, params: SamplingParams, tokenizer) -> torch.Tensor:
+    """``(batch,)`` bool: samples cut by the length limit (``max_new_tokens`` response tokens, the
+    last neither the eos token nor a stop token)."""
+    mask = batch["response_mask"]
+    last = batch["responses"].gather(1, last_valid_index(mask).clamp(min=0)[:, None])[:, 0]
+    stops = torch.tensor([tokenizer.eos_token_id, *params.stop_token_ids])
+    return (mask.sum(-1) >= params.max_new_tokens) & ~torch.isin(last, stops)
+
+
+def without_truncated(batch: Batch, params: SamplingParams, tokenizer) -> Batch:
+    """``actor.mask_truncated``: a copy of ``batch`` whose truncated samples have a zero
+    ``response_mask``, so they leave the actor's loss."""
+    out = batch[torch.arange(len(batch))]
+    out["response_mask"] = batch["response_mask"] * ~truncated(batch, params, tokenizer)[:, None]
+    return out
+
+
+def throughput(batch: Batch, gen_s: float | None, times: dict[str, float]) -> dict[str, float]:
+    """``timing/gen_tokens_per_s`` (response tokens per second of this step's generation) and
+    ``timing/update_tokens_per_s`` (prompt + response tokens per second of the actor's update):
+    clock figures, kept with the timings."""
+    out = {}
+    if gen_s:
+        out["timing/gen_tokens_per_s"] = float(batch["response_mask"].sum()) / gen_s
+    if times.get("timing/update_actor_s"):
+        out["timing/update_tokens_per_s"] = float(batch["attention_mask"].sum()) / times["timing/update_actor_s"]
+    return out
+
+
+def kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:
+    """``actor/kl``: the KL to the reference in use (as a loss term, else in the reward), if any."""
+    kl = update_metrics.get("actor/kl_loss", kl_metrics.get("actor/reward_kl"))
+    return {} if kl is None else {"actor/kl": kl}
