@@ -48,7 +48,9 @@ OWN_LOCK = {"vllm": "vllm", "sglang": "sglang", "parity": "parity"}  # session -
 
 # session -> (local packages to install, extra requirements, tests folders, space-separated)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
-    "core": (["packages/core[math,tensorboard,wandb,mlflow]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
+    "core": (["packages/core[math]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
+    # each tracker read back with its own library's reader
+    "trackers": (["packages/core", "packages/demo", "packages/trackers[tensorboard,wandb,mlflow]"], [], "tests/trackers"),
     "algos": (["packages/core", "packages/demo", "packages/algos"], [], "tests/algos"),
     "fsdp": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/demo", "packages/rollout-hf"], [], "tests/hf"),
@@ -57,7 +59,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
     # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; judges: the docs' judge
-    # rewards; ray: the dry run's checks of a two-rank placement (no cluster starts); service: the docs' `trellis serve`
+    # rewards; ray: the dry run's checks of a two-rank placement (no cluster starts); service: the docs' `trellis serve`;
+    # trackers: a run feeding console, jsonl and tensorboard at once
     "integration": (
         [
             "packages/core",
@@ -73,10 +76,11 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/sandbox",
             "packages/verl-compat",
             "packages/service",
+            "packages/trackers[tensorboard]",
             "tests/plugins/plain",
             "tests/plugins/example",
         ],
-        ["tensorboard>=2.14"],
+        [],
         "tests/integration",
     ),
     "ray": (
@@ -177,7 +181,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     # the converted multi-turn example trains with trellis-interactions' gsm8k interaction; [lora]: a converted LoRA
     # script trains; [scoring] and verl itself (see _install_with_verl): the verl_default reward calls verl's own scoring;
     # ray: a multi-GPU launch converts to trainer.controller=ray, which the converted config's checks look up;
-    # vision: the converted geo3k script trains a tiny vision-language model; judges: FAPO's served reward model
+    # vision: the converted geo3k script trains a tiny vision-language model; judges: FAPO's served reward model;
+    # trackers: verl's trainer.logger names wandb
     "verl_compat": (
         [
             "packages/core",
@@ -190,6 +195,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/interactions",
             "packages/vision",
             "packages/judges",
+            "packages/trackers",
             "packages/verl-compat[scoring]",
         ],
         [],
@@ -517,6 +523,7 @@ PACKAGE_TESTS = {
     "multiturn": "multiturn",
     "agents": "agents",
     "demo": "core",
+    "trackers": "trackers",
     "judges": "judges",
     "vision": "vision",
     "service": "service",

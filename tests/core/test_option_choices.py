@@ -69,7 +69,7 @@ def test_compose_names_key_value_valid_values_and_closest():
         (
             {"trackers": ["console", "jsnol"]},
             "config key 'trainer.trackers' is ['console', 'jsnol'] (item 'jsnol'): tracker 'jsnol' is not installed "
-            "(installed tracker names: console, jsonl, mlflow, tensorboard, wandb); did you mean 'jsonl'?",
+            "(installed tracker names: console, jsonl); did you mean 'jsonl'?",
         ),
     ],
 )

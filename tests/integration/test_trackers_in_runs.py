@@ -40,5 +40,5 @@ def test_missing_tracker_library_stops_the_run_before_any_model_is_built(run_rl,
 
     monkeypatch.setattr("trellis.runtime.harness.spawn_worker", refuse)
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    with pytest.raises(ConfigError, match=r"tracker 'wandb' needs wandb .*: pip install 'trellis-core\[wandb\]'"):
+    with pytest.raises(ConfigError, match=r"tracker 'wandb' needs wandb .*: pip install 'trellis-trackers\[wandb\]'"):
         run_rl("trainer.trackers=[jsonl,wandb]")

@@ -8,16 +8,13 @@ from trellis.recipes.rl.dynamic_sampling import group_has_signal
 from trellis.recipes.sft import SFTRecipe
 from trellis.rewards import auto_score, gsm8k_score, math_score
 from trellis.runtime.controller import LocalController
-from trellis.runtime.trackers import ConsoleTracker, JsonlTracker, MlflowTracker, TensorBoardTracker, WandbTracker
+from trellis.runtime.trackers import ConsoleTracker, JsonlTracker
 
 
 @hookimpl
 def trellis_register(registry):
     registry.add("tracker", "console", ConsoleTracker)
     registry.add("tracker", "jsonl", JsonlTracker)
-    registry.add("tracker", "tensorboard", TensorBoardTracker)
-    registry.add("tracker", "wandb", WandbTracker)
-    registry.add("tracker", "mlflow", MlflowTracker)
     registry.add("reward", "gsm8k", gsm8k_score)
     registry.add("reward", "math", math_score)
     registry.add("reward", "auto", auto_score)

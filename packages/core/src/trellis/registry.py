@@ -66,6 +66,9 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("reward", "judge"): "trellis-judges",
     ("reward_service", "judge_engine"): "trellis-judges",
     ("prompt_encoder", "images"): "trellis-vision",
+    ("tracker", "tensorboard"): "trellis-trackers",
+    ("tracker", "wandb"): "trellis-trackers",
+    ("tracker", "mlflow"): "trellis-trackers",
 }
 
 

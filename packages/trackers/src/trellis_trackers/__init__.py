@@ -1,0 +1,1 @@
+"""trellis-trackers: a run's metrics in TensorBoard, Weights & Biases or MLflow (``trainer.trackers``)."""
