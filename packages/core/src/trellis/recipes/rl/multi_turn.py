@@ -61,7 +61,7 @@ class ToolConfig:
 @dataclass
 class AgentLoopConfig:
     """An agent loop that rows name in ``agent_name``: a registered one built with options (e.g.
-    trellis-interactions' ``verl``, which runs a verl ``AgentLoopBase`` subclass).
+    trellis-verl-compat's ``verl``, which runs a verl ``AgentLoopBase`` subclass).
 
     name: the name rows give in ``agent_name`` (not one of the installed agent loops).
     component: the registered agent loop (kind ``agent_loop``) that runs it.
