@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"]
+PACKAGES = ["packages/core", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf", "packages/demo"]
 REQUIREMENTS = ["torch==2.13.0", "trl==1.16.0"]
 
 
