@@ -43,7 +43,7 @@ def test_a_kind_s_interface_is_read_once_at_registration():
     with pytest.raises(RegistryError, match=r"recipe 'typo' \(plugin 'first'\) has 'check_date', which no caller reads; did you mean 'check_data'\?"):
         reg.add("recipe", "typo", SimpleNamespace(Config=dict, run=lambda cfg, ctx: {}, check_date=lambda cfg, registry: ""))
     reg.add("advantage", "plain", lambda data, options: None)
-    assert reg.get("advantage", "plain").declared == {"needs": ()}
+    assert reg.get("advantage", "plain").declared == {"needs": (), "reads": ()}
 
     def bypass(data, agg, options):
         return None

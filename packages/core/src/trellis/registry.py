@@ -125,7 +125,8 @@ INTERFACES: dict[str, Interface] = {
     "recipe": Interface(
         ("Config", "run"), {"check": None, "check_data": None, "evaluate": None, "resume_safe_keys": (), "policy": None, "exports": {}}
     ),
-    "advantage": Interface(optional={"needs": ()}, members={"needs": ADVANTAGE_NEEDS}),
+    # needs: what the rl step sets up and fills (a closed set: each is work the step does); reads: batch fields as they are (open)
+    "advantage": Interface(optional={"needs": (), "reads": ()}, members={"needs": ADVANTAGE_NEEDS}),
     "policy_loss": Interface(optional={"corrects_rollout": False}),  # the loss corrects the engine's drift itself (bypass_mode)
     "tool": Interface(optional={"schema": None}),
     "tracker": Interface(optional={"requires": None}),

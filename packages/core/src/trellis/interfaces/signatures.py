@@ -10,7 +10,7 @@ dataclass (or the ``options=`` given to ``registry.add``) holds its config optio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +39,8 @@ class AdvantageInputs:
         besides ``score`` (gdpo).
     teacher_log_probs: ``(batch, response_len)`` a frozen teacher's log-prob of each token the
         policy sampled (on-policy distillation).
+    fields: the step's batch fields the estimator names in its ``reads`` attribute, as the batch
+        holds them (a tensor, or a list per sample: e.g. a multi-turn rollout's ``turn_scores``).
     """
 
     token_rewards: torch.Tensor
@@ -50,6 +52,7 @@ class AdvantageInputs:
     sum_sq_probs: torch.Tensor | None = None
     reward_components: dict[str, torch.Tensor] | None = None
     teacher_log_probs: torch.Tensor | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 class AdvantageEstimator(Protocol):
@@ -70,7 +73,9 @@ class AdvantageEstimator(Protocol):
       refuses settings that update more than once).
 
     A need not in this list (``trellis.registry.ADVANTAGE_NEEDS``) is refused when the estimator
-    registers: nothing would fill it."""
+    registers: nothing would fill it. What the step's batch already holds needs no setting up: an
+    estimator names such fields in a ``reads`` attribute (``reads = ("turn_scores",)``) and gets
+    them in ``AdvantageInputs.fields``; a field the run's samples lack stops the step, naming it."""
 
     def __call__(self, data: AdvantageInputs, options: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(advantages, returns)``, each ``(batch, response_len)``, zero where masked."""

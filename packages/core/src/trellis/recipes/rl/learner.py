@@ -48,6 +48,7 @@ class Learner:
         self.cfg, self.run, self.tokenizer = cfg, run, tokenizer
         self.estimator, self.estimator_options = resolve_component(registry, "advantage", cfg.algorithm.advantage)
         self.needs = needs(registry, cfg.algorithm.advantage.name)
+        self.reads = registry.get("advantage", cfg.algorithm.advantage.name).declared["reads"]
         use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.kl_in_reward = registry.get("objective", "kl_in_reward").obj(cfg.algorithm, registry) if cfg.algorithm.use_kl_in_reward else None
         self.actor = run.spawn("actor", cfg.model.path, cfg.actor, objectives={"update": "policy"})
@@ -124,7 +125,7 @@ class Learner:
             with timer("values"):
                 batch["values"] = self.critic.values(batch)["values"]
         with timer("adv"):
-            kl_metrics = compute_advantages(batch, self.estimator, self.estimator_options, self.kl_in_reward, self.needs)
+            kl_metrics = compute_advantages(batch, self.estimator, self.estimator_options, self.kl_in_reward, self.needs, self.reads)
         update_metrics: dict[str, float] = {}
         if self.critic is not None:
             with timer("update_critic"):
@@ -159,15 +160,22 @@ class Learner:
         }
 
 
-def compute_advantages(batch: Batch, estimator, options, kl_in_reward, declared: tuple[str, ...]) -> dict[str, float]:
+def compute_advantages(batch: Batch, estimator, options, kl_in_reward, declared: tuple[str, ...], reads: tuple[str, ...] = ()) -> dict[str, float]:
     """Token rewards (minus the in-reward KL penalty when ``kl_in_reward`` is given), then the
     estimator's advantages and returns into ``batch``; samples are grouped by prompt ``uid``.
-    The estimator gets the inputs it declares in ``needs`` (``declared``) and no others."""
+    The estimator gets the inputs it declares in ``needs`` (``declared``) and the batch fields it
+    ``reads``, and no others."""
+    missing = [name for name in reads if name not in batch]
+    if missing:
+        raise ValueError(
+            f"the advantage estimator reads batch fields {missing}, which this run's samples do not hold (fields: {sorted(batch.keys())}); "
+            "use a rollout that records them, or another estimator"
+        )
     token_rewards, metrics = kl_in_reward(batch) if kl_in_reward is not None else (batch["token_scores"], {})
     fields = {field: batch.get(key) for need, (field, key) in ADVANTAGE_FIELDS.items() if need in declared}
     if "reward_components" in declared:
         fields["reward_components"] = {k.removeprefix(COMPONENT): batch[k] for k in batch.keys() if k.startswith(COMPONENT)} or None
-    data = AdvantageInputs(token_rewards, batch["response_mask"], batch.group_index("uid"), **fields)
+    data = AdvantageInputs(token_rewards, batch["response_mask"], batch.group_index("uid"), **fields, fields={n: batch[n] for n in reads})
     advantages, returns = estimator(data, options)
     batch["advantages"] = advantages
     batch["returns"] = returns
