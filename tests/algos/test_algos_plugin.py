@@ -31,7 +31,7 @@ EXPECTED = {
     "preference_loss": {"sigmoid", "ipo"},
     "distill_loss": {"reverse_kl", "forward_kl", "jsd"},
     "objective": {"policy", "value", "sft", "preference", "bradley_terry", "kl_in_reward"},
-    "recipe": {"spin"},
+    "recipe": {"spin", "rm"},
 }
 SIMPLE_TYPES = {int, float, bool, str}
 
