@@ -4,7 +4,7 @@ Stages: task data (train / held-out) -> tiny model -> ``sft`` recipe -> ``rl`` r
 before/after table of held-out reward, writes ``summary.json`` (with the versions, CPU and thread
 counts the figures were made with) and ``curves.png`` in the run folder.
 With ``--multiturn`` the RL stage is a conversation: a wrong answer gets "Wrong, try again." from
-the ``gsm8k`` interaction (trellis-interactions) and a second try; the table shows the reward of
+the ``gsm8k`` interaction (trellis-interactions, run by trellis-multiturn) and a second try; the table shows the reward of
 the first answer alone (no feedback) and after feedback. Its SFT data shows the format: each row
 taught a wrong answer goes on with the feedback and the right answer.
 With ``--vision`` a tiny vision-language model (Qwen2-VL) learns to count the squares of generated
@@ -213,7 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rl", nargs="*", default=[], help="overrides for the RL stage (key=value)")
     variant = parser.add_mutually_exclusive_group()
     variant.add_argument(
-        "--multiturn", action="store_true", help="RL with feedback: a wrong answer is told so and tries again (needs trellis-interactions)"
+        "--multiturn",
+        action="store_true",
+        help="RL with feedback: a wrong answer is told so and tries again (needs trellis-multiturn and trellis-interactions)",
     )
     variant.add_argument("--vision", action="store_true", help="a tiny vision-language model counts squares in images (needs trellis-vision)")
 
