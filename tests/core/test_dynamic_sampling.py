@@ -128,3 +128,34 @@ def test_mask_truncated_zeroes_exactly_the_samples_cut_by_the_limit():
     masked = without_truncated(batch, params, tokenizer)
     assert masked["response_mask"].tolist() == [[0, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
     assert batch["response_mask"].equal(mask)  # the batch the other roles read keeps its mask
+
+
+def test_a_group_filter_with_options_gets_them_checked_and_bound():
+    """The example plugin's ``example_some_right`` takes ``above``: groups whose best sample scores
+    above it are kept; the options are checked against its dataclass, and options nothing reads
+    are refused."""
+    from omegaconf import OmegaConf
+
+    import trellis_example.plugin
+    from trellis.config import ConfigError, validate
+    from trellis.plugins import load_plugins
+    from trellis.recipes.rl.dynamic_sampling import group_filters
+
+    registry = load_plugins(entry_points=False, extra=[("example", trellis_example.plugin)]).registry
+
+    def section(**given):
+        return validate(OmegaConf.create({"enable": True, **given}), DynamicSamplingConfig, registry, "algorithm.dynamic_sampling.")
+
+    values, groups = torch.tensor([0.0, 0.4, 0.0, 0.9, 1.0, 1.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    default, strict = (
+        group_filters(section(filters=["zero_variance", "example_some_right"], filter_options=options), registry)
+        for options in ({}, {"example_some_right": {"above": 0.5}})
+    )
+    assert [f(values, groups).tolist() for f in default] == [[True, True, False], [True, True, True]]
+    assert strict[1](values, groups).tolist() == [False, True, True]
+    with pytest.raises(ConfigError, match=r"'algorithm.dynamic_sampling.filter_options.example_some_right.abov'"):
+        group_filters(section(filters=["example_some_right"], filter_options={"example_some_right": {"abov": 0.5}}), registry)
+    with pytest.raises(ConfigError, match=r"filter_options.example_some_right' gives options to a filter that .* does not list"):
+        group_filters(section(filter_options={"example_some_right": {"above": 0.5}}), registry)
+    with pytest.raises(ConfigError, match=r"group filter 'zero_variance' takes no options; drop them"):
+        group_filters(section(filter_options={"zero_variance": {"above": 0.5}}), registry)

@@ -73,9 +73,16 @@ def length_reward(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str) == int(ground_truth))
 
 
-def some_right(values, groups):
-    """A group filter: keep the prompt groups with at least one sample above 0 ``(groups,)``."""
-    return torch.zeros(int(groups.max()) + 1).scatter_reduce(0, groups, values.float(), "amax") > 0
+@dataclass
+class SomeRightOptions:
+    above: float = trellis.ranged(0.0)  # a kept group has a sample scoring above this
+
+
+def some_right(values, groups, options):
+    """A group filter with options: keep the prompt groups with at least one sample above
+    ``options.above`` ``(groups,)``."""
+    best = torch.full((int(groups.max()) + 1,), float("-inf")).scatter_reduce(0, groups, values.float(), "amax")
+    return best > options.above
 
 
 class CountingBackend(Backend):
@@ -271,7 +278,7 @@ def trellis_register(registry):
     registry.add("tool", "example_add", AddTool)
     registry.add("tool_parser", "example_call_line", CallLineParser)
     registry.add("agent_loop", "example_one_turn", OneTurnLoop)
-    registry.add("group_filter", "example_some_right", some_right)
+    registry.add("group_filter", "example_some_right", some_right, options=SomeRightOptions)
     registry.add("tracker", "example_list", ListTracker)
     registry.add("controller", "example_counting", CountingController)
     registry.add("reward_service", "example_scored_batches", ScoredBatches)

@@ -18,6 +18,7 @@ from trellis.memory import check_activation_memory, text_config
 from trellis.recipes.options import check_inputs, prompt_images
 from trellis.recipes.reward_model import check_reward_model
 from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
+from trellis.recipes.rl.dynamic_sampling import group_filters
 from trellis.recipes.rl.multi_turn import ConversationRollout, MultiTurnRunner
 from trellis.recipes.teacher import TEACHER_NEED, check_teacher
 from trellis.registry import RegistryError
@@ -61,6 +62,7 @@ def check(cfg: DictConfig, registry) -> None:
     check_reward_model(cfg)
     if cfg.algorithm.dynamic_sampling.enable:
         check_dynamic_sampling(cfg, declared)
+        group_filters(cfg.algorithm.dynamic_sampling, registry)  # options checked, filters built once
     if "on_policy_only" in declared:
         check_on_policy(cfg, samples)
     seq_len = longest_sequence(cfg)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from trellis.batch import Batch
-from trellis.config import choice, ranged, switch
+from trellis.config import ConfigError, choice, instantiate_options, ranged, switch, validate
+from trellis.registry import Registry
 from trellis.rewards import RewardResult
 
 log = logging.getLogger("trellis")
@@ -26,7 +29,10 @@ class DynamicSamplingConfig:
         included) or ``acc`` (the reward's ``acc`` component when it returns one, else the score).
     filters: registered group filters (kind ``group_filter``), each ``f(values, groups) -> keep``
         with ``values`` and ``groups`` ``(batch,)`` and ``keep`` ``(groups,)`` bool; a group is kept
-        when every filter keeps it.
+        when every filter keeps it. A filter registered with an options dataclass is called
+        ``f(values, groups, options)``.
+    filter_options: the options of such filters, by name (``{min_spread: {spread: 0.5}}``), checked
+        against each one's dataclass; the others take the defaults.
     max_rounds: generation rounds a step may take; when they do not fill the batch, the step
         trains on the groups kept (a warning says how many), or is skipped if none."""
 
@@ -34,6 +40,35 @@ class DynamicSamplingConfig:
     metric: str = choice("reward", ("reward", "acc"))
     max_rounds: int = ranged(10, ge=1)
     filters: list[str] = choice(kind="group_filter", default_factory=lambda: ["zero_variance"])
+    filter_options: dict[str, Any] = field(default_factory=dict)
+
+
+def group_filters(cfg: DynamicSamplingConfig, registry: Registry) -> list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The filters ``cfg.filters`` names, each as ``f(values, groups) -> keep`` with its checked
+    options bound; options for a filter not listed, or for one that takes none, are refused."""
+    key = "algorithm.dynamic_sampling.filter_options"
+    for name in cfg.filter_options:
+        if name not in cfg.filters:
+            raise ConfigError(
+                f"config key '{key}.{name}' gives options to a filter that algorithm.dynamic_sampling.filters ({list(cfg.filters)}) "
+                f"does not list, so they would be ignored; add {name} to the filters or drop its options"
+            )
+    out = []
+    for name in cfg.filters:
+        entry = registry.get("group_filter", name)
+        given = cfg.filter_options.get(name)
+        if entry.options is None:
+            if given is not None:
+                raise ConfigError(f"config key '{key}.{name}': group filter {name!r} takes no options; drop them")
+            out.append(entry.obj)
+            continue
+        node = validate(OmegaConf.create(given or {}), entry.options, registry, f"{key}.{name}.")
+        out.append(_with_options(entry.obj, instantiate_options(node, entry.options)))
+    return out
+
+
+def _with_options(f: Callable, options: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda values, groups: f(values, groups, options)
 
 
 def kept_groups(filters: list, values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

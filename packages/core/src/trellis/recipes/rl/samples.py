@@ -23,7 +23,7 @@ from trellis.recipes.reward_model import ROLE as REWARD_MODEL
 from trellis.recipes.reward_model import ModelReward, reward_inputs
 from trellis.recipes.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
 from trellis.recipes.rl.checks import reward_services
-from trellis.recipes.rl.dynamic_sampling import fill
+from trellis.recipes.rl.dynamic_sampling import fill, group_filters
 from trellis.recipes.rl.multi_turn import ConversationRollout
 from trellis.recipes.rl.partial import generate_in_chunks
 from trellis.recipes.rl.streaming import generate_scored
@@ -108,7 +108,7 @@ class SampleSource:
         self.samples_per_step = cfg.data.train_batch_prompts * cfg.sampling.n
         self.dynamic = cfg.algorithm.dynamic_sampling
         self.multiple = group_multiple(cfg, run.registry, self.samples_per_step) if self.dynamic.enable else 1
-        self.filters = [run.registry.get("group_filter", name).obj for name in self.dynamic.filters]
+        self.filters = group_filters(self.dynamic, run.registry)
         self.carry: list[tuple[Batch, RewardResult]] = []  # kept groups a step ahead of training did not need
         self.chunk = partial_chunk(cfg.trainer, cfg.multi_turn.enable)
         self.stops = stop_ids(cfg.model.path, tokenizer) if self.chunk is not None else set()  # where a chunked sample ends
