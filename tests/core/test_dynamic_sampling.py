@@ -157,5 +157,5 @@ def test_a_group_filter_with_options_gets_them_checked_and_bound():
         group_filters(section(filters=["example_some_right"], filter_options={"example_some_right": {"abov": 0.5}}), registry)
     with pytest.raises(ConfigError, match=r"filter_options.example_some_right' gives options to a filter that .* does not list"):
         group_filters(section(filter_options={"example_some_right": {"above": 0.5}}), registry)
-    with pytest.raises(ConfigError, match=r"group filter 'zero_variance' takes no options; drop them"):
+    with pytest.raises(ConfigError, match=r"filter_options.zero_variance.: group_filter .zero_variance. takes no options, got \[.above.\]"):
         group_filters(section(filter_options={"zero_variance": {"above": 0.5}}), registry)

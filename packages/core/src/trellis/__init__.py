@@ -25,6 +25,7 @@ _API = {
     "switch": "trellis.config",
     "ConfigError": "trellis.config",
     "instantiate_options": "trellis.config",
+    "checked_options": "trellis.config",
     "validate": "trellis.config",
     "resolve_component": "trellis.config",
     "compose": "trellis.config",

@@ -438,6 +438,18 @@ def instantiate_options(node: DictConfig, schema: type) -> Any:
     return schema(**{k: v for k, v in data.items() if k in names})
 
 
+def checked_options(entry: Any, given: Any, registry: Registry, key: str) -> Any:
+    """The options instance of registry ``entry`` from ``given`` (a mapping of options, or None),
+    checked against its options dataclass with errors naming ``key``; None for a component that
+    declares no options, which is then given none."""
+    if entry.options is None:
+        if given:
+            raise ConfigError(f"config key {key!r}: {entry.kind} {entry.name!r} takes no options, got {sorted(given)}")
+        return None
+    checked = validate(OmegaConf.create(dict(given or {})), entry.options, registry, f"{key}.")
+    return instantiate_options(checked, entry.options)
+
+
 def resolve_component(registry: Registry, kind: str, node: DictConfig) -> tuple[Any, Any]:
     """The registered ``kind`` that a checked ``component(...)`` node names, and its options
     instance (None when the component declares no options)."""

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from trellis import (
@@ -28,10 +28,10 @@ from trellis import (
     RewardTerm,
     RolloutSpec,
     Scorer,
+    checked_options,
     instantiate_options,
     load_function,
     reward_name,
-    validate,
 )
 
 if TYPE_CHECKING:
@@ -128,12 +128,7 @@ def engine_options(spec: Any, registry: Any) -> Any:
     """The factory of ``spec.engine`` and its options instance from ``reward.judge.options``
     (checked as under ``rollout``; None when the engine declares no options)."""
     entry = registry.get("rollout", spec.engine)
-    if entry.options is None:
-        if spec.options:
-            raise ConfigError(f"config key 'reward.judge.options': rollout {spec.engine!r} takes no options, got {sorted(spec.options)}")
-        return entry.obj, None
-    checked = validate(OmegaConf.create(dict(spec.options)), entry.options, registry, "reward.judge.options.")
-    return entry.obj, instantiate_options(checked, entry.options)
+    return entry.obj, checked_options(entry, spec.options, registry, "reward.judge.options")
 
 
 def start_judge(spec: Any, registry: Any, seed: int) -> JudgeServer:

@@ -13,7 +13,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trellis import ConfigError, Interaction, MultiTurnConfig, PromptEncoder, Registry, RegistryError, Tool, instantiate_options, validate
+from trellis import (
+    ConfigError,
+    Interaction,
+    MultiTurnConfig,
+    PromptEncoder,
+    Registry,
+    RegistryError,
+    Tool,
+    checked_options,
+)
 from trellis.kit.multiturn import AgentLoopConfig, ClassAdapter, InteractionConfig, ToolConfig, renders_tools
 from trellis_multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
 from trellis_multiturn.tool_calls import ToolCallParser
@@ -144,12 +153,7 @@ def _factory(cfg: InteractionConfig | ToolConfig, kind: str, registry: Registry,
         entry = registry.get(kind, cfg.component)
     except RegistryError as exc:
         raise ConfigError(f"config key '{key}.component': {exc}") from None
-    if entry.options is None:
-        if cfg.options:
-            raise ConfigError(f"config key '{key}.options': {kind} {cfg.component!r} takes no options, got {sorted(cfg.options)}")
-        return functools.partial(entry.obj, None)
-    checked = validate(OmegaConf.create(dict(cfg.options)), entry.options, registry, f"{key}.options.")
-    return functools.partial(entry.obj, instantiate_options(checked, entry.options))
+    return functools.partial(entry.obj, checked_options(entry, cfg.options, registry, f"{key}.options"))
 
 
 def class_adapter(registry: Registry, key: str) -> ClassAdapter:

@@ -62,7 +62,7 @@ def check(cfg: DictConfig, registry) -> None:
     check_reward_model(cfg)
     if cfg.algorithm.dynamic_sampling.enable:
         check_dynamic_sampling(cfg, declared)
-        group_filters(cfg.algorithm.dynamic_sampling, registry)  # options checked, filters built once
+        group_filters(cfg.algorithm.dynamic_sampling, registry)  # their options checked before any model is built
     if "on_policy_only" in declared:
         check_on_policy(cfg, samples)
     seq_len = longest_sequence(cfg)

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from trellis.batch import Batch
-from trellis.config import ConfigError, choice, instantiate_options, ranged, switch, validate
+from trellis.config import ConfigError, checked_options, choice, ranged, switch
 from trellis.registry import Registry
 from trellis.rewards import RewardResult
 
@@ -56,14 +55,8 @@ def group_filters(cfg: DynamicSamplingConfig, registry: Registry) -> list[Callab
     out = []
     for name in cfg.filters:
         entry = registry.get("group_filter", name)
-        given = cfg.filter_options.get(name)
-        if entry.options is None:
-            if given is not None:
-                raise ConfigError(f"config key '{key}.{name}': group filter {name!r} takes no options; drop them")
-            out.append(entry.obj)
-            continue
-        node = validate(OmegaConf.create(given or {}), entry.options, registry, f"{key}.{name}.")
-        out.append(_with_options(entry.obj, instantiate_options(node, entry.options)))
+        options = checked_options(entry, cfg.filter_options.get(name), registry, f"{key}.{name}")
+        out.append(entry.obj if entry.options is None else _with_options(entry.obj, options))
     return out
 
 
