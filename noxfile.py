@@ -60,7 +60,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     # verl-compat: the docs' checks run `trellis config from-verl`;
     # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; judges: the docs' judge
     # rewards; ray: the dry run's checks of a two-rank placement (no cluster starts); service: the docs' `trellis serve`;
-    # trackers: a run feeding console, jsonl and tensorboard at once
+    # trackers: a run feeding console, jsonl and tensorboard at once; tests/plugins/outside: a third party's plugin on public names only
     "integration": (
         [
             "packages/core",
@@ -79,6 +79,7 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
             "packages/trackers[tensorboard]",
             "tests/plugins/plain",
             "tests/plugins/example",
+            "tests/plugins/outside",
         ],
         [],
         "tests/integration",

@@ -1,6 +1,7 @@
-"""The spine opened from outside core: a plugin recipe trains the actor against a ``teacher`` role
-by a verb and a registry kind of its own, and the harness's generation choreography holds for
-every generating recipe (checked with stand-ins that enforce sleep mode on CPU)."""
+"""The spine opened from outside core: the harness's generation choreography holds for every
+generating recipe (checked with stand-ins that enforce sleep mode on CPU), and plugins bring their
+own controller and reward service. (A plugin recipe with a role, verb and kind of its own:
+test_outside_plugin.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import spine_plugins  # noqa: E402  (test-only plugins beside this file)
 
-from trellis.export import export_checkpoint  # noqa: E402
 from trellis.plugins import load_plugins  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
 
@@ -28,50 +28,6 @@ def plugins():
     spine_plugins.EVENTS.clear()
     spine_plugins.LAST_METRICS.clear()
     return load_plugins(extra=[("spine_test", spine_plugins.SpinePlugin())])
-
-
-def test_a_plugin_recipe_trains_the_actor_against_a_teacher_role(plugins, tiny_model_path, tiny_untied_model_path, data_files, tmp_path):
-    """A teacher from another model folder (another random init), a verb ``distill`` and a kind
-    ``teacher_loss`` that core never names: the student's squared log-prob gap to the teacher
-    on its own samples falls, and the teacher gets no training verb (no optimizer)."""
-    assert plugins.registry.get("teacher_loss", "k2").plugin == "spine_test"
-    summary = train(
-        None,
-        [
-            "recipe=teacher_distill",
-            f"model.path={tiny_model_path}",
-            f"teacher_path={tiny_untied_model_path}",
-            f"data.train_path={data_files['train']}",
-            "data.train_batch_prompts=16",
-            "sampling.n=4",
-            "sampling.max_new_tokens=6",
-            "train.optim.lr=3e-3",
-            "trainer.total_steps=12",
-            "trainer.trackers=[jsonl]",
-            f"trainer.run_dir={tmp_path / 'distill'}",
-        ],
-        plugins=plugins,
-    )
-    rows = [r for r in _rows(tmp_path / "distill") if "distill/loss" in r]
-    losses = [r["distill/loss"] for r in rows]
-    assert len(losses) == 12 and losses[0] > 0
-    assert sum(losses[-3:]) < 0.75 * sum(losses[:3]), losses  # measured: 0.0141 -> 0.0079 (3-step means)
-    assert "distill" in summary["student_routes"] and "distill" not in summary["teacher_routes"]
-    # the recipe declares what `trellis export` writes of its checkpoints: the student, as a model folder
-    out = export_checkpoint(tmp_path / "distill", tmp_path / "student-hf", plugins=plugins)
-    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-
-
-def test_a_plugin_kind_that_exists_already_is_refused_naming_both():
-    class Twice:
-        @spine_plugins.hookimpl
-        def trellis_add_kinds(self, registry):
-            registry.add_kind("teacher_loss")
-
-    from trellis.registry import RegistryError
-
-    with pytest.raises(RegistryError, match="adds kind 'teacher_loss', which 'spine_test' already defines"):
-        load_plugins(extra=[("spine_test", spine_plugins.SpinePlugin()), ("again", Twice())])
 
 
 def _spin(plugins, tiny_model_path, data_files, run_dir, *overrides):

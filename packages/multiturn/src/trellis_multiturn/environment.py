@@ -55,6 +55,7 @@ class AgentSpec:
 def agent_spec(node: DictConfig, registry: Registry, tokenizer: Any) -> AgentSpec:
     """Resolve a checked ``multi_turn`` section; every error names the config key and the fix."""
     settings = _settings(node)
+    _check_something_to_talk_to(settings, registry)
     interactions: dict[str, Callable[[], Interaction]] = {}
     for i, icfg in enumerate(settings.interactions):
         key = f"multi_turn.interactions[{i}]"
@@ -127,14 +128,21 @@ def _settings(node: DictConfig) -> MultiTurnConfig:
     interactions = [InteractionConfig(**x) for x in data.pop("interactions")]
     tools = [ToolConfig(**x) for x in data.pop("tools")]
     loops = [AgentLoopConfig(**x) for x in data.pop("agent_loops")]
-    settings = MultiTurnConfig(**data, interactions=interactions, tools=tools, agent_loops=loops)
-    if not (settings.interactions or settings.tools or settings.agent or settings.environment or settings.agent_loops):
-        raise ConfigError(
-            "multi_turn.enable=true needs at least one entry in multi_turn.interactions, multi_turn.tools or "
-            "multi_turn.agent_loops, an environment class in multi_turn.environment, or an agent function in "
-            "multi_turn.agent (with multi_turn.agent_loop=openai_agent)"
-        )
-    return settings
+    return MultiTurnConfig(**data, interactions=interactions, tools=tools, agent_loops=loops)
+
+
+def _check_something_to_talk_to(settings: MultiTurnConfig, registry: Registry) -> None:
+    """A conversation needs another side: an entry of the section, or a default loop that brings its own environment."""
+    if settings.interactions or settings.tools or settings.agent or settings.environment or settings.agent_loops:
+        return
+    if registry.get("agent_loop", settings.agent_loop).obj.brings_environment:
+        return
+    raise ConfigError(
+        "multi_turn.enable=true needs at least one entry in multi_turn.interactions, multi_turn.tools or "
+        "multi_turn.agent_loops, an environment class in multi_turn.environment, an agent function in "
+        "multi_turn.agent (with multi_turn.agent_loop=openai_agent), or a multi_turn.agent_loop that brings its own "
+        f"environment (brings_environment = True); multi_turn.agent_loop={settings.agent_loop!r} does not"
+    )
 
 
 def _factory(cfg: InteractionConfig | ToolConfig, kind: str, registry: Registry, key: str) -> Callable[[], Any]:

@@ -156,6 +156,8 @@ class AgentLoop:
     before any model is built). ``row_fields``: ``sample`` takes a keyword ``fields`` with the
     row's other columns (the engines are then shipped every column of the prompts). ``runs_agent``:
     the loop runs the user's function ``multi_turn.agent`` (set exactly when such a loop is used).
+    ``brings_environment``: the loop holds its own environment, so it runs with none of the
+    section's (no interaction, tool, environment class or agent function configured).
     ``takes_images``: ``sample`` takes a keyword ``images``, the prompt's image inputs (a
     vision-language model's), and hands them to every ``agenerate`` of the sample; a run with image
     prompts refuses the loops that do not.
@@ -168,6 +170,7 @@ class AgentLoop:
     # ``reward_model``, ...), as verl hands its loops every column of the row
     row_fields = False
     runs_agent = False
+    brings_environment = False
 
     @classmethod
     def check(cls, settings: Any) -> None:

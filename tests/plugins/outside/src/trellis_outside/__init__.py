@@ -1,0 +1,1 @@
+"""A test-only Trellis plugin written against the public API only."""
