@@ -31,7 +31,7 @@ EXPECTED = {
     "preference_loss": {"sigmoid", "ipo"},
     "distill_loss": {"reverse_kl", "forward_kl", "jsd"},
     "objective": {"policy", "value", "sft", "preference", "bradley_terry", "kl_in_reward"},
-    "recipe": {"spin", "rm"},
+    "recipe": {"sft", "spin", "rm"},
 }
 SIMPLE_TYPES = {int, float, bool, str}
 
@@ -86,7 +86,8 @@ def test_every_string_option_with_a_fixed_set_of_values_declares_and_enforces_it
     algorithm.kl_penalty) are checked here too."""
     schemas = {s for e in plugins.registry.entries() if e.plugin == "algos" and e.options for s in option_dataclasses(e.options)}
     schemas = {s for s in schemas if s.__module__.startswith("trellis_algos")} | {ActorConfig, AlgorithmConfig}
-    open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold", "recipe"}  # names, criteria lists
+    # names, criteria lists, columns of the user's rows
+    open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold", "recipe", "response_key", "image_key"}
     checked = {s.__name__: assert_choices_enforced(s, plugins.registry, open_ended) for s in schemas}
     assert checked["VanillaOptions"] == 1 and checked["BypassOptions"] == 2  # rollout_is; loss_type
     assert (checked["GPGOptions"], checked["SPINConfig"], checked["ActorConfig"], checked["AlgorithmConfig"]) == (1, 1, 3, 2)

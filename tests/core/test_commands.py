@@ -57,7 +57,7 @@ def test_a_plugin_adds_a_command_and_a_config_subcommand(capsys):
     assert run(Greeter(), "greet", "ana") == 0
     assert capsys.readouterr().out == "hello ana from 1 plugins\n"
     assert run(Greeter(), "config", "recipes") == 0
-    assert {"rl", "sft"} <= set(capsys.readouterr().out.split())
+    assert "rl" in capsys.readouterr().out.split()  # core's own recipe (sft, spin, rm: trellis-algos)
     help_text = all_commands(load_plugins(extra=[("plugin", Greeter())], entry_points=False)).parser.format_help()
     assert "greet" in help_text and "say hello" in help_text
 

@@ -11,10 +11,14 @@ from omegaconf import OmegaConf
 
 from trellis.config import ConfigError, choice, compose, option_dataclasses, validate
 from trellis.plugins import load_plugins
-from trellis.recipes.options import TrainerConfig
+from trellis.recipes.options import PreferenceTrainConfig, SFTTrainConfig, TrainerConfig
 
 CORE = load_plugins(entry_points=False).registry
-CORE_SCHEMAS = sorted({s for entry in CORE.entries() if entry.options for s in option_dataclasses(entry.options)}, key=lambda s: s.__qualname__)
+# core's recipe sections, and those core offers other packages' recipes (trellis-algos' sft, spin, rm)
+SHARED = (TrainerConfig, SFTTrainConfig, PreferenceTrainConfig)
+CORE_SCHEMAS = sorted(
+    {s for options in [*(e.options for e in CORE.entries() if e.options), *SHARED] for s in option_dataclasses(options)}, key=lambda s: s.__qualname__
+)
 # string options whose values are open: paths, names, free text
 OPEN_ENDED = {
     "AdapterConfig": {"target_modules"},  # module-name suffixes of the model at hand, or all-linear
@@ -30,8 +34,6 @@ OPEN_ENDED = {
     "RewardTerm": {"name", "path", "key"},
     "RewardModelConfig": {"path", "key"},
     "RMConfig": {"recipe"},
-    "SFTConfig": {"recipe"},
-    "SFTData": {"response_key", "image_key"},
     "TeacherConfig": {"path"},
     "ToolConfig": {"component", "verl_class"},
     "TrainerConfig": {"run_dir", "threads", "resume", "resume_allow_changes"},  # threads: auto or a count; resume: auto, never or a path

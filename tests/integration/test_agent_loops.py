@@ -83,7 +83,7 @@ def test_conversations_of_other_prompt_widths_train_on_their_sampled_tokens(tiny
 def test_unknown_agent_loop_in_the_data_is_found_before_any_model_is_built(tiny_model_path, files, tmp_path):
     plugins = load_plugins(extra=[("agent_loops", agent_loops)])
     args = [*overrides(tiny_model_path, files, tmp_path / "bad"), f"data.train_path={files['unknown']}"]
-    installed = "example_one_turn, observation_first, openai_agent, retokenized, tool_agent"  # the example plugin's, the test plugin's, core's
+    installed = "example_one_turn, observation_first, openai_agent, outside_retell, retokenized, tool_agent"  # every installed plugin's
     unknown = rf"data.train_path '.*unknown.jsonl': row 1 has agent_name='react', which is not an installed agent loop \(installed: {installed}\)"
     with pytest.raises(ConfigError, match=unknown):
         train(None, args, plugins=plugins, dry_run=True)

@@ -12,9 +12,10 @@ import torch
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 from trellis_vision.prompts import ImagePrompts
 
-from trellis.data import DataError, SFTDataset, SFTLoader
+from trellis.data import DataError
 from trellis.interfaces.backend import IMAGE_INPUTS
 from trellis.recipes.train import train
+from trellis_algos.sft_data import SFTDataset, SFTLoader
 from trellis_demo.shapes import make_shapes_split
 from trellis_demo.tasks import write_rows
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from trellis import hookimpl
 from trellis_algos import advantages, distill, distill_losses, kl, objectives, policy_losses, preference, sft_losses, token_baseline
 from trellis_algos.rm import RMRecipe
+from trellis_algos.sft import SFTRecipe
 from trellis_algos.spin import SPINRecipe
 
 
 @hookimpl
 def trellis_register(registry):
     """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss``, ``preference_loss``,
-    ``distill_loss`` and ``objective``, and the recipes ``spin`` and ``rm``."""
+    ``distill_loss`` and ``objective``, and the recipes ``sft``, ``spin`` and ``rm``."""
     for kind, table in (
         ("advantage", advantages.ESTIMATORS),
         ("advantage", token_baseline.ESTIMATORS),
@@ -27,5 +28,6 @@ def trellis_register(registry):
         registry.add("kl", name, fn, options=None)
     for name, factory in objectives.OBJECTIVES.items():
         registry.add("objective", name, factory, options=None)
+    registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)
     registry.add("recipe", "spin", SPINRecipe(), options=SPINRecipe.Config)
     registry.add("recipe", "rm", RMRecipe(), options=RMRecipe.Config)

@@ -53,6 +53,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("objective", "*"): "trellis-algos",
     ("recipe", "spin"): "trellis-algos",
     ("recipe", "rm"): "trellis-algos",
+    ("recipe", "sft"): "trellis-algos",
     ("reward", "sandbox_fusion"): "trellis-sandbox",
     ("tool", "code_interpreter"): "trellis-sandbox",
     ("interaction", "*"): "trellis-interactions",

@@ -9,11 +9,9 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
-from trellis.config import ranged
-from trellis.data import SFTDataset, SFTLoader, load_rows, sft_batches
-from trellis.export import save_hf_folder
-from trellis.recipes.options import RecipeConfig, SFTTrainConfig, TrainerConfig, check_inputs, prompt_images
-from trellis.runtime.harness import Run, RunContext
+from trellis import RecipeConfig, Run, RunContext, SFTTrainConfig, TrainerConfig, check_inputs, load_rows, ranged, save_hf_folder
+from trellis.kit.data import prompt_images
+from trellis_algos.sft_data import SFTDataset, SFTLoader, sft_batches
 
 
 @dataclass
