@@ -139,6 +139,19 @@ def test_multi_turn_without_its_package_names_the_install_command(monkeypatch):
     assert "pip install trellis-multiturn" in str(err.value)
 
 
+@pytest.mark.parametrize(("key", "value"), [("reward.model.path", "rm"), ("reward.judge.engine", "hf")])
+def test_a_reward_a_service_serves_without_its_package_names_the_install_command(monkeypatch, key, value):
+    from trellis.recipes.rl.checks import reward_services
+
+    registry = load_plugins(entry_points=False).registry
+    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
+    cfg = OmegaConf.create({})
+    OmegaConf.update(cfg, key, value)  # the rl config's reward section is all that is read
+    with pytest.raises(ConfigError) as err:
+        reward_services(cfg, registry)
+    assert str(err.value).startswith(f"config key '{key.rsplit('.', 1)[0]}'") and "pip install trellis-judges" in str(err.value), err.value
+
+
 def test_missing_required_value(registry, yaml_file):
     with pytest.raises(ConfigError, match=r"config key 'data.path' is required and has no default; set it in the YAML or pass data.path=\.\.\."):
         compose(yaml_file("recipe: example_echo\n"), [], registry)

@@ -66,6 +66,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("controller", "ray"): "trellis-ray",
     ("reward", "judge"): "trellis-judges",
     ("reward_service", "judge_engine"): "trellis-judges",
+    ("reward_service", "reward_model"): "trellis-judges",
     ("prompt_encoder", "images"): "trellis-vision",
     ("tracker", "tensorboard"): "trellis-trackers",
     ("tracker", "wandb"): "trellis-trackers",

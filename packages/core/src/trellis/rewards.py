@@ -169,7 +169,8 @@ class RewardTerm:
 
 @dataclass
 class RewardModelConfig:
-    """A reward model scoring every sample (the ``rl`` recipe's ``reward_model`` role): ``path``,
+    """A reward model scoring every sample (the ``rl`` recipe's ``reward_model`` role, which
+    trellis-judges' reward service ``reward_model`` spawns): ``path``,
     a sequence-classification folder with one label (the ``rm`` recipe's ``hf_model``) and the
     actor's tokenizer (empty: none). Its score at each sample's last token, times ``weight``, is
     the sample's reward, added to the sum of ``reward.terms`` when they are given; its unweighted
@@ -459,9 +460,22 @@ class Scorer(Protocol):
         """The reward of every sample of ``batch`` (rollout layout)."""
 
 
+@dataclass(frozen=True)
+class ServiceContext:
+    """What a reward service is started with: the ``registry``, the run's ``seed``, the ``run``
+    (``trellis.Run``: ``spawn`` a role of the service's own), its config ``cfg`` (a ``DictConfig``)
+    and the policy's ``tokenizer``."""
+
+    registry: Any
+    seed: int
+    run: Any
+    cfg: Any
+    tokenizer: Any
+
+
 class RewardService(Protocol):
     """A service the ``rl`` recipe starts for its reward (kind ``reward_service``; trellis-judges'
-    ``judge_engine`` serves ``reward.judge``): every registered one the reward config asks for
+    ``judge_engine`` serves ``reward.judge``, its ``reward_model`` scores with ``reward.model``): every registered one the reward config asks for
     (``wanted``) is started, in name order. The classmethods run before any model is built."""
 
     @classmethod
@@ -477,11 +491,12 @@ class RewardService(Protocol):
         """The reward sources (the section or its terms) the service will answer once started, each
         with the names of the keyword arguments it will add to their calls."""
 
-    def __init__(self, reward: RewardConfig, registry: Any, seed: int) -> None:
+    def __init__(self, reward: RewardConfig, context: ServiceContext) -> None:
         """Start the service for the run; ``self.reward`` is then ``reward`` with its sources pointed at it."""
 
     def wrap(self, scorer: Scorer) -> Scorer:
-        """The run's scorer, with the service's own figures added to each result."""
+        """The run's scorer, with the service's own figures added to each result, or the service's
+        own scorer (a reward model's score, alone or added to ``scorer``'s)."""
 
     def close(self) -> None:
         """Stop the service (the run ends, also on an error)."""

@@ -33,6 +33,7 @@ from trellis import (
     load_function,
     reward_name,
 )
+from trellis.kit.rewards import ServiceContext
 
 if TYPE_CHECKING:
     from trellis_judges.server import JudgeServer
@@ -191,8 +192,8 @@ class JudgeEngine:
         judged = [(source, JUDGE_KWARGS) for _, source in served_judges(reward)]
         return judged + [(source, ROUTER_KWARGS) for _, source in routed_functions(reward)]
 
-    def __init__(self, reward: RewardConfig, registry: Any, seed: int) -> None:
-        self.server = start_judge(reward.judge, registry, seed)
+    def __init__(self, reward: RewardConfig, context: ServiceContext) -> None:
+        self.server = start_judge(reward.judge, context.registry, context.seed)
         self.reward = with_served_judges(reward, self.server)  # the judges it answers point at it
 
     def wrap(self, scorer: Scorer) -> Scorer:

@@ -224,7 +224,7 @@ class ScoredBatches:
     def served(cls, reward):
         return []  # it answers no reward source: it watches the scorer
 
-    def __init__(self, reward, registry, seed):
+    def __init__(self, reward, context):
         self.reward, self.batches, self.samples = reward, 0, 0
 
     def wrap(self, scorer):

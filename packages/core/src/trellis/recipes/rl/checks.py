@@ -16,7 +16,6 @@ from trellis.interfaces.rollout import engine_devices
 from trellis.interfaces.signatures import OBJECTIVE
 from trellis.memory import check_activation_memory, text_config
 from trellis.recipes.options import check_inputs, prompt_images
-from trellis.recipes.reward_model import check_reward_model
 from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
 from trellis.recipes.rl.dynamic_sampling import group_filters
 from trellis.recipes.rl.multi_turn import ConversationRollout, MultiTurnRunner
@@ -27,7 +26,9 @@ from trellis.runtime.harness import backend_mesh, controller_class
 from trellis.runtime.plan import Plan
 
 log = logging.getLogger("trellis")
-JUDGE_SERVICE = "judge_engine"  # the reward service that serves reward.judge (trellis-judges)
+# the reward services (trellis-judges') that serve reward.judge and reward.model, by the key that asks for each
+SERVICES = {"reward.judge": "judge_engine", "reward.model": "reward_model"}
+REWARD_MODEL = "reward_model"  # the role the reward_model service spawns: trainer.separate_pools may place it
 
 
 def needs(registry, estimator: str) -> tuple[str, ...]:
@@ -59,7 +60,7 @@ def check(cfg: DictConfig, registry) -> None:
     declared = needs(registry, cfg.algorithm.advantage.name)
     check_length_shaping(cfg)
     check_teacher(cfg, declared)
-    check_reward_model(cfg)
+    check_reward_model_pool(cfg)
     if cfg.algorithm.dynamic_sampling.enable:
         check_dynamic_sampling(cfg, declared)
         group_filters(cfg.algorithm.dynamic_sampling, registry)  # their options checked before any model is built
@@ -179,12 +180,22 @@ def check_length_shaping(cfg: DictConfig) -> None:
 
 def reward_services(cfg: DictConfig, registry) -> list[type[RewardService]]:
     """The reward services the run's reward asks for (each registered service's ``wanted``), by
-    name. ``reward.judge`` set with no ``judge_engine`` installed is refused naming trellis-judges."""
+    name. ``reward.judge`` or ``reward.model`` set without its service installed is refused naming trellis-judges."""
     reward = instantiate_options(cfg.reward, RewardConfig)
-    if reward.judge.given():
-        _lookup(registry, "reward_service", JUDGE_SERVICE, "reward.judge")
+    for key, given in (("reward.judge", reward.judge.given()), ("reward.model", bool(reward.model.path))):
+        if given:
+            _lookup(registry, "reward_service", SERVICES[key], key)
     services = (registry.get("reward_service", name).obj for name in registry.names("reward_service"))
     return [service for service in services if service.wanted(reward)]
+
+
+def check_reward_model_pool(cfg: DictConfig) -> None:
+    """``trainer.separate_pools`` names ``reward_model`` only when ``reward.model.path`` gives one."""
+    if REWARD_MODEL in cfg.trainer.separate_pools and not cfg.reward.model.path:
+        raise ConfigError(
+            f"config key 'trainer.separate_pools' lists {REWARD_MODEL!r}, but reward.model.path is empty, so there is no reward "
+            f"model to place; set reward.model.path=<folder> or take {REWARD_MODEL!r} out of trainer.separate_pools"
+        )
 
 
 def check_rollout_placement(cfg: DictConfig, registry) -> None:

@@ -18,16 +18,13 @@ from trellis.batch import Batch
 from trellis.config import instantiate_options
 from trellis.data import PromptLoader
 from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
-from trellis.recipes.options import without_adapter
-from trellis.recipes.reward_model import ROLE as REWARD_MODEL
-from trellis.recipes.reward_model import ModelReward, reward_inputs
 from trellis.recipes.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
 from trellis.recipes.rl.checks import reward_services
 from trellis.recipes.rl.dynamic_sampling import fill, group_filters
 from trellis.recipes.rl.multi_turn import ConversationRollout
 from trellis.recipes.rl.partial import generate_in_chunks
 from trellis.recipes.rl.streaming import generate_scored
-from trellis.rewards import RewardConfig, RewardManager, RewardResult, Scorer, add_overlong_penalty, reward_figures, reward_name
+from trellis.rewards import RewardConfig, RewardManager, RewardResult, Scorer, ServiceContext, add_overlong_penalty, reward_figures, reward_name
 from trellis.runtime.controller import RolloutGroup
 from trellis.runtime.harness import Run, StageTimer, backend_mesh
 
@@ -249,22 +246,16 @@ class _Made:
 
 
 def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> Scorer:
-    """The run's reward: the functions ``reward`` names, or with ``reward.model`` the frozen
-    ``reward_model`` role (the actor's micro-batching), alone or added to ``reward.terms``, scoring
-    the policy's token ids or re-tokenized samples when its tokenizer is another; with
-    ``reward.judge`` the judges that name no url go to the judge engine, served for the run (reward
-    services, :class:`~trellis.rewards.RewardService`: each started, its sources pointed at it)."""
+    """The run's reward: the functions ``reward`` names, with the reward services it asks for
+    (:class:`~trellis.rewards.RewardService`, trellis-judges': ``reward.judge``'s served judge, whose
+    judges that name no url go to it; ``reward.model``'s reward-model role) each started, its
+    sources pointed at it, and wrapped around the scorer."""
     reward = instantiate_options(cfg.reward, RewardConfig)
-    started = []
+    context, started = ServiceContext(registry, cfg.seed, run, cfg, tokenizer), []
     for service in reward_services(cfg, registry):
-        started.append(run.closing(service(reward, registry, cfg.seed)))
+        started.append(run.closing(service(reward, context)))
         reward = started[-1].reward
-    if not reward.model.path:
-        scorer = RewardManager(reward, registry, tokenizer)
-    else:
-        role = run.spawn(REWARD_MODEL, reward.model.path, without_adapter(cfg.actor), head="reward")
-        functions = RewardManager(reward, registry, tokenizer) if reward.terms else None
-        scorer = ModelReward(role, reward.model.weight, reward.model.key, functions, reward_inputs(cfg, tokenizer))
+    scorer: Scorer = RewardManager(reward, registry, tokenizer)
     for served in started:
         scorer = served.wrap(scorer)
     return scorer

@@ -7,9 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trellis.batch import Batch, last_valid_index
-from trellis.data import encode_response, encode_text, left_pad, render_chat, require_pad_id
-from trellis.recipes.teacher import tokenizer_difference
+from trellis import Batch, encode_response, encode_text, last_valid_index, render_chat, require_pad_id
+from trellis.kit.rewards import left_pad, tokenizer_difference
 
 logger = logging.getLogger("trellis")
 

@@ -14,11 +14,11 @@ from trellis.batch import Batch, position_ids
 from trellis.config import ConfigError
 from trellis.interfaces.rollout import SamplingParams, rollout_batch
 from trellis.plugins import load_plugins
-from trellis.recipes.reward_inputs import RewardInputs, retokenize_reason
-from trellis.recipes.reward_model import ModelReward
 from trellis.recipes.train import train
 from trellis.runtime.worker import build_worker
 from trellis_demo.tiny import make_tiny_model
+from trellis_judges.reward_inputs import RewardInputs, retokenize_reason
+from trellis_judges.reward_model import ModelReward
 
 # another rendering than the actor's ChatML: "role: content" turns, no newlines
 OTHER_TEMPLATE = (

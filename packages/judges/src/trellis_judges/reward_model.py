@@ -1,6 +1,7 @@
-"""The ``reward_model`` role of the ``rl`` recipe (``reward.model``): a frozen sequence-classification
-model that scores each sample's prompt + response at its last token, alone or added to ``reward.terms``;
-the policy's token ids as they are, or re-tokenized when the reward model's tokenizer differs."""
+"""The reward service ``reward_model`` (``reward.model``): the ``rl`` run's frozen ``reward_model`` role,
+a sequence-classification model that scores each sample's prompt + response at its last token, alone
+or added to ``reward.terms``; the policy's token ids as they are, or re-tokenized when the reward
+model's tokenizer differs."""
 
 from __future__ import annotations
 
@@ -11,30 +12,18 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoConfig
 
-from trellis.batch import Batch, last_valid_index
-from trellis.config import ConfigError
-from trellis.recipes.options import check_not_a_run
-from trellis.recipes.reward_inputs import RewardInputs, retokenize_reason
-from trellis.recipes.teacher import load_tokenizer
-from trellis.rewards import RESERVED_KEYS, RewardManager, RewardResult
-from trellis.runtime.controller import WorkerGroup
+from trellis import Batch, ConfigError, RewardConfig, RewardResult, Scorer, WorkerGroup, last_valid_index, without_adapter
+from trellis.kit.rewards import RESERVED_KEYS, ServiceContext, check_not_a_run, load_tokenizer
+from trellis_judges.reward_inputs import RewardInputs, retokenize_reason
 
 ROLE = "reward_model"  # also the name trainer.separate_pools gives a pool of its own under Ray
 
 
 def check_reward_model(cfg: DictConfig) -> None:
-    """``reward.model.path`` (when set) is a one-label sequence-classification folder with a
-    tokenizer (and a chat template when it is not the actor's), in a single-turn run;
-    ``trainer.separate_pools`` names ``reward_model`` only when there is one. Reads config and
-    tokenizer files only: no model is built."""
+    """``reward.model.path`` is a one-label sequence-classification folder with a tokenizer (and
+    a chat template when it is not the actor's), in a single-turn run. Reads config and tokenizer
+    files only: no model is built."""
     path = cfg.reward.model.path
-    if not path:
-        if ROLE in cfg.trainer.separate_pools:
-            raise ConfigError(
-                f"config key 'trainer.separate_pools' lists {ROLE!r}, but reward.model.path is empty, so there is no reward model "
-                f"to place; set reward.model.path=<folder> or take {ROLE!r} out of trainer.separate_pools"
-            )
-        return
     key, terms = cfg.reward.model.key, [t.get("key") or t.get("name") for t in cfg.reward.terms]
     if key in RESERVED_KEYS or "/" in key or key in terms:
         raise ConfigError(
@@ -93,9 +82,7 @@ class ModelReward:
     ``score(batch)`` returns a ``RewardResult`` as ``RewardManager.score`` does, the model's
     unweighted score as the component and metric ``reward/<key>``."""
 
-    def __init__(
-        self, role: WorkerGroup, weight: float, key: str, functions: RewardManager | None, inputs: Callable[[Batch], Batch] | None = None
-    ) -> None:
+    def __init__(self, role: WorkerGroup, weight: float, key: str, functions: Scorer | None, inputs: Callable[[Batch], Batch] | None = None) -> None:
         self.role, self.weight, self.key, self.functions, self.inputs = role, float(weight), key, functions, inputs
 
     def score(self, batch: Batch) -> RewardResult:
@@ -122,3 +109,33 @@ class ModelReward:
         }
         components = {**((base.components or {}) if base is not None else {}), self.key: raw}
         return RewardResult(token_scores, metrics, scores, components)
+
+
+class RewardModel:
+    """Reward service ``reward_model``: wanted by a run with ``reward.model.path``; built for the
+    run, it spawns the frozen ``reward_model`` role (the actor's micro-batching, no adapter) and
+    scores with it, adding the functions' reward when ``reward.terms`` are given."""
+
+    @classmethod
+    def wanted(cls, reward: RewardConfig) -> bool:
+        return bool(reward.model.path)
+
+    @classmethod
+    def check(cls, cfg: DictConfig, registry) -> None:
+        check_reward_model(cfg)
+
+    @classmethod
+    def served(cls, reward: RewardConfig) -> list:
+        return []  # it answers no reward function: it is (part of) the reward
+
+    def __init__(self, reward: RewardConfig, context: ServiceContext) -> None:
+        cfg, self.reward = context.cfg, reward
+        self.role = context.run.spawn(ROLE, reward.model.path, without_adapter(cfg.actor), head="reward")
+        self.inputs = reward_inputs(cfg, context.tokenizer)
+
+    def wrap(self, scorer: Scorer) -> Scorer:
+        functions = scorer if self.reward.terms else None  # without terms the model alone is the reward
+        return ModelReward(self.role, self.reward.model.weight, self.reward.model.key, functions, self.inputs)
+
+    def close(self) -> None:
+        pass  # the role is the run's: it goes with the run
