@@ -9,9 +9,9 @@ import dataclasses
 import uuid
 
 import trellis
-from trellis.chat import ChatDeltas
 from trellis.interfaces.agents import AgentLoop, Interaction, InteractionTurn, Trajectory
 from trellis.interfaces.rollout import Generation
+from trellis_multiturn import ChatDeltas
 from trellis_multiturn.environment import interaction_name
 
 OBSERVATION = "Observation: 7"

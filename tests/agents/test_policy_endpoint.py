@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 from scripted import REASONING_TEMPLATE, ScriptedEngine
 
 import trellis_agents.endpoint as endpoint_module
-from trellis.chat import ChatDeltas
 from trellis.config import ConfigError, validate
 from trellis.data import PromptDataset, encode_text, render_chat
 from trellis.interfaces.rollout import SamplingParams
@@ -25,6 +24,7 @@ from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
 from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis_demo.tool_call import ADD
+from trellis_multiturn import ChatDeltas
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.rollout import AgentRollout
 from trellis_multiturn.sampled import check_sampled

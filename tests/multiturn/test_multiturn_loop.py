@@ -14,13 +14,13 @@ import pytest
 import torch
 from scripted import REASONING_TEMPLATE, ScriptedEngine, prompts, row, run, spec, tool_agent
 
-from trellis.chat import ChatDeltas
 from trellis.config import ConfigError
 from trellis.data import encode_text, render_chat
 from trellis.interfaces.agents import Interaction, InteractionTurn, Tool, ToolResult, Trajectory
 from trellis.interfaces.rollout import Generation, SamplingParams
 from trellis.plugins import load_plugins
 from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
+from trellis_multiturn import ChatDeltas
 from trellis_multiturn.environment import check_interaction_names
 from trellis_multiturn.rollout import agent_rollout
 from trellis_multiturn.sampled import NotSampled, check_sampled

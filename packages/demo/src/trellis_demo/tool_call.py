@@ -31,9 +31,9 @@ def make_tool_calling_model(out_dir: str | os.PathLike, rows: Sequence[dict[str,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trellis import PromptDataset, encode_text
-    from trellis.kit.serving import ChatDeltas
     from trellis_demo.tasks import task_texts
     from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
+    from trellis_multiturn import ChatDeltas  # the model is for conversations, which need trellis-multiturn
 
     out = Path(out_dir)
     texts = [*task_texts(), json.dumps(ADD), CALL, "Tools:\ntool\n"]

@@ -3,7 +3,7 @@
 ``__all__`` is what an agent loop (kind ``agent_loop``) of another package needs beyond ``trellis``:
 its spec and environment, chat deltas, sampled turns, user references."""
 
-from trellis.kit.multiturn import ChatDeltas
+from trellis_multiturn.chat import ChatDeltas
 from trellis_multiturn.environment import AgentSpec, Environment
 from trellis_multiturn.references import finite_reward, load_reference
 from trellis_multiturn.sampled import current_record, record_into

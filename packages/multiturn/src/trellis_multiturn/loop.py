@@ -11,7 +11,8 @@ import uuid
 from typing import Any
 
 from trellis import AgentLoop, RolloutEngine, SamplingParams, Trajectory
-from trellis.kit.multiturn import ChatDeltas, join_images, with_images
+from trellis.kit.multiturn import join_images, with_images
+from trellis_multiturn.chat import ChatDeltas
 from trellis_multiturn.environment import AgentSpec, Environment, interaction_name
 from trellis_multiturn.tool_calls import ToolCall
 

@@ -149,7 +149,7 @@ class AgentLoop:
     ``template_kwargs``); ``env`` its interactions, tools and tool-call parser built in this process
     (``Environment``), shared by every loop of the call. Many ``sample`` calls run at once on one
     loop object. trellis-multiturn's ``tool_agent`` is the default;
-    ``trellis.chat.ChatDeltas`` renders environment turns token-exactly.
+    ``trellis_multiturn.ChatDeltas`` renders environment turns token-exactly.
 
     ``runs_tools``: the loop runs the model's tool calls itself from ``env.tools``, so it cannot
     serve a ``multi_turn.tools`` entry that gives only a schema (a tool the agent runs; refused

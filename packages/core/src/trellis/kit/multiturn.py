@@ -1,6 +1,5 @@
 """What a package running the ``rl`` recipe's ``multi_turn`` section (kind ``rollout_function``) needs beyond ``trellis``."""
 
-from trellis.chat import ChatDeltas
 from trellis.data import load_prompt_rows, renders_tools
 from trellis.interfaces.agents import ClassAdapter
 from trellis.interfaces.backend import MODEL_INPUTS, PROMPT_IMAGES, join_images
@@ -21,8 +20,6 @@ __all__ = [
     # the data's rows as read, before tokenizing; whether a chat template renders tools
     "load_prompt_rows",
     "renders_tools",
-    # environment turns token-exactly after sampled ones
-    "ChatDeltas",
     # the prompt fields an engine reads, a vision-language prompt's images, the pad token
     "MODEL_INPUTS",
     "PROMPT_IMAGES",

@@ -1,6 +1,5 @@
 """What a package that serves a model over HTTP needs (the policy endpoint, the judge engine): chat rendering and the OpenAI wire format."""
 
-from trellis.chat import ChatDeltas
 from trellis.data import encode_text, render_chat, renders_tools
 from trellis.openai_api import (
     MODEL,
@@ -21,8 +20,6 @@ __all__ = [
     "render_chat",
     "renders_tools",
     "encode_text",
-    # environment turns token-exactly after sampled ones
-    "ChatDeltas",
     # OpenAI-compatible requests and replies (/v1/chat/completions, /v1/completions); Refused: a 4xx naming the field
     "MODEL",
     "ChatRequest",

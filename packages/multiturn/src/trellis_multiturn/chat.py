@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trellis.data import encode_text, render_chat
+from trellis import encode_text, render_chat
 
 # A conversation that ends in an assistant turn; deltas are what the template adds after it.
 _USER, _ASSISTANT = "\x00trellis-user\x00", "\x00trellis-assistant\x00"
