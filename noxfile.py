@@ -52,6 +52,8 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     # each tracker read back with its own library's reader
     "trackers": (["packages/core", "packages/demo", "packages/trackers[tensorboard,wandb,mlflow]"], [], "tests/trackers"),
     "algos": (["packages/core", "packages/demo", "packages/algos"], [], "tests/algos"),
+    # the README's minimal install (and the tiny models): rl, sft and spin train; what other packages bring is refused naming them
+    "minimal": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/minimal"),
     "fsdp": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/demo", "packages/rollout-hf"], [], "tests/hf"),
     # conversations through the tool_agent loop on scripted engines (interactions and tools of the example plugin); no model trains
