@@ -48,7 +48,7 @@ OWN_LOCK = {"vllm": "vllm", "sglang": "sglang", "parity": "parity"}  # session -
 
 # session -> (local packages to install, extra requirements, tests folders, space-separated)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
-    "core": (["packages/core[math]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
+    "core": (["packages/core[math,plot]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
     # each tracker read back with its own library's reader
     "trackers": (["packages/core", "packages/demo", "packages/trackers[tensorboard,wandb,mlflow]"], [], "tests/trackers"),
     "algos": (["packages/core", "packages/demo", "packages/algos"], [], "tests/algos"),

@@ -220,7 +220,7 @@ def test_the_endpoint_refuses_what_it_cannot_serve(engine):
 @pytest.mark.parametrize(
     ("more", "message"),
     [
-        (["multi_turn.agent=''"], r"multi_turn.enable=true needs .* an agent function in multi_turn.agent \(with multi_turn.agent_loop=openai_agent\), or"),
+        (["multi_turn.agent=''"], r"multi_turn.enable=true needs .* in multi_turn.agent \(with multi_turn.agent_loop=openai_agent\), or"),
         (["multi_turn.agent_loop=tool_agent"], r"config key 'multi_turn.agent' is .*, but neither multi_turn.agent_loop nor any row's"),
         ([f"multi_turn.agent={AGENTS}:not_async"], r"'multi_turn.agent': .*:not_async' is not an async function; define it as `async def"),
         ([f"multi_turn.agent={AGENTS}:answer"], r"multi_turn.agent 'answer' is not defined there in .*; functions found: answer_then_follow_up"),

@@ -4,6 +4,7 @@ positional arguments."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -69,3 +70,11 @@ def test_the_default_plot_has_held_out_greedy_accuracy(tmp_path):
     assert main(["plot", plain]) == 0 and main(["plot", greedy]) == 0
     sizes = [matplotlib.image.imread(f"{run}/curves.png").shape[:2] for run in (plain, greedy)]
     assert sizes[1][0] > sizes[0][0], sizes  # 3 panels fill a row; the 4th starts a second
+
+
+def test_without_matplotlib_the_command_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the [plot] extra imports
+    assert main(["plot", write_run(tmp_path / "a", [0.1, 0.2])]) == 2
+    assert (
+        capsys.readouterr().err.strip() == "trellis: error: plots are drawn with matplotlib, which is not installed: pip install trellis-core[plot]"
+    )

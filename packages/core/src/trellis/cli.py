@@ -116,7 +116,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else runs[0] / "curves.png"
     try:
         print(plot_metrics(runs, out, metrics or DEFAULT_METRICS))
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, ImportError) as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
         return 2
     return 0

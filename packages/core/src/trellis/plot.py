@@ -23,8 +23,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def plot_metrics(run_dirs: list[Path], out_png: Path, metrics: tuple[str, ...] | list[str] = DEFAULT_METRICS) -> Path:
     """One panel per metric present in any run; a line per run; written to ``out_png``."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plots are drawn with matplotlib, which is not installed: pip install trellis-core[plot]") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
