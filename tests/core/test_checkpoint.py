@@ -7,6 +7,7 @@ import functools
 import hashlib
 import logging
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from trellis import PromptData, RecipeConfig, SFTTrainConfig, TrainerConfig, hookimpl
 from trellis.config import ConfigError, validate_recipe_config
 from trellis.data import EpochLoader
 from trellis.plugins import load_plugins
@@ -181,14 +183,39 @@ def test_find_resume_per_trainer_resume(tmp_path):
         find_resume(changed, tmp_path)
 
 
+@dataclass
+class PromptsConfig(RecipeConfig):
+    """A recipe's config of core's shared sections (prompts, a trained policy, a trainer)."""
+
+    recipe: str = "prompts"
+    data: PromptData = field(default_factory=PromptData)
+    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+class PromptsRecipe:
+    """Registers a recipe of that config, which only its config is read of here."""
+
+    Config = PromptsConfig
+
+    def run(self, cfg, ctx):
+        raise NotImplementedError
+
+    @staticmethod
+    @hookimpl
+    def trellis_register(registry):
+        registry.add("recipe", "prompts", PromptsRecipe(), options=PromptsConfig)
+
+
 def test_a_checkpoint_saved_before_an_option_existed_resumes_with_the_options_default(tmp_path):
     """The saved config is read through the current schema (``read``): an option a later version
     added (here the images column) takes its default and is no change; a saved value that differs
     from it still is."""
-    registry = load_plugins().registry
+    registry = load_plugins(extra=[("prompts", PromptsRecipe)]).registry
     # components of the example plugin (this session installs no algorithm or backend package)
-    components = {"backend": {"name": "example_counting"}, "train": {"loss": {"name": "example_nll"}}}
-    given = OmegaConf.merge(cfg(), {"model": {"path": "m"}, "data": {"train_path": "rows.jsonl"}}, components)
+    components = {"recipe": "prompts", "backend": {"name": "example_counting"}, "train": {"loss": {"name": "example_nll"}}}
+    given = OmegaConf.merge(cfg(), {"model": {"path": "m"}}, components)
+    given.data = {"train_path": "rows.jsonl"}
     current = validate_recipe_config(given, registry)
     older = OmegaConf.create(OmegaConf.to_container(current))
     del older.data["image_key"]
