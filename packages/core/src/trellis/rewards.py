@@ -475,8 +475,9 @@ class ServiceContext:
 
 class RewardService(Protocol):
     """A service the ``rl`` recipe starts for its reward (kind ``reward_service``; trellis-judges'
-    ``judge_engine`` serves ``reward.judge``, its ``reward_model`` scores with ``reward.model``): every registered one the reward config asks for
-    (``wanted``) is started, in name order. The classmethods run before any model is built."""
+    ``judge_engine`` serves ``reward.judge``, its ``reward_model`` scores with ``reward.model``):
+    every registered one the reward config asks for (``wanted``) is started, in name order. The
+    classmethods run before any model is built."""
 
     @classmethod
     def wanted(cls, reward: RewardConfig) -> bool:

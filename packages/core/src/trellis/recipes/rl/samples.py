@@ -255,7 +255,7 @@ def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> Scorer:
     for service in reward_services(cfg, registry):
         started.append(run.closing(service(reward, context)))
         reward = started[-1].reward
-    scorer: Scorer = RewardManager(reward, registry, tokenizer)
+    scorer: Scorer = RewardManager(reward, registry, tokenizer)  # a service may replace it (a reward model alone)
     for served in started:
         scorer = served.wrap(scorer)
     return scorer
