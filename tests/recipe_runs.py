@@ -53,3 +53,18 @@ def run_rl(tiny_model_path, data_files, tmp_path):
         return _run_recipe(run_dir or tmp_path / "rl", base, overrides)
 
     return run
+
+
+@pytest.fixture
+def step_batches(monkeypatch):
+    """The list of every rl step's batch, as the advantage estimator gets it (scored, refilled), filled as the run goes."""
+    import trellis.recipes.rl.learner as learner
+
+    seen, advantages = [], learner.compute_advantages
+
+    def recording(batch, *args):
+        seen.append(batch)
+        return advantages(batch, *args)
+
+    monkeypatch.setattr(learner, "compute_advantages", recording)
+    return seen

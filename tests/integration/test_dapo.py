@@ -4,7 +4,6 @@ update; ``trellis config init dapo`` is DAPO's settings and passes the dry run."
 
 from __future__ import annotations
 
-import trellis.recipes.rl.learner as learner
 from trellis.runtime.worker import RoleWorker
 from trellis_demo.tasks import make_arithmetic_split, write_rows
 
@@ -16,29 +15,23 @@ def half(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_rl, tmp_path, monkeypatch):
+def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_rl, tmp_path, monkeypatch, step_batches):
     reward = tmp_path / "half.py"
     reward.write_text(HALF_REWARD)
-    steps_seen, updates = [], []  # the recipe's batch (uids, rewards) and what the actor's update got
-    train, advantages = RoleWorker.train, learner.compute_advantages
+    updates, train = [], RoleWorker.train  # what the actor's update got (step_batches: the recipe's batch, uids and rewards)
 
     def recording(self, verb, batch):
         if verb == "update" and self.spec.role == "actor":
             updates.append(batch)
         return train(self, verb, batch)
 
-    def seen(batch, *args):
-        steps_seen.append(batch)
-        return advantages(batch, *args)
-
     monkeypatch.setattr(RoleWorker, "train", recording)
-    monkeypatch.setattr(learner, "compute_advantages", seen)
     _, rows = run_rl(
         f"reward.path={reward}", "reward.name=half", "algorithm.dynamic_sampling.enable=true", "actor.mask_truncated=true",
     )  # fmt: skip
     steps = [r for r in rows if "actor/pg_loss" in r]
     assert len(updates) == len(steps) == 2
-    for row, batch, update in zip(steps, steps_seen, updates):
+    for row, batch, update in zip(steps, step_batches, updates):
         assert row["dynamic_sampling/kept_groups"] == 4.0 and len(batch) == 16  # data.train_batch_prompts x sampling.n, exactly
         assert row["dynamic_sampling/rounds"] >= 1
         groups = batch.group_index("uid")
@@ -50,20 +43,12 @@ def test_dynamic_sampling_trains_only_on_varying_groups_and_fills_the_batch(run_
     assert sum(r["dynamic_sampling/dropped_groups"] for r in steps) > 0
 
 
-def test_rounds_of_other_prompt_widths_train_on_the_sampled_tokens(run_rl, tmp_path, monkeypatch):
+def test_rounds_of_other_prompt_widths_train_on_the_sampled_tokens(run_rl, tmp_path, step_batches):
     """The merged rounds keep every response where the trainer reads it: with the HF engine sharing
     the actor's module, the trainer's log-probs equal the engine's to float noise at steps of
     several rounds whose prompts differ in width (a right-padded merge put them 0.24 nats apart)."""
     reward = tmp_path / "half.py"
     reward.write_text(HALF_REWARD)
-    merged = []
-    advantages = learner.compute_advantages
-
-    def seen(batch, *args):
-        merged.append(batch)
-        return advantages(batch, *args)
-
-    monkeypatch.setattr(learner, "compute_advantages", seen)
     rows = make_arithmetic_split(64, 0, max_value=50)
     for i, row in enumerate(rows):  # the question asked 1 to 3 times: prompts of other widths in every round
         row["prompt"][0]["content"] *= 1 + i % 3
@@ -73,7 +58,7 @@ def test_rounds_of_other_prompt_widths_train_on_the_sampled_tokens(run_rl, tmp_p
         f"data.train_path={data}", "actor.policy_loss.log_metrics=true",
     )  # fmt: skip
     steps = [r for r in rows if "actor/pg_loss" in r]
-    several = [(r, b) for r, b in zip(steps, merged) if r["dynamic_sampling/rounds"] > 1]
+    several = [(r, b) for r, b in zip(steps, step_batches) if r["dynamic_sampling/rounds"] > 1]
     assert several, "no step took more than one round"
     for row, batch in several:
         prompt_lengths = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import trellis.recipes.rl.learner as learner
 from trellis.config import ConfigError
 from trellis_demo.tasks import make_arithmetic_split, write_rows
 from trellis_demo.tiny import make_tiny_model
@@ -20,20 +19,11 @@ from trellis_demo.tiny import make_tiny_model
 DISTILL = ("algorithm.advantage.name=reverse_kl_teacher",)
 
 
-def test_a_teacher_identical_to_the_student_gives_zero_advantage(run_rl, tiny_model_path, monkeypatch):
-    seen = []
-    advantages = learner.compute_advantages
-
-    def recording(batch, *args):
-        metrics = advantages(batch, *args)
-        seen.append(batch)
-        return metrics
-
-    monkeypatch.setattr(learner, "compute_advantages", recording)
+def test_a_teacher_identical_to_the_student_gives_zero_advantage(run_rl, tiny_model_path, step_batches):
     _, rows = run_rl(*DISTILL, f"teacher.path={tiny_model_path}", "trainer.total_steps=1")
     step = next(r for r in rows if "actor/pg_loss" in r)
     assert step["teacher/reverse_kl"] == 0.0 and step["actor/pg_loss"] == 0.0
-    batch = seen[0]
+    batch = step_batches[0]
     assert batch["response_mask"].sum() > 0 and batch["advantages"].abs().sum() == 0
     assert batch["teacher_log_probs"].abs().sum() > 0  # a real forward, equal to the student's
 
@@ -105,13 +95,10 @@ def test_a_teacher_exactly_when_the_advantage_reads_one(run_rl, overrides, messa
         run_rl(*overrides)
 
 
-def test_multi_turn_environment_tokens_get_no_advantage(run_rl, tiny_untied_model_path, tmp_path, monkeypatch):
+def test_multi_turn_environment_tokens_get_no_advantage(run_rl, tiny_untied_model_path, tmp_path, step_batches):
     """Conversations of two model turns around the interaction's feedback: the feedback tokens
     (response mask 0) inside the response get 0, every model token its own log-ratio."""
     train_file = write_rows(make_arithmetic_split(16, 0, max_value=30, interaction="gsm8k"), tmp_path / "train.parquet")
-    seen = []
-    advantages = learner.compute_advantages
-    monkeypatch.setattr(learner, "compute_advantages", lambda batch, *a: (seen.append(batch), advantages(batch, *a))[1])
     run_rl(
         *DISTILL,
         f"teacher.path={tiny_untied_model_path}",
@@ -124,7 +111,7 @@ def test_multi_turn_environment_tokens_get_no_advantage(run_rl, tiny_untied_mode
         "multi_turn.max_response_tokens=48",
         "multi_turn.interactions=[{name: gsm8k, component: gsm8k}]",
     )
-    batch = seen[0]
+    batch = step_batches[0]
     mask = batch["response_mask"].bool()
     # an environment token between model tokens: a 0 in the mask followed by a 1 later in the row
     inside = ~mask & (mask.flip(-1).cummax(-1).values.flip(-1))
