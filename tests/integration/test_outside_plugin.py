@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trellis_outside.plugin as outside
+from trellis.config import ConfigError
 from trellis.export import export_checkpoint
 from trellis.plugins import load_plugins
 from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig, group_filters
@@ -87,7 +88,7 @@ def test_its_filter_gets_the_options_the_config_gives_it():
 
 
 def test_its_loop_refuses_settings_it_cannot_run_with_before_any_model_is_built(run_rl):
-    with pytest.raises(ValueError, match="multi_turn.max_assistant_turns' is 1; the outside_retell loop takes two model turns"):
+    with pytest.raises(ConfigError, match="multi_turn.max_assistant_turns' is 1; the outside_retell loop takes two model turns"):
         run_rl("multi_turn.enable=true", "multi_turn.agent_loop=outside_retell", "multi_turn.max_assistant_turns=1")
 
 

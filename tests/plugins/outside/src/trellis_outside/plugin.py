@@ -65,7 +65,7 @@ class RetellLoop(trellis.AgentLoop):
     @classmethod
     def check(cls, settings: Any) -> None:
         if settings.max_assistant_turns < 2:
-            raise ValueError(
+            raise trellis.ConfigError(
                 f"config key 'multi_turn.max_assistant_turns' is {settings.max_assistant_turns}; the outside_retell loop takes "
                 "two model turns: set it to 2 or more"
             )
