@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trellis_outside.plugin as outside
+from trellis import hookimpl
 from trellis.config import ConfigError
 from trellis.export import export_checkpoint
 from trellis.plugins import load_plugins
@@ -131,7 +132,7 @@ def test_its_recipe_trains_the_actor_against_a_teacher_role(tiny_model_path, tin
 
 def test_a_kind_another_plugin_already_adds_is_refused_naming_both():
     class Twice:
-        @outside.trellis.hookimpl
+        @hookimpl
         def trellis_add_kinds(self, registry):
             registry.add_kind("teacher_loss")
 
