@@ -462,15 +462,24 @@ class Scorer(Protocol):
 
 @dataclass(frozen=True)
 class ServiceContext:
-    """What a reward service is started with: the ``registry``, the run's ``seed``, the ``run``
-    (``trellis.Run``: ``spawn`` a role of the service's own), its config ``cfg`` (a ``DictConfig``)
-    and the policy's ``tokenizer``."""
+    """What a reward service is started with: the ``run`` (``trellis.Run``: ``spawn`` a role of the
+    service's own) and the policy's ``tokenizer``; the run's ``registry``, config ``cfg`` (a
+    ``DictConfig``) and ``seed`` are read through it."""
 
-    registry: Any
-    seed: int
     run: Any
-    cfg: Any
     tokenizer: Any
+
+    @property
+    def registry(self) -> Any:
+        return self.run.registry
+
+    @property
+    def cfg(self) -> Any:
+        return self.run.cfg
+
+    @property
+    def seed(self) -> int:
+        return self.run.cfg.seed
 
 
 class RewardService(Protocol):

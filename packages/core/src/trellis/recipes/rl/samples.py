@@ -251,7 +251,7 @@ def make_reward(cfg: DictConfig, run: Run, registry, tokenizer) -> Scorer:
     judges that name no url go to it; ``reward.model``'s reward-model role) each started, its
     sources pointed at it, and wrapped around the scorer."""
     reward = instantiate_options(cfg.reward, RewardConfig)
-    context, started = ServiceContext(registry, cfg.seed, run, cfg, tokenizer), []
+    context, started = ServiceContext(run, tokenizer), []
     for service in reward_services(cfg, registry):
         started.append(run.closing(service(reward, context)))
         reward = started[-1].reward
