@@ -36,7 +36,7 @@ class ObservationFirst(AgentLoop):
         observation = {"role": "user", "content": extra_info.get("observation", OBSERVATION)}
         traj.add_environment(self.chat.after_model([], [observation]))
         traj.user_turns += 1
-        budget = self.settings.max_response_tokens or params.max_new_tokens * self.settings.max_assistant_turns
+        budget = self.settings.response_budget(params.max_new_tokens)
         room = min(params.max_new_tokens, budget - len(traj.response_ids))
         if room <= 0:
             traj.finish = "max_response_tokens"

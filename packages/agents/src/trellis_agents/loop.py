@@ -91,7 +91,7 @@ class OpenAIAgentLoop(AgentLoop):
     async def sample(self, prompt_ids: list[int], raw_prompt: list[dict], extra_info: dict, params: SamplingParams) -> Trajectory:
         endpoint = await self._endpoint()
         s = self.settings
-        budget = s.max_response_tokens or params.max_new_tokens * s.max_assistant_turns
+        budget = s.response_budget(params.max_new_tokens)
         record = current_record()
         episode = endpoint.open(prompt_ids, raw_prompt, params, budget, s.max_assistant_turns, [] if record is None else record)
         client = self._client.with_options(default_headers={HEADER: episode.id})

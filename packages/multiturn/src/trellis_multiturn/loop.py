@@ -52,7 +52,7 @@ class ToolAgentLoop(AgentLoop):
         timeout = self._interaction_timeout(traj.interaction)
         instance = uuid.uuid4().hex
         messages = [dict(m) for m in raw_prompt]
-        budget = s.max_response_tokens or params.max_new_tokens * s.max_assistant_turns
+        budget = s.response_budget(params.max_new_tokens)
         started: list[tuple[Any, float]] = []  # (finalize / release, timeout), run in reverse at the end
         try:
             if interaction is not None:

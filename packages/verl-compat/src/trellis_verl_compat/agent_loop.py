@@ -122,7 +122,7 @@ class VerlAgentLoop(AgentLoop):
     def trainer_config(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         """verl's generated PPO config with this run's limits, then ``options.config`` over it."""
         s = self.settings
-        budget = s.max_response_tokens or params.max_new_tokens * s.max_assistant_turns
+        budget = s.response_budget(params.max_new_tokens)
         rollout = {
             # a cap on the loop's own rendering of the prompt, which must be trellis's: verl's is data.max_prompt_length
             "prompt_length": self.spec.max_prompt_length or len(prompt_ids),

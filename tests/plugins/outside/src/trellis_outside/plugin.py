@@ -80,7 +80,7 @@ class RetellLoop(trellis.AgentLoop):
         traj.add_model(first)
         traj.add_environment(self.chat.after_model(first.token_ids, [self.retell.ask]))
         traj.user_turns += 1
-        budget = self.settings.max_response_tokens or params.max_new_tokens * self.settings.max_assistant_turns
+        budget = self.settings.response_budget(params.max_new_tokens)
         room = min(params.max_new_tokens, budget - len(traj.response_ids))
         if room <= 0:
             traj.finish = "max_response_tokens"

@@ -118,6 +118,11 @@ class MultiTurnConfig:
     environment: str = ""
     environment_timeout_s: float = ranged(30.0, gt=0)
 
+    def response_budget(self, max_new_tokens: int) -> int:
+        """Tokens after the prompt over all turns: ``max_response_tokens``, or (0) ``max_new_tokens`` a
+        model turn times ``max_assistant_turns``."""
+        return self.max_response_tokens or max_new_tokens * self.max_assistant_turns
+
 
 class ConversationRollout(RolloutFn, Protocol):
     """The rollout function of a run's conversations, and how they are scored."""
