@@ -51,13 +51,14 @@ PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
     "core": (["packages/core[math,plot]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
     # each tracker read back with its own library's reader
     "trackers": (["packages/core", "packages/demo", "packages/trackers[tensorboard,wandb,mlflow]"], [], "tests/trackers"),
-    "algos": (["packages/core", "packages/demo", "packages/algos"], [], "tests/algos"),
+    # the rl recipe's options and seams on hand-built batches; a group filter of the example plugin
+    "algos": (["packages/core", "packages/demo", "packages/algos", "tests/plugins/example"], [], "tests/algos"),
     # the README's minimal install (and the tiny models): rl, sft and spin train; what other packages bring is refused naming them
     "minimal": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/minimal"),
     "fsdp": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
     "hf": (["packages/core", "packages/demo", "packages/rollout-hf"], [], "tests/hf"),
     # conversations through the tool_agent loop on scripted engines (interactions and tools of the example plugin); no model trains
-    "multiturn": (["packages/core", "packages/demo", "packages/multiturn", "tests/plugins/example"], [], "tests/multiturn"),
+    "multiturn": (["packages/core", "packages/demo", "packages/algos", "packages/multiturn", "tests/plugins/example"], [], "tests/multiturn"),
     # the multi-turn checks name the gsm8k interaction and the code_interpreter tool; the docs' examples use the example plugin;
     # verl-compat: the docs' checks run `trellis config from-verl`;
     # agents: the docs' openai_agent examples and the installed loops a bad agent_name is told; judges: the docs' judge

@@ -102,7 +102,7 @@ def rollout_fn(name: str, tokenizer, args):
     from trellis.interfaces.agents import Tool, ToolResult
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
-    from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_algos.rl.multi_turn import MultiTurnConfig
     from trellis_demo.tool_call import ADD
     from trellis_multiturn.environment import agent_spec
     from trellis_multiturn.rollout import agent_rollout

@@ -98,7 +98,7 @@ def measure(name: str, engine, tokenizer, args) -> dict:
     from trellis.interfaces.agents import Interaction, InteractionTurn
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
-    from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_algos.rl.multi_turn import MultiTurnConfig
     from trellis_demo.tasks import make_arithmetic_split
     from trellis_multiturn.environment import agent_spec
     from trellis_multiturn.rollout import agent_rollout
@@ -179,7 +179,7 @@ def verl_loop_rollout(section: dict, registry, tokenizer, prompts, args):
     from omegaconf import OmegaConf
 
     from trellis.config import validate
-    from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_algos.rl.multi_turn import MultiTurnConfig
     from trellis_multiturn.environment import agent_spec
     from trellis_multiturn.rollout import AGENT_COLUMN, agent_rollout
 

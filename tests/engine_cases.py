@@ -375,7 +375,7 @@ def always_wrong_agent(tokenizer, max_assistant_turns: int, max_user_turns: int,
     from trellis.config import validate
     from trellis.interfaces.agents import Interaction, InteractionTurn
     from trellis.plugins import load_plugins
-    from trellis.recipes.rl.multi_turn import MultiTurnConfig
+    from trellis_algos.rl.multi_turn import MultiTurnConfig
     from trellis_multiturn.environment import agent_spec
     from trellis_multiturn.rollout import agent_rollout
 

@@ -58,7 +58,7 @@ def run_rl(tiny_model_path, data_files, tmp_path):
 @pytest.fixture
 def step_batches(monkeypatch):
     """The list of every rl step's batch, as the advantage estimator gets it (scored, refilled), filled as the run goes."""
-    import trellis.recipes.rl.learner as learner
+    import trellis_algos.rl.learner as learner
 
     seen, advantages = [], learner.compute_advantages
 

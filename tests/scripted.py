@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from trellis.config import validate
 from trellis.data import PromptDataset, encode_text
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
-from trellis.recipes.rl.multi_turn import MultiTurnConfig
+from trellis_algos.rl.multi_turn import MultiTurnConfig
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.loop import ToolAgentLoop
 from trellis_multiturn.rollout import AgentRollout

@@ -13,8 +13,8 @@ from trellis.config import option_dataclasses
 from trellis.interfaces.signatures import AdvantageInputs, Aggregation, PolicyLossInputs
 from trellis.plugins import load_plugins
 from trellis.recipes.options import ActorConfig
-from trellis.recipes.rl import AlgorithmConfig
 from trellis_algos.kl import KLControlOptions
+from trellis_algos.rl import AlgorithmConfig
 
 EXPECTED = {
     "advantage": {
@@ -31,7 +31,8 @@ EXPECTED = {
     "preference_loss": {"sigmoid", "ipo"},
     "distill_loss": {"reverse_kl", "forward_kl", "jsd"},
     "objective": {"policy", "value", "sft", "preference", "bradley_terry", "kl_in_reward"},
-    "recipe": {"sft", "spin", "rm"},
+    "recipe": {"rl", "sft", "spin", "rm"},
+    "group_filter": {"zero_variance"},
 }
 SIMPLE_TYPES = {int, float, bool, str}
 
@@ -85,7 +86,9 @@ def test_every_string_option_with_a_fixed_set_of_values_declares_and_enforces_it
     """With the kl estimators installed, the core options that name one (actor.kl_loss_type,
     algorithm.kl_penalty) are checked here too."""
     schemas = {s for e in plugins.registry.entries() if e.plugin == "algos" and e.options for s in option_dataclasses(e.options)}
-    schemas = {s for s in schemas if s.__module__.startswith("trellis_algos")} | {ActorConfig, AlgorithmConfig}
+    # the rl recipe's own sections: tests/algos/test_rl_options.py
+    schemas = {s for s in schemas if s.__module__.startswith("trellis_algos") and not s.__module__.startswith("trellis_algos.rl")}
+    schemas |= {ActorConfig, AlgorithmConfig}
     # names, criteria lists, columns of the user's rows
     open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold", "recipe", "response_key", "image_key"}
     checked = {s.__name__: assert_choices_enforced(s, plugins.registry, open_ended) for s in schemas}

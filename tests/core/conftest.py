@@ -1,12 +1,10 @@
-"""Fixtures for core tests: a plugin distribution that fails to import, made on the fly; and
-``trellis train`` of a one-row rl config with one override, as a user would type it."""
+"""Fixtures for core tests: a plugin distribution that fails to import, made on the fly."""
 
 from __future__ import annotations
 
 import textwrap
 
 import pytest
-from cli_runs import run_cli
 
 
 @pytest.fixture
@@ -28,18 +26,3 @@ def broken_vllm_plugin(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(site))
     return site
-
-
-@pytest.fixture
-def train_with(tmp_path, tiny_model_path):
-    """``train_with(override)``: ``trellis train run.yaml <override>`` (in this process,
-    ``cli_runs``), on a one-row rl config in ``tmp_path``; returns its exit status and output."""
-
-    def run(override: str):
-        data = tmp_path / "train.jsonl"
-        data.write_text('{"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}\n')
-        config = tmp_path / "run.yaml"
-        config.write_text(f"recipe: rl\nmodel: {{path: {tiny_model_path}}}\ndata: {{train_path: {data}}}\n")
-        return run_cli("train", str(config), override, cwd=tmp_path)
-
-    return run

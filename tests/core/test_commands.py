@@ -22,8 +22,8 @@ def greet(args) -> int:
     return 0
 
 
-def recipes(args) -> int:
-    print(" ".join(args.plugins.registry.names("recipe")))
+def controllers(args) -> int:
+    print(" ".join(args.plugins.registry.names("controller")))
     return 0
 
 
@@ -31,13 +31,13 @@ class Greeter:
     @sdk.hookimpl
     def trellis_add_commands(self, commands):
         commands.add("greet", greet, help="say hello").add_argument("who")
-        commands.add("config recipes", recipes, help="list the installed recipes")
+        commands.add("config controllers", controllers, help="list the installed controllers")
 
 
 class Again:
     @sdk.hookimpl
     def trellis_add_commands(self, commands):
-        commands.add("greet", recipes, help="another greet")
+        commands.add("greet", controllers, help="another greet")
 
 
 class NoGroup:
@@ -56,8 +56,8 @@ def run(plugin, *argv: str) -> int:
 def test_a_plugin_adds_a_command_and_a_config_subcommand(capsys):
     assert run(Greeter(), "greet", "ana") == 0
     assert capsys.readouterr().out == "hello ana from 1 plugins\n"
-    assert run(Greeter(), "config", "recipes") == 0
-    assert "rl" in capsys.readouterr().out.split()  # core's own recipe (sft, spin, rm: trellis-algos)
+    assert run(Greeter(), "config", "controllers") == 0
+    assert capsys.readouterr().out.split() == ["local"]  # core's own controller (ray: trellis-ray)
     help_text = all_commands(load_plugins(extra=[("plugin", Greeter())], entry_points=False)).parser.format_help()
     assert "greet" in help_text and "say hello" in help_text
 

@@ -118,40 +118,6 @@ def test_the_ray_controller_without_its_package_names_the_install_command(yaml_f
     assert compose(yaml_file("recipe: placed\n"), [], registry).trainer.controller == "local"
 
 
-def test_multi_turn_without_its_package_names_the_install_command(monkeypatch):
-    """Core alone reads the rl recipe's multi_turn section; switched on, it needs trellis-multiturn
-    (the section's default agent loop and parser are that package's, looked up only then)."""
-    from trellis.recipes.rl.multi_turn import MultiTurnConfig
-
-    registry = load_plugins(entry_points=False).registry
-    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
-
-    def section(**given):
-        return validate(OmegaConf.create(given), MultiTurnConfig, registry, "multi_turn.")
-
-    assert section().agent_loop == "tool_agent"
-    with pytest.raises(ConfigError) as err:
-        section(enable=True)
-    msg = str(err.value)
-    assert msg.startswith("config key 'multi_turn.agent_loop' is 'tool_agent'") and "pip install trellis-multiturn" in msg, msg
-    with pytest.raises(ConfigError) as err:  # a name given in the switched-off section is still checked
-        section(tool_parser="hermes")
-    assert "pip install trellis-multiturn" in str(err.value)
-
-
-@pytest.mark.parametrize(("key", "value"), [("reward.model.path", "rm"), ("reward.judge.engine", "hf")])
-def test_a_reward_a_service_serves_without_its_package_names_the_install_command(monkeypatch, key, value):
-    from trellis.recipes.rl.checks import reward_services
-
-    registry = load_plugins(entry_points=False).registry
-    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
-    cfg = OmegaConf.create({})
-    OmegaConf.update(cfg, key, value)  # the rl config's reward section is all that is read
-    with pytest.raises(ConfigError) as err:
-        reward_services(cfg, registry)
-    assert str(err.value).startswith(f"config key '{key.rsplit('.', 1)[0]}'") and "pip install trellis-judges" in str(err.value), err.value
-
-
 def test_missing_required_value(registry, yaml_file):
     with pytest.raises(ConfigError, match=r"config key 'data.path' is required and has no default; set it in the YAML or pass data.path=\.\.\."):
         compose(yaml_file("recipe: example_echo\n"), [], registry)

@@ -62,7 +62,7 @@ def test_an_in_process_plugin_under_an_installed_name_is_refused():
 def test_core_is_its_own_entry_point_and_loads_first():
     plugins = load_plugins(entry_points=False)
     assert [(i.name, i.distribution) for i in plugins.infos] == [("core", "trellis-core")]
-    assert plugins.registry.get("recipe", "rl").plugin == "core"
+    assert plugins.registry.get("controller", "local").plugin == "core"
 
 
 def test_failing_import_is_reported_not_fatal(broken_vllm_plugin):

@@ -5,16 +5,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from trellis.recipes.rl import groups_with_signal
 from trellis.runtime.signals import SignalWatch
-
-
-def test_groups_with_signal_counts_groups_whose_rewards_differ():
-    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
-    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-    assert groups_with_signal(scores, groups) == {"reward/groups_with_signal": 0.25}  # only group 1 differs
 
 
 def test_warnings_first_then_every_tenth_step_while_it_lasts(caplog):

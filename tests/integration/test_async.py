@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from trellis.config import ConfigError
-from trellis.recipes.rl.ahead import ProducerFailed
 from trellis.recipes.train import train
+from trellis_algos.rl.ahead import ProducerFailed
 
 KILLABLE = Path(__file__).with_name("killable.py")
 # figures that depend on the clock, or exist only where generation runs ahead (or the engine has its own weights)
@@ -224,7 +224,7 @@ def test_a_generation_cut_for_a_sync_continues_under_the_new_weights(actor_and_o
     weights are synced (version 1). Tokens after the sync carry version 1 and their log-probs are
     the new weights' (a forward of the trained actor); the first chunk's are the old weights'."""
     from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
-    from trellis.recipes.rl.partial import generate_in_chunks, version_span
+    from trellis_algos.rl.partial import generate_in_chunks, version_span
 
     actor, rollout, prompts, tokenizer = actor_and_own_rollout
     synced = []

@@ -97,7 +97,7 @@ def test_a_reward_that_scores_nothing_under_the_overlong_penalty_is_named(run_rl
     reward = tmp_path / "zero.py"
     reward.write_text(ZERO_REWARD)
     shaping = ["reward.overlong.buffer_len=4", "reward.overlong.penalty=1.0", "trainer.total_steps=3"]
-    with caplog.at_level("WARNING", logger="trellis.recipes.rl.samples"):
+    with caplog.at_level("WARNING", logger="trellis_algos.rl.samples"):
         run_rl(f"reward.path={reward}", "reward.name=nothing", *shaping, run_dir=tmp_path / "zero")
     said = [r.getMessage() for r in caplog.records if "scored 0 on every sample" in r.getMessage()]
     assert said == [
@@ -108,6 +108,6 @@ def test_a_reward_that_scores_nothing_under_the_overlong_penalty_is_named(run_rl
     caplog.clear()
     half = tmp_path / "half.py"
     half.write_text(HALF_REWARD)
-    with caplog.at_level("WARNING", logger="trellis.recipes.rl.samples"):
+    with caplog.at_level("WARNING", logger="trellis_algos.rl.samples"):
         run_rl(f"reward.path={half}", "reward.name=half", *shaping, run_dir=tmp_path / "half")
     assert not [r for r in caplog.records if "scored 0 on every sample" in r.getMessage()]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trellis.cli import main as cli_main
-from trellis.recipes.rl import RLRecipe
+from trellis_algos.rl import RLRecipe
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from trellis import config as config_mod
 from trellis.memory import ModelShape, activation_bytes
 from trellis.plugins import load_plugins
-from trellis.recipes import rl
+from trellis_algos import rl
 
 # Qwen2.5-7B's sizes; verl's GRPO seq-balance example: 512-token prompts, 1024-token responses,
 # ppo_max_token_len_per_gpu=24000

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from trellis.recipes import rl
-from trellis.recipes.rl import learner
-from trellis.recipes.rl.checks import needs, on_policy_update
+from trellis_algos import rl
+from trellis_algos.rl import learner
+from trellis_algos.rl.checks import needs, on_policy_update
 
 # a reward that differs between samples of a prompt, so advantages and gradients are not 0
 VARIED_REWARD = """

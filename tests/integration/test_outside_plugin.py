@@ -17,9 +17,9 @@ from trellis import hookimpl
 from trellis.config import ConfigError
 from trellis.export import export_checkpoint
 from trellis.plugins import load_plugins
-from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig, group_filters
 from trellis.recipes.train import train
 from trellis.registry import RegistryError
+from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig, group_filters
 from trellis_demo.tasks import make_arithmetic_split, write_rows
 
 PUBLIC = ("trellis", "trellis_multiturn")  # trellis's __all__, and another package's top-level exports

@@ -203,7 +203,7 @@ def test_tests_only_plain_backend_runs_the_recipe_like_fsdp(run_rl, overrides, t
 def test_samples_carry_their_prompt_uid_and_weight_version(run_rl, monkeypatch):
     """Advantages are grouped by the prompt's uid (not by position) and every sample records the
     weight version that generated it: 0 before the first update, then the step that synced."""
-    from trellis.recipes.rl import learner
+    from trellis_algos.rl import learner
 
     seen = []
     compute = learner.compute_advantages

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register  # noqa: E402
 from verl.utils.profiler import simple_timer  # noqa: E402
 
-import trellis.recipes.rl.samples as rl  # noqa: E402
+import trellis_algos.rl.samples as rl  # noqa: E402
 import trellis_verl_compat.agent_loop as adapter  # noqa: E402
 from trellis.config import ConfigError  # noqa: E402
 from trellis.interfaces.rollout import Generation  # noqa: E402

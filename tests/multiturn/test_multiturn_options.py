@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 import trellis_multiturn.plugin
 from trellis import AgentLoop, ConfigError
 from trellis.plugins import load_plugins
-from trellis.recipes.rl.multi_turn import MultiTurnConfig
+from trellis_algos.rl.multi_turn import MultiTurnConfig
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.runner import MultiTurn
 

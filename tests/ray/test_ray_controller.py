@@ -339,8 +339,8 @@ def test_agent_loops_run_next_to_each_engine(ray_cluster, tiny_model_path):
 
     from trellis.data import PromptDataset
     from trellis.interfaces.rollout import RolloutSpec, SamplingParams
-    from trellis.recipes.rl.multi_turn import MultiTurnConfig
     from trellis.runtime.controller import LocalRollout
+    from trellis_algos.rl.multi_turn import MultiTurnConfig
     from trellis_demo.tasks import make_arithmetic_split
     from trellis_hf.engine import make_engine
     from trellis_multiturn.environment import agent_spec

@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import openai
 
-from trellis import AgentLoop, ConfigError, MultiTurnConfig, RolloutEngine, SamplingParams, Trajectory
+from trellis import AgentLoop, ConfigError, RolloutEngine, SamplingParams, Trajectory
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
+from trellis_algos import MultiTurnConfig
 from trellis_multiturn import AgentSpec, Environment, current_record, finite_reward, load_reference
 
 log = logging.getLogger("trellis")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from trellis import hookimpl
 from trellis_algos import advantages, distill, distill_losses, kl, objectives, policy_losses, preference, sft_losses, token_baseline
+from trellis_algos.rl import RLRecipe
+from trellis_algos.rl.dynamic_sampling import group_has_signal
 from trellis_algos.rm import RMRecipe
 from trellis_algos.sft import SFTRecipe
 from trellis_algos.spin import SPINRecipe
@@ -12,7 +14,8 @@ from trellis_algos.spin import SPINRecipe
 @hookimpl
 def trellis_register(registry):
     """Add kinds ``advantage``, ``policy_loss``, ``kl``, ``sft_loss``, ``preference_loss``,
-    ``distill_loss`` and ``objective``, and the recipes ``sft``, ``spin`` and ``rm``."""
+    ``distill_loss`` and ``objective``, the recipes ``rl``, ``sft``, ``spin`` and ``rm``, and the ``rl``
+    recipe's group filter ``zero_variance``."""
     for kind, table in (
         ("advantage", advantages.ESTIMATORS),
         ("advantage", token_baseline.ESTIMATORS),
@@ -28,6 +31,8 @@ def trellis_register(registry):
         registry.add("kl", name, fn, options=None)
     for name, factory in objectives.OBJECTIVES.items():
         registry.add("objective", name, factory, options=None)
+    registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)
+    registry.add("group_filter", "zero_variance", group_has_signal)
     registry.add("recipe", "sft", SFTRecipe(), options=SFTRecipe.Config)
     registry.add("recipe", "spin", SPINRecipe(), options=SPINRecipe.Config)
     registry.add("recipe", "rm", RMRecipe(), options=RMRecipe.Config)

@@ -91,7 +91,6 @@ _API = {
     "ToolResult": "trellis.interfaces.agents",
     "ToolCall": "trellis.interfaces.agents",
     "ToolCallParser": "trellis.interfaces.agents",
-    "MultiTurnConfig": "trellis.recipes.rl.multi_turn",
     "AgentLoop": "trellis.interfaces.agents",
     "Trajectory": "trellis.interfaces.agents",
     # runtime: the harness recipes compose, controllers, trackers

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
-from trellis.recipes.rl import RLRecipe
-from trellis.recipes.rl.dynamic_sampling import group_has_signal
 from trellis.rewards import auto_score, gsm8k_score, math_score
 from trellis.runtime.controller import LocalController
 from trellis.runtime.trackers import ConsoleTracker, JsonlTracker
@@ -17,6 +15,4 @@ def trellis_register(registry):
     registry.add("reward", "gsm8k", gsm8k_score)
     registry.add("reward", "math", math_score)
     registry.add("reward", "auto", auto_score)
-    registry.add("group_filter", "zero_variance", group_has_signal)
     registry.add("controller", "local", LocalController)
-    registry.add("recipe", "rl", RLRecipe(), options=RLRecipe.Config)

@@ -51,6 +51,8 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("preference_loss", "*"): "trellis-algos",
     ("distill_loss", "*"): "trellis-algos",
     ("objective", "*"): "trellis-algos",
+    ("recipe", "rl"): "trellis-algos",
+    ("group_filter", "zero_variance"): "trellis-algos",
     ("recipe", "spin"): "trellis-algos",
     ("recipe", "rm"): "trellis-algos",
     ("recipe", "sft"): "trellis-algos",
@@ -132,7 +134,7 @@ INTERFACES: dict[str, Interface] = {
     "policy_loss": Interface(optional={"corrects_rollout": False}),  # the loss corrects the engine's drift itself (bypass_mode)
     "tool": Interface(optional={"schema": None}),
     "tracker": Interface(optional={"requires": None}),
-    "rollout_function": Interface(("check", "load")),  # trellis.recipes.rl.multi_turn.MultiTurnRunner
+    "rollout_function": Interface(("check", "load")),  # trellis_algos.rl.multi_turn.MultiTurnRunner
 }
 
 

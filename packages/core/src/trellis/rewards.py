@@ -247,7 +247,7 @@ class RewardConfig:
     model: a reward model (:class:`RewardModelConfig`, the ``rl`` recipe only): alone it is the
         reward (``name``, ``path``, ``kwargs`` and ``batched`` unset), or it is added to ``terms``.
     stream_prompts: the ``rl`` recipe generates a step in parts of this many prompts and scores each
-        part on a thread of its own while the next generates (``trellis.recipes.rl.streaming``); 0
+        part on a thread of its own while the next generates (``trellis_algos.rl.streaming``); 0
         scores the whole batch once generated. The scores are the same either way.
     judge: a judge model trellis serves for the ``judge`` rewards that name no url
         (:class:`JudgeEngineConfig`, the ``rl`` recipe only).

@@ -8,7 +8,8 @@ import logging
 from typing import Any
 
 from trellis import Batch, encode_response, encode_text, last_valid_index, render_chat, require_pad_id
-from trellis.kit.rewards import left_pad, tokenizer_difference
+from trellis.kit.rewards import left_pad
+from trellis_algos import tokenizer_difference
 
 logger = logging.getLogger("trellis")
 

@@ -16,14 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 from trellis import (
     ConfigError,
     Interaction,
-    MultiTurnConfig,
     PromptEncoder,
     Registry,
     RegistryError,
     Tool,
     checked_options,
 )
-from trellis.kit.multiturn import AgentLoopConfig, ClassAdapter, InteractionConfig, ToolConfig, renders_tools
+from trellis.kit.multiturn import ClassAdapter, renders_tools
+from trellis_algos import AgentLoopConfig, InteractionConfig, MultiTurnConfig, ToolConfig
 from trellis_multiturn.environment_class import EnvironmentClass, Episodes, describe_environment
 from trellis_multiturn.tool_calls import ToolCallParser
 

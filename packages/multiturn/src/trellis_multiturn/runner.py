@@ -14,7 +14,7 @@ from trellis_multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout
 
 
 class MultiTurn:
-    """``trellis.kit.multiturn.MultiTurnRunner`` for conversations through agent loops."""
+    """``trellis_algos.MultiTurnRunner`` for conversations through agent loops."""
 
     def check(self, cfg: DictConfig, registry: Registry) -> None:
         check_multi_turn(cfg, registry)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from trellis import Batch, MultiTurnConfig, RewardError, RewardResult, Scorer, last_valid_index
+from trellis import Batch, RewardError, RewardResult, Scorer, last_valid_index
 from trellis.kit.multiturn import reward_figures
+from trellis_algos import MultiTurnConfig
 
 
 class ConversationScorer:

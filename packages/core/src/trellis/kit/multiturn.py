@@ -5,16 +5,9 @@ from trellis.interfaces.agents import ClassAdapter
 from trellis.interfaces.backend import MODEL_INPUTS, PROMPT_IMAGES, join_images
 from trellis.interfaces.moe import ROUTED_EXPERTS, batch_routes, conversation_routes
 from trellis.interfaces.rollout import pad_id, with_images
-from trellis.recipes.rl.multi_turn import AgentLoopConfig, ConversationRollout, InteractionConfig, MultiTurnRunner, ToolConfig
 from trellis.rewards import reward_figures
 
 __all__ = [
-    # the protocols the recipe calls, and the section's entries (MultiTurnConfig itself is in trellis)
-    "MultiTurnRunner",
-    "ConversationRollout",
-    "InteractionConfig",
-    "ToolConfig",
-    "AgentLoopConfig",
     # a verl class run through an adapter (kind class_adapter: trellis-verl-compat's)
     "ClassAdapter",
     # the data's rows as read, before tokenizing; whether a chat template renders tools

@@ -2,7 +2,6 @@
 
 from trellis.data import left_pad
 from trellis.recipes.options import check_not_a_run
-from trellis.recipes.teacher import load_tokenizer, tokenizer_difference
 from trellis.rewards import RESERVED_KEYS, ServiceContext
 
 __all__ = [
@@ -12,9 +11,6 @@ __all__ = [
     "RESERVED_KEYS",
     # refuse a run folder or checkpoint given as a model folder, naming the export command
     "check_not_a_run",
-    # a folder's tokenizer (a ConfigError naming the key when it holds none), and what differs between two
-    "load_tokenizer",
-    "tokenizer_difference",
     # token id lists as (input_ids, attention_mask, position_ids), padded on the left
     "left_pad",
 ]

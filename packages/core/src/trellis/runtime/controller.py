@@ -156,7 +156,7 @@ class RolloutGroup:
     ``agenerate`` runs one sample on an engine (on the engine's own thread); ``sync_weights`` moves
     the actor's weights into the engines in memory. Every sample carries the ``weight_version`` it
     came from. Calls from several threads take turns (``lock``): a generation ahead of training
-    (``trellis.recipes.rl.ahead``) and the trainer's weight sync never overlap on an engine."""
+    (``trellis_algos.rl.ahead``) and the trainer's weight sync never overlap on an engine."""
 
     version = 0
     asleep = False  # the engines slept and nothing has woken them since
@@ -228,7 +228,7 @@ class RolloutGroup:
 
     def let_syncs_in(self) -> None:
         """Wait while a weight sync waits for the engines: a generation that runs in chunks calls
-        this between two (``trellis.recipes.rl.partial``), so the sync goes first."""
+        this between two (``trellis_algos.rl.partial``), so the sync goes first."""
         with self._turns:
             self._turns.wait_for(lambda: not self._syncs_waiting)
 

@@ -12,18 +12,13 @@ from typing import Any
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from trellis.config import ConfigError
-from trellis.export import save_hf_folder
-from trellis.interfaces.rollout import SamplingParams
-from trellis.recipes.rl.ahead import staleness_bound
-from trellis.recipes.rl.checks import check, check_data, load_data, longest_sequence
-from trellis.recipes.rl.config import AlgorithmConfig, RLConfig, RLTrainerConfig, ValidationConfig
-from trellis.recipes.rl.figures import groups_with_signal, truncated, without_truncated
-from trellis.recipes.rl.learner import Learner, compute_advantages
-from trellis.recipes.rl.samples import SampleSource, make_reward, sample, scorer_of
-from trellis.rewards import Scorer
-from trellis.runtime.controller import RolloutGroup
-from trellis.runtime.harness import Run, RunContext
+from trellis import ConfigError, RolloutGroup, Run, RunContext, SamplingParams, Scorer, save_hf_folder
+from trellis_algos.rl.ahead import staleness_bound
+from trellis_algos.rl.checks import check, check_data, load_data, longest_sequence
+from trellis_algos.rl.config import AlgorithmConfig, RLConfig, RLTrainerConfig, ValidationConfig
+from trellis_algos.rl.figures import groups_with_signal, truncated, without_truncated
+from trellis_algos.rl.learner import Learner, compute_advantages
+from trellis_algos.rl.samples import SampleSource, make_reward, sample, scorer_of
 
 __all__ = [
     "AlgorithmConfig", "RLConfig", "RLRecipe", "RLTrainerConfig", "ValidationConfig",

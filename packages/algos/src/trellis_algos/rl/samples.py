@@ -14,19 +14,27 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trellis.batch import Batch
-from trellis.config import instantiate_options
-from trellis.data import PromptLoader
-from trellis.interfaces.rollout import SamplingParams, pad_id, stop_ids
-from trellis.recipes.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
-from trellis.recipes.rl.checks import reward_services
-from trellis.recipes.rl.dynamic_sampling import fill, group_filters
-from trellis.recipes.rl.multi_turn import ConversationRollout
-from trellis.recipes.rl.partial import generate_in_chunks
-from trellis.recipes.rl.streaming import generate_scored
-from trellis.rewards import RewardConfig, RewardManager, RewardResult, Scorer, ServiceContext, add_overlong_penalty, reward_figures, reward_name
-from trellis.runtime.controller import RolloutGroup
-from trellis.runtime.harness import Run, StageTimer, backend_mesh
+from trellis import (
+    Batch,
+    PromptLoader,
+    RewardConfig,
+    RewardManager,
+    RewardResult,
+    RolloutGroup,
+    Run,
+    SamplingParams,
+    Scorer,
+    instantiate_options,
+    reward_name,
+)
+from trellis.kit.recipe import StageTimer, add_overlong_penalty, backend_mesh, pad_id, reward_figures, stop_ids
+from trellis.kit.rewards import ServiceContext
+from trellis_algos.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
+from trellis_algos.rl.checks import reward_services
+from trellis_algos.rl.dynamic_sampling import fill, group_filters
+from trellis_algos.rl.multi_turn import ConversationRollout
+from trellis_algos.rl.partial import generate_in_chunks
+from trellis_algos.rl.streaming import generate_scored
 
 log = logging.getLogger(__name__)
 ZERO_ROUNDS = 3  # all-zero rounds with the overlong penalty on before the warning

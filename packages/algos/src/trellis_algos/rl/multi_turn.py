@@ -8,11 +8,8 @@ from typing import Any, Optional, Protocol
 
 from omegaconf import MISSING, DictConfig
 
-from trellis.config import choice, ranged, switch
-from trellis.data import PromptDataset, PromptEncoder, PromptLoader
-from trellis.interfaces.rollout import RolloutFn
-from trellis.registry import Registry
-from trellis.rewards import Scorer
+from trellis import PromptDataset, PromptEncoder, PromptLoader, Registry, Scorer, choice, ranged, switch
+from trellis.kit.recipe import RolloutFn
 
 SCORES = ("last", "sum", "reward")
 

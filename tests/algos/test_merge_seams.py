@@ -12,13 +12,13 @@ from trellis.batch import Batch
 from trellis.data import left_pad
 from trellis.interfaces.dispatch import DP_CHUNKS, Mesh, Route
 from trellis.interfaces.rollout import RolloutEngine, SamplingParams, samples_batch
-from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig, fill
-from trellis.recipes.rl.partial import generate_in_chunks
-from trellis.recipes.rl.streaming import generate_scored
 from trellis.rewards import RewardResult
 from trellis.runtime.controller import LocalRollout, WorkerGroup
 from trellis.runtime.harness import StageTimer
 from trellis.runtime.invariants import check_alignment
+from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig, fill
+from trellis_algos.rl.partial import generate_in_chunks
+from trellis_algos.rl.streaming import generate_scored
 
 PROMPTS = [[5], [6, 7, 8, 9], [10, 11], [12, 13, 14]]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trellis.batch import Batch
-from trellis.recipes.rl.learner import compute_advantages
 from trellis.registry import Registry
+from trellis_algos.rl.learner import compute_advantages
 
 
 def turns_over_group_mean(data, options):

@@ -9,21 +9,37 @@ import logging
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from trellis.config import ConfigError, instantiate_options, resolve_component
-from trellis.data import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows
-from trellis.interfaces.moe import expert_counts
-from trellis.interfaces.rollout import engine_devices
-from trellis.interfaces.signatures import OBJECTIVE
-from trellis.memory import check_activation_memory, text_config
-from trellis.recipes.options import check_inputs, prompt_images
-from trellis.recipes.rl.ahead import partial_chunk, staleness_bound
-from trellis.recipes.rl.dynamic_sampling import group_filters
-from trellis.recipes.rl.multi_turn import ConversationRollout, MultiTurnRunner
-from trellis.recipes.teacher import TEACHER_NEED, check_teacher
-from trellis.registry import RegistryError
-from trellis.rewards import AUTO_SOURCES, RewardConfig, RewardService, check_reward, unknown_sources
-from trellis.runtime.harness import backend_mesh, controller_class
-from trellis.runtime.plan import Plan
+from trellis import (
+    ConfigError,
+    PromptDataset,
+    PromptLoader,
+    RegistryError,
+    RewardConfig,
+    check_inputs,
+    check_reward,
+    instantiate_options,
+    load_prompt_data,
+    resolve_component,
+)
+from trellis.kit.data import prompt_images
+from trellis.kit.recipe import (
+    AUTO_SOURCES,
+    OBJECTIVE,
+    Plan,
+    RewardService,
+    backend_mesh,
+    check_activation_memory,
+    controller_class,
+    engine_devices,
+    expert_counts,
+    load_prompt_rows,
+    text_config,
+    unknown_sources,
+)
+from trellis_algos.rl.ahead import partial_chunk, staleness_bound
+from trellis_algos.rl.dynamic_sampling import group_filters
+from trellis_algos.rl.multi_turn import ConversationRollout, MultiTurnRunner
+from trellis_algos.rl.teacher import TEACHER_NEED, check_teacher
 
 log = logging.getLogger("trellis")
 # the reward services (trellis-judges') that serve reward.judge and reward.model, by the key that asks for each

@@ -13,10 +13,7 @@ from typing import Any
 
 import torch
 
-from trellis.batch import Batch
-from trellis.config import ConfigError, checked_options, choice, ranged, switch
-from trellis.registry import Registry
-from trellis.rewards import RewardResult
+from trellis import Batch, ConfigError, Registry, RewardResult, checked_options, choice, ranged, switch
 
 log = logging.getLogger("trellis")
 

@@ -9,23 +9,25 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trellis.batch import Batch
-from trellis.config import instantiate_options, resolve_component
-from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, without_replay
-from trellis.interfaces.rollout import SamplingParams
-from trellis.interfaces.signatures import AdvantageInputs
-from trellis.memory import text_config
-from trellis.recipes.options import without_adapter
-from trellis.recipes.rl.ahead import staleness_metrics
-from trellis.recipes.rl.checks import needs, on_policy_update
-from trellis.recipes.rl.figures import first_groups, groups_with_signal, kl_summary, throughput, truncated, without_truncated
-from trellis.recipes.rl.partial import version_span
-from trellis.recipes.rl.samples import COMPONENT, StepSamples
-from trellis.recipes.teacher import TEACHER_NEED, score_samples, wants_teacher
-from trellis.runtime.controller import RolloutGroup
-from trellis.runtime.harness import Run
-from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
-from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
+from trellis import AdvantageInputs, Batch, RolloutGroup, Run, SamplingParams, instantiate_options, resolve_component, without_adapter
+from trellis.kit.recipe import (
+    SyncCheckConfig,
+    SyncProbe,
+    agreement_check,
+    check_alignment,
+    expert_counts,
+    mark_replay,
+    router_metrics,
+    text_config,
+    trainer_dtype,
+    without_replay,
+)
+from trellis_algos.rl.ahead import staleness_metrics
+from trellis_algos.rl.checks import needs, on_policy_update
+from trellis_algos.rl.figures import first_groups, groups_with_signal, kl_summary, throughput, truncated, without_truncated
+from trellis_algos.rl.partial import version_span
+from trellis_algos.rl.samples import COMPONENT, StepSamples
+from trellis_algos.rl.teacher import TEACHER_NEED, score_samples, wants_teacher
 
 log = logging.getLogger("trellis")
 

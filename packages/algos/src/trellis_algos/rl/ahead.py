@@ -13,8 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trellis.config import ConfigError
-from trellis.runtime.harness import StageTimer
+from trellis import ConfigError
+from trellis.kit.recipe import StageTimer
 
 log = logging.getLogger("trellis")
 

@@ -11,9 +11,8 @@ from typing import Any
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from trellis.batch import Batch
-from trellis.config import ConfigError
-from trellis.recipes.options import check_not_a_run
+from trellis import Batch, ConfigError
+from trellis.kit.rewards import check_not_a_run
 
 TEACHER_NEED = "teacher_log_probs"
 

@@ -6,11 +6,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from trellis.batch import Batch
-from trellis.interfaces.rollout import SamplingParams
-from trellis.rewards import RewardManager, RewardResult
-from trellis.runtime.controller import RolloutGroup
-from trellis.runtime.harness import StageTimer
+from trellis import Batch, RewardManager, RewardResult, RolloutGroup, SamplingParams
+from trellis.kit.recipe import StageTimer
 
 
 def generate_scored(

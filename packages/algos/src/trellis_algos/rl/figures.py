@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from trellis.batch import Batch, last_valid_index
-from trellis.interfaces.rollout import SamplingParams
-from trellis.recipes.rl.dynamic_sampling import group_has_signal
-from trellis.rewards import RewardResult
+from trellis import Batch, RewardResult, SamplingParams, last_valid_index
+from trellis_algos.rl.dynamic_sampling import group_has_signal
 
 
 def groups_with_signal(scores: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:

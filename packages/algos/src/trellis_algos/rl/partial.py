@@ -9,10 +9,8 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from trellis.batch import Batch
-from trellis.data import left_pad
-from trellis.interfaces.rollout import SamplingParams, rollout_batch
-from trellis.runtime.controller import RolloutGroup
+from trellis import Batch, RolloutGroup, SamplingParams, rollout_batch
+from trellis.kit.recipe import left_pad
 
 
 @dataclasses.dataclass

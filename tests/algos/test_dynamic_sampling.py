@@ -1,4 +1,4 @@
-"""Dynamic sampling's refill (``trellis.recipes.dynamic_sampling.fill``), DAPO's overlong penalty
+"""Dynamic sampling's refill (``trellis_algos.rl.dynamic_sampling.fill``), DAPO's overlong penalty
 and ``actor.mask_truncated``, on hand-built batches with hand-derived values."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.rollout import SamplingParams
-from trellis.recipes.rl import truncated, without_truncated
-from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 from trellis.rewards import RewardResult, add_overlong_penalty, overlong_penalty
+from trellis_algos.rl import groups_with_signal, truncated, without_truncated
+from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 
 
 def rounds_of(*rounds: list[list[float]]):
@@ -136,12 +136,13 @@ def test_a_group_filter_with_options_gets_them_checked_and_bound():
     are refused."""
     from omegaconf import OmegaConf
 
+    import trellis_algos.plugin
     import trellis_example.plugin
     from trellis.config import ConfigError, validate
     from trellis.plugins import load_plugins
-    from trellis.recipes.rl.dynamic_sampling import group_filters
+    from trellis_algos.rl.dynamic_sampling import group_filters
 
-    registry = load_plugins(entry_points=False, extra=[("example", trellis_example.plugin)]).registry
+    registry = load_plugins(entry_points=False, extra=[("algos", trellis_algos.plugin), ("example", trellis_example.plugin)]).registry
 
     def section(**given):
         return validate(OmegaConf.create({"enable": True, **given}), DynamicSamplingConfig, registry, "algorithm.dynamic_sampling.")
@@ -159,3 +160,9 @@ def test_a_group_filter_with_options_gets_them_checked_and_bound():
         group_filters(section(filter_options={"example_some_right": {"above": 0.5}}), registry)
     with pytest.raises(ConfigError, match=r"filter_options.zero_variance.: group_filter .zero_variance. takes no options, got \[.above.\]"):
         group_filters(section(filter_options={"zero_variance": {"above": 0.5}}), registry)
+
+
+def test_groups_with_signal_counts_groups_whose_rewards_differ():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    assert groups_with_signal(scores, groups) == {"reward/groups_with_signal": 0.25}  # only group 1 differs

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trellis.config import choice, component, ranged
-from trellis.recipes.options import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig
-from trellis.recipes.rl.ahead import MODES, SCHEDULES
-from trellis.recipes.rl.dynamic_sampling import DynamicSamplingConfig
-from trellis.recipes.rl.multi_turn import MultiTurnConfig
-from trellis.recipes.teacher import TeacherConfig
-from trellis.rewards import RewardConfig
-from trellis.runtime.sync_probe import SyncCheckConfig
+from trellis import ActorConfig, CriticConfig, PromptData, RecipeConfig, RewardConfig, SamplingConfig, TrainerConfig, choice, component, ranged
+from trellis.kit.recipe import SyncCheckConfig
+from trellis_algos.rl.ahead import MODES, SCHEDULES
+from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig
+from trellis_algos.rl.multi_turn import MultiTurnConfig
+from trellis_algos.rl.teacher import TeacherConfig
 
 
 @dataclass
@@ -44,7 +42,7 @@ class AlgorithmConfig:
 class RLTrainerConfig(TrainerConfig):
     """async_mode: ``off`` (generate, then train), ``one_step`` (generate step k+1 while training
     step k) or ``fully_async`` (up to ``max_staleness`` steps ahead, default 1); see
-    ``trellis.recipes.rl.ahead``. Generation ahead needs an engine with weights of its own.
+    ``trellis_algos.rl.ahead``. Generation ahead needs an engine with weights of its own.
     async_schedule: ``exact`` (step t generates from exactly the weights of step t-1-max_staleness,
     whatever the timing; runs with one seed, and resumed runs, are bit-identical: docs/async.md) or
     ``opportunistic`` (from whatever weights were last synced when its generation starts, at most
@@ -54,7 +52,7 @@ class RLTrainerConfig(TrainerConfig):
     max_staleness: int | None = ranged(None, ge=0)
     async_schedule: str = choice("exact", SCHEDULES)
     # fully_async: a weight sync goes in between chunks of this many tokens of a generation running
-    # ahead, which then continues under the new weights (trellis.recipes.rl.partial; default 32)
+    # ahead, which then continues under the new weights (trellis_algos.rl.partial; default 32)
     partial_rollout: bool = False
     rollout_chunk_tokens: int | None = ranged(None, ge=1)
 

@@ -1,0 +1,52 @@
+"""What a recipe that trains on its own samples needs beyond ``trellis`` (trellis-algos' ``rl``): stage timing, placement,
+prompts, rollout helpers, reward shaping, batch invariants and the sync probe, mixture-of-experts routes, memory estimates."""
+
+from trellis.data import left_pad, load_prompt_rows
+from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, without_replay
+from trellis.interfaces.rollout import RolloutFn, engine_devices, pad_id, stop_ids
+from trellis.interfaces.signatures import OBJECTIVE
+from trellis.memory import check_activation_memory, text_config
+from trellis.rewards import AUTO_SOURCES, RewardService, add_overlong_penalty, reward_figures, unknown_sources
+from trellis.runtime.harness import StageTimer, backend_mesh, controller_class
+from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
+from trellis.runtime.plan import Plan
+from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
+
+__all__ = [
+    # a step's stage seconds; the backend's placement (mesh) and the controller class a config names
+    "StageTimer",
+    "backend_mesh",
+    "controller_class",
+    # how many actor updates one batch makes (mini-batches x epochs)
+    "Plan",
+    # the data's rows as read, before tokenizing; token id lists padded on the left
+    "load_prompt_rows",
+    "left_pad",
+    # what a rollout function is; the engines' devices, pad and stop tokens
+    "RolloutFn",
+    "engine_devices",
+    "pad_id",
+    "stop_ids",
+    # the kind an actor's loss registers as
+    "OBJECTIVE",
+    # the reward services a recipe starts, the rule rewards `auto` picks by data_source, shaping and figures
+    "RewardService",
+    "AUTO_SOURCES",
+    "unknown_sources",
+    "add_overlong_penalty",
+    "reward_figures",
+    # every batch's checks before training: alignment, trainer-vs-engine log-prob agreement, the sync probe
+    "check_alignment",
+    "agreement_check",
+    "trainer_dtype",
+    "SyncCheckConfig",
+    "SyncProbe",
+    # a mixture-of-experts model's routes: replayed in training, counted, reported
+    "expert_counts",
+    "mark_replay",
+    "without_replay",
+    "router_metrics",
+    # the model's text config and the activation memory a step's micro-batch needs
+    "text_config",
+    "check_activation_memory",
+]
