@@ -48,11 +48,11 @@ OWN_LOCK = {"vllm": "vllm", "sglang": "sglang", "parity": "parity"}  # session -
 
 # session -> (local packages to install, extra requirements, tests folders, space-separated)
 PACKAGE_SESSIONS: dict[str, tuple[list[str], list[str], str]] = {
-    "core": (["packages/core[math,plot]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
+    "core": (["packages/core[plot]", "packages/demo", "tests/plugins/example"], [], "tests/core"),
     # each tracker read back with its own library's reader
     "trackers": (["packages/core", "packages/demo", "packages/trackers[tensorboard,wandb,mlflow]"], [], "tests/trackers"),
     # the rl recipe's options and seams on hand-built batches; a group filter of the example plugin
-    "algos": (["packages/core", "packages/demo", "packages/algos", "tests/plugins/example"], [], "tests/algos"),
+    "algos": (["packages/core", "packages/demo", "packages/algos[math]", "tests/plugins/example"], [], "tests/algos"),
     # the README's minimal install (and the tiny models): rl, sft and spin train; what other packages bring is refused naming them
     "minimal": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp", "packages/rollout-hf"], [], "tests/minimal"),
     "fsdp": (["packages/core", "packages/demo", "packages/algos", "packages/backend-fsdp[lora]", "tests/plugins/plain"], [], "tests/fsdp"),
@@ -288,7 +288,7 @@ def _pip_config_for_uv() -> tuple[str, ...]:
 
 
 def _local_names(requirements: tuple[str, ...]) -> list[str]:
-    """The distribution names of the local folders among ``requirements`` (``./packages/core[math]``)."""
+    """The distribution names of the local folders among ``requirements`` (``./packages/algos[math]``)."""
     names = []
     for requirement in requirements:
         pyproject = Path(__file__).parent / requirement.split("[")[0] / "pyproject.toml"

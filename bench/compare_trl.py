@@ -56,7 +56,7 @@ def trl_steps(model: Path, data: Path, prompts: int, n: int, length: int, steps:
     from trl import GRPOConfig, GRPOTrainer
 
     from trellis.data import load_rows
-    from trellis.rewards import gsm8k_score
+    from trellis_algos import gsm8k_score
 
     torch.set_num_threads(threads)
     rows = load_rows(data)

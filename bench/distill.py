@@ -71,7 +71,7 @@ def teacher_answers(teacher: Path, rl_data: Path, path: Path, max_new_tokens: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trellis.data import encode_text, left_pad, load_rows, render_chat
-    from trellis.rewards import gsm8k_score
+    from trellis_algos import gsm8k_score
     from trellis_demo.tasks import write_rows
 
     begin = time.perf_counter()

@@ -95,7 +95,7 @@ def floor_steps(model_path: Path, data: Path, prompts: int, n: int, length: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trellis.data import PromptDataset, load_rows
-    from trellis.rewards import gsm8k_score
+    from trellis_algos import gsm8k_score
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     torch.manual_seed(0)

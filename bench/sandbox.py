@@ -53,7 +53,7 @@ import torch
 
 from trellis.batch import Batch
 from trellis.plugins import load_plugins
-from trellis.rewards import RewardConfig, RewardManager
+from trellis_algos import RewardConfig, RewardManager
 from trellis_demo.tasks import task_texts
 from trellis_demo.tiny import make_tiny_tokenizer
 from trellis_sandbox.api import RunRequest

@@ -63,7 +63,7 @@ def accuracy(model_dir: Path, test_rows: list[dict]) -> float:
     from trellis.data import PromptDataset
     from trellis.interfaces.rollout import RolloutSpec, SamplingParams
     from trellis.plugins import load_plugins
-    from trellis.rewards import RewardConfig, RewardManager
+    from trellis_algos import RewardConfig, RewardManager
     from trellis_hf.engine import make_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

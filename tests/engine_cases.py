@@ -588,7 +588,7 @@ def check_judge_engine(engine: str, model_path: str, **options) -> None:
     model, tools and an out-of-range temperature are refused by name, the counts add up, and
     nothing answers after close (twice is harmless)."""
     from trellis.plugins import load_plugins
-    from trellis.rewards import JudgeEngineConfig
+    from trellis_algos.rewards import JudgeEngineConfig
     from trellis_judges.engine import start_judge
 
     spec = JudgeEngineConfig(engine=engine, model=model_path, options=options, max_new_tokens=5)

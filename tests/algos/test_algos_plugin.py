@@ -33,6 +33,7 @@ EXPECTED = {
     "objective": {"policy", "value", "sft", "preference", "bradley_terry", "kl_in_reward"},
     "recipe": {"rl", "sft", "spin", "rm"},
     "group_filter": {"zero_variance"},
+    "reward": {"gsm8k", "math", "auto"},
 }
 SIMPLE_TYPES = {int, float, bool, str}
 
@@ -86,8 +87,10 @@ def test_every_string_option_with_a_fixed_set_of_values_declares_and_enforces_it
     """With the kl estimators installed, the core options that name one (actor.kl_loss_type,
     algorithm.kl_penalty) are checked here too."""
     schemas = {s for e in plugins.registry.entries() if e.plugin == "algos" and e.options for s in option_dataclasses(e.options)}
-    # the rl recipe's own sections: tests/algos/test_rl_options.py
-    schemas = {s for s in schemas if s.__module__.startswith("trellis_algos") and not s.__module__.startswith("trellis_algos.rl")}
+    # the rl recipe's own sections and its reward section: tests/algos/test_rl_options.py
+    schemas = {
+        s for s in schemas if s.__module__.startswith("trellis_algos") and not s.__module__.startswith(("trellis_algos.rl", "trellis_algos.rewards"))
+    }
     schemas |= {ActorConfig, AlgorithmConfig}
     # names, criteria lists, columns of the user's rows
     open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold", "recipe", "response_key", "image_key"}

@@ -11,7 +11,8 @@ import torch
 
 from trellis.batch import Batch
 from trellis.interfaces.rollout import SamplingParams
-from trellis.rewards import RewardResult, add_overlong_penalty, overlong_penalty
+from trellis.rewards import RewardResult
+from trellis_algos.rewards import add_overlong_penalty, overlong_penalty
 from trellis_algos.rl import groups_with_signal, truncated, without_truncated
 from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig, fill, group_has_signal
 

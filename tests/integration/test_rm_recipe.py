@@ -20,9 +20,9 @@ from trellis.export import export_checkpoint
 from trellis.interfaces.rollout import SamplingParams, rollout_batch
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
-from trellis.rewards import RewardConfig, RewardManager
 from trellis.runtime.worker import build_worker
 from trellis_algos.pairs import PairDataset
+from trellis_algos.rewards import RewardConfig, RewardManager
 from trellis_demo.tasks import make_arithmetic_pairs, make_arithmetic_split, write_rows
 from trellis_judges.reward_model import ModelReward
 

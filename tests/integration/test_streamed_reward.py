@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from trellis.batch import Batch
 from trellis.config import ConfigError
 from trellis.plugins import load_plugins
-from trellis.rewards import RewardConfig, RewardManager
+from trellis_algos.rewards import RewardConfig, RewardManager
 
 TERMS = """
 def exact(data_source, solution_str, ground_truth, extra_info=None):

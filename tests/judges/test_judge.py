@@ -17,7 +17,8 @@ from reward_batches import responses
 from trellis.config import ConfigError
 from trellis.plugins import load_plugins
 from trellis.registry import Registry
-from trellis.rewards import RewardConfig, RewardError, RewardManager, check_reward, gsm8k_score
+from trellis.rewards import RewardError
+from trellis_algos.rewards import RewardConfig, RewardManager, check_reward, gsm8k_score
 from trellis_demo.tasks import task_texts
 from trellis_demo.tiny import make_tiny_tokenizer
 from trellis_judges.client import JudgeError, judge_score, last_number, preflight, score_tag, yes_no

@@ -10,7 +10,8 @@ from engine_cases import judge_closed as closed
 import trellis_judges.engine as engine_module
 from trellis.config import ConfigError
 from trellis.recipes.train import train
-from trellis.rewards import RewardConfig, RewardError
+from trellis.rewards import RewardError
+from trellis_algos.rewards import RewardConfig
 from trellis_judges import client as judge
 from trellis_judges.engine import start_judge, with_served_judges
 from trellis_judges.server import JudgeServer

@@ -290,7 +290,7 @@ def test_many_samples_are_in_flight_at_once(registry, tokenizer):
 def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, tokenizer):
     """score=reward: the reward function sees the whole decoded conversation, and the numbers it
     returns beside ``score`` come back per sample (for estimators such as gdpo)."""
-    from trellis.rewards import RewardConfig, RewardManager
+    from trellis_algos.rewards import RewardConfig, RewardManager
     from trellis_multiturn.scoring import score_multiturn
 
     def turns_seen(data_source, solution_str, ground_truth, extra_info=None):
@@ -315,7 +315,7 @@ def test_reward_scoring_of_trajectories_keeps_the_rewards_components(registry, t
 def test_a_loops_own_reward_is_the_samples_reward_under_score_reward(registry, tokenizer):
     """verl's rule for an agent loop's ``reward_score``: where the loop gave one it is the sample's
     reward; the reward function scores only the other samples (and is not called for them)."""
-    from trellis.rewards import RewardConfig, RewardManager
+    from trellis_algos.rewards import RewardConfig, RewardManager
     from trellis_multiturn.scoring import score_multiturn
 
     seen = []

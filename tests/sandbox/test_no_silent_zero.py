@@ -16,7 +16,8 @@ from trellis.batch import Batch  # noqa: E402
 from trellis.config import ConfigError  # noqa: E402
 from trellis.plugins import load_plugins  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
-from trellis.rewards import RewardConfig, RewardError, RewardManager  # noqa: E402
+from trellis.rewards import RewardError
+from trellis_algos.rewards import RewardConfig, RewardManager
 from trellis_demo.tasks import write_rows  # noqa: E402
 from trellis_sandbox.reward import compute_score  # noqa: E402
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from trellis.config import ConfigError
 from trellis.plugins import load_plugins
-from trellis.rewards import check_reward
+from trellis_algos.rewards import check_reward
 from trellis_verl_compat import scoring
 from trellis_verl_compat.convert import convert, read_verl
 

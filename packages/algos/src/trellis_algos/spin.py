@@ -25,15 +25,12 @@ from trellis import (
     PromptData,
     PromptDataset,
     RecipeConfig,
-    RewardConfig,
-    RewardManager,
     Run,
     RunContext,
     SamplingConfig,
     SamplingParams,
     TrainerConfig,
     check_inputs,
-    check_reward,
     choice,
     component,
     encode_response,
@@ -46,6 +43,7 @@ from trellis import (
     without_adapter,
 )
 from trellis_algos.preference import make_pairs
+from trellis_algos.rewards import RewardConfig, RewardManager, check_reward
 
 PAIR_SOURCES = ("reference", "ranked")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from trellis.hookspecs import hookimpl
-from trellis.rewards import auto_score, gsm8k_score, math_score
 from trellis.runtime.controller import LocalController
 from trellis.runtime.trackers import ConsoleTracker, JsonlTracker
 
@@ -12,7 +11,4 @@ from trellis.runtime.trackers import ConsoleTracker, JsonlTracker
 def trellis_register(registry):
     registry.add("tracker", "console", ConsoleTracker)
     registry.add("tracker", "jsonl", JsonlTracker)
-    registry.add("reward", "gsm8k", gsm8k_score)
-    registry.add("reward", "math", math_score)
-    registry.add("reward", "auto", auto_score)
     registry.add("controller", "local", LocalController)

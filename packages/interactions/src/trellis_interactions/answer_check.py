@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trellis import Interaction, InteractionTurn, choice, gsm8k_score, ranged
+from trellis import Interaction, InteractionTurn, choice, ranged
+from trellis_algos import gsm8k_score
 
 
 @dataclass

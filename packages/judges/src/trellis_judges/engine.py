@@ -19,21 +19,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from trellis import (
-    Batch,
-    ConfigError,
-    RewardConfig,
-    RewardError,
-    RewardResult,
-    RewardTerm,
-    RolloutSpec,
-    Scorer,
-    checked_options,
-    instantiate_options,
-    load_function,
-    reward_name,
-)
-from trellis.kit.rewards import ServiceContext
+from trellis import Batch, ConfigError, RewardError, RewardResult, RolloutSpec, Scorer, checked_options, instantiate_options, load_function
+from trellis_algos import RewardConfig, RewardTerm, ServiceContext, reward_name
 
 if TYPE_CHECKING:
     from trellis_judges.server import JudgeServer

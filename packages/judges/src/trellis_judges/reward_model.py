@@ -12,9 +12,9 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoConfig
 
-from trellis import Batch, ConfigError, RewardConfig, RewardResult, Scorer, WorkerGroup, last_valid_index, without_adapter
-from trellis.kit.rewards import RESERVED_KEYS, ServiceContext, check_not_a_run
-from trellis_algos import load_tokenizer
+from trellis import Batch, ConfigError, RewardResult, Scorer, WorkerGroup, last_valid_index, without_adapter
+from trellis.kit.rewards import check_not_a_run
+from trellis_algos import RESERVED_KEYS, RewardConfig, ServiceContext, load_tokenizer
 from trellis_judges.reward_inputs import RewardInputs, retokenize_reason
 
 ROLE = "reward_model"  # also the name trainer.separate_pools gives a pool of its own under Ray

@@ -9,24 +9,11 @@ import logging
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from trellis import (
-    ConfigError,
-    PromptDataset,
-    PromptLoader,
-    RegistryError,
-    RewardConfig,
-    check_inputs,
-    check_reward,
-    instantiate_options,
-    load_prompt_data,
-    resolve_component,
-)
+from trellis import ConfigError, PromptDataset, PromptLoader, RegistryError, check_inputs, instantiate_options, load_prompt_data, resolve_component
 from trellis.kit.data import prompt_images
 from trellis.kit.recipe import (
-    AUTO_SOURCES,
     OBJECTIVE,
     Plan,
-    RewardService,
     backend_mesh,
     check_activation_memory,
     controller_class,
@@ -34,8 +21,8 @@ from trellis.kit.recipe import (
     expert_counts,
     load_prompt_rows,
     text_config,
-    unknown_sources,
 )
+from trellis_algos.rewards import AUTO_SOURCES, RewardConfig, RewardService, check_reward, unknown_sources
 from trellis_algos.rl.ahead import partial_chunk, staleness_bound
 from trellis_algos.rl.dynamic_sampling import group_filters
 from trellis_algos.rl.multi_turn import ConversationRollout, MultiTurnRunner
@@ -145,7 +132,7 @@ def check_auto_reward(cfg: DictConfig) -> None:
         if math and importlib.util.find_spec("math_verify") is None:
             raise ConfigError(
                 f"config key 'reward.name' is auto, which scores data_source {', '.join(map(repr, math))} (in data.{key}) with "
-                "math-verify, not installed: pip install trellis-core[math]"
+                "math-verify, not installed: pip install trellis-algos[math]"
             )
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trellis import ActorConfig, CriticConfig, PromptData, RecipeConfig, RewardConfig, SamplingConfig, TrainerConfig, choice, component, ranged
+from trellis import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, choice, component, ranged
 from trellis.kit.recipe import SyncCheckConfig
+from trellis_algos.rewards import RewardConfig
 from trellis_algos.rl.ahead import MODES, SCHEDULES
 from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig
 from trellis_algos.rl.multi_turn import MultiTurnConfig

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from trellis import Batch, RewardManager, RewardResult, RolloutGroup, SamplingParams
+from trellis import Batch, RewardResult, RolloutGroup, SamplingParams
 from trellis.kit.recipe import StageTimer
+from trellis_algos.rewards import RewardManager
 
 
 def generate_scored(

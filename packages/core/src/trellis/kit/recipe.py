@@ -6,7 +6,7 @@ from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, w
 from trellis.interfaces.rollout import RolloutFn, engine_devices, pad_id, stop_ids
 from trellis.interfaces.signatures import OBJECTIVE
 from trellis.memory import check_activation_memory, text_config
-from trellis.rewards import AUTO_SOURCES, RewardService, add_overlong_penalty, reward_figures, unknown_sources
+from trellis.rewards import reward_figures
 from trellis.runtime.harness import StageTimer, backend_mesh, controller_class
 from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
 from trellis.runtime.plan import Plan
@@ -29,11 +29,7 @@ __all__ = [
     "stop_ids",
     # the kind an actor's loss registers as
     "OBJECTIVE",
-    # the reward services a recipe starts, the rule rewards `auto` picks by data_source, shaping and figures
-    "RewardService",
-    "AUTO_SOURCES",
-    "unknown_sources",
-    "add_overlong_penalty",
+    # a batch's reward metrics
     "reward_figures",
     # every batch's checks before training: alignment, trainer-vs-engine log-prob agreement, the sync probe
     "check_alignment",

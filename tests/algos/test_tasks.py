@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trellis.data import load_rows
-from trellis.rewards import gsm8k_score
+from trellis_algos.rewards import gsm8k_score
 from trellis_demo.tasks import in_test_split, make_arithmetic_split, task_texts, write_rows
 
 

@@ -17,16 +17,8 @@ from reward_batches import responses
 
 from trellis.plugins import load_plugins
 from trellis.registry import Registry
-from trellis.rewards import (
-    RewardConfig,
-    RewardError,
-    RewardManager,
-    extract_gsm8k_answer,
-    gsm8k_score,
-    load_function,
-    math_score,
-    unknown_sources,
-)
+from trellis.rewards import RewardError, load_function
+from trellis_algos.rewards import RewardConfig, RewardManager, extract_gsm8k_answer, gsm8k_score, math_score, unknown_sources
 from trellis_demo.tasks import task_texts
 from trellis_demo.tiny import make_tiny_tokenizer
 
@@ -86,7 +78,7 @@ def test_core_registers_gsm8k_and_math(registry):
 
 def test_math_reward():
     if importlib.util.find_spec("math_verify") is None:
-        pytest.skip("math-verify is not installed (pip install trellis-core[math])")
+        pytest.skip("math-verify is not installed (pip install trellis-algos[math])")
     assert math_score("math", "so the answer is $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
     assert math_score("math", "\\boxed{46}", "46") == 1.0
     assert math_score("math", "\\boxed{45}", "46") == 0.0
@@ -95,7 +87,7 @@ def test_math_reward():
 
 def test_math_reward_without_the_extra_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    with pytest.raises(RewardError, match=r"pip install trellis-core\[math\]"):
+    with pytest.raises(RewardError, match=r"pip install trellis-algos\[math\]"):
         math_score("math", "\\boxed{1}", "1")
 
 
