@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from trellis import config as config_mod
-from trellis.memory import ModelShape, activation_bytes
 from trellis.plugins import load_plugins
 from trellis_algos import rl
+from trellis_algos.rl.memory import ModelShape, activation_bytes
 
 # Qwen2.5-7B's sizes; verl's GRPO seq-balance example: 512-token prompts, 1024-token responses,
 # ppo_max_token_len_per_gpu=24000

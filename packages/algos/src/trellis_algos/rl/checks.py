@@ -15,7 +15,6 @@ from trellis.kit.recipe import (
     OBJECTIVE,
     Plan,
     backend_mesh,
-    check_activation_memory,
     controller_class,
     engine_devices,
     expert_counts,
@@ -25,6 +24,7 @@ from trellis.kit.recipe import (
 from trellis_algos.rewards import AUTO_SOURCES, RewardConfig, RewardService, check_reward, unknown_sources
 from trellis_algos.rl.ahead import partial_chunk, staleness_bound
 from trellis_algos.rl.dynamic_sampling import group_filters
+from trellis_algos.rl.memory import check_activation_memory
 from trellis_algos.rl.multi_turn import ConversationRollout, MultiTurnRunner
 from trellis_algos.rl.teacher import TEACHER_NEED, check_teacher
 
@@ -42,7 +42,7 @@ def needs(registry, estimator: str) -> tuple[str, ...]:
 
 def check(cfg: DictConfig, registry) -> None:
     """Errors a user can fix, found before any model is built (and, on CUDA, a warning when the
-    actor's micro-batches cannot fit the device: ``trellis.memory``)."""
+    actor's micro-batches cannot fit the device: ``trellis_algos.rl.memory``)."""
     services = reward_services(cfg, registry)
     for service in services:
         service.check(cfg, registry)  # before the reward's checks, which call the servers of the sources a service answers

@@ -1,11 +1,11 @@
 """What a recipe that trains on its own samples needs beyond ``trellis`` (trellis-algos' ``rl``): stage timing, placement,
-prompts, rollout helpers, reward shaping, batch invariants and the sync probe, mixture-of-experts routes, memory estimates."""
+prompts, rollout helpers, reward figures, batch invariants and the sync probe, mixture-of-experts routes, a model folder's config."""
 
 from trellis.data import left_pad, load_prompt_rows
+from trellis.hf_folder import model_config, text_config
 from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, without_replay
 from trellis.interfaces.rollout import RolloutFn, engine_devices, pad_id, stop_ids
 from trellis.interfaces.signatures import OBJECTIVE
-from trellis.memory import check_activation_memory, text_config
 from trellis.rewards import reward_figures
 from trellis.runtime.harness import StageTimer, backend_mesh, controller_class
 from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
@@ -42,7 +42,7 @@ __all__ = [
     "mark_replay",
     "without_replay",
     "router_metrics",
-    # the model's text config and the activation memory a step's micro-batch needs
+    # a model folder's config.json (its text model's, for a vision-language model)
+    "model_config",
     "text_config",
-    "check_activation_memory",
 ]

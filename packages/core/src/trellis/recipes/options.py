@@ -10,10 +10,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trellis.config import ConfigError, choice, component, ranged, switch
 from trellis.data import PromptEncoder
+from trellis.hf_folder import model_config
 from trellis.interfaces.moe import REPLAY_MODES
 from trellis.interfaces.optim import LR_SCHEDULES
 from trellis.interfaces.signatures import AGG_MODES
-from trellis.memory import model_config
 from trellis.registry import RegistryError
 
 

@@ -22,7 +22,6 @@ may still run out of memory without one.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,23 +30,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trellis.config import resolve_component
-from trellis.runtime.harness import backend_mesh
+from trellis import resolve_component
+from trellis.kit.recipe import backend_mesh, text_config
 
 log = logging.getLogger("trellis")
-
-
-def model_config(model_path: str | Path) -> dict:
-    """A Hugging Face folder's ``config.json``; empty when the folder has none."""
-    path = Path(model_path) / "config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def text_config(model_path: str | Path) -> dict:
-    """A Hugging Face folder's ``config.json`` (its ``text_config`` for a multimodal model); empty
-    when the folder has none."""
-    config = model_config(model_path)
-    return config.get("text_config", config) if "hidden_size" not in config else config
 
 
 @dataclass(frozen=True)
