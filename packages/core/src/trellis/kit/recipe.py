@@ -2,7 +2,7 @@
 prompts, rollout helpers, reward figures, batch invariants and the sync probe, mixture-of-experts routes, a model folder's config."""
 
 from trellis.data import left_pad, load_prompt_rows
-from trellis.hf_folder import model_config, text_config
+from trellis.hf_folder import text_config
 from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, without_replay
 from trellis.interfaces.rollout import RolloutFn, engine_devices, pad_id, stop_ids
 from trellis.interfaces.signatures import OBJECTIVE
@@ -43,6 +43,5 @@ __all__ = [
     "without_replay",
     "router_metrics",
     # a model folder's config.json (its text model's, for a vision-language model)
-    "model_config",
     "text_config",
 ]
