@@ -250,7 +250,7 @@ def test_async_generation_reaches_the_engine_through_the_local_controller(tiny_m
 
 
 GRADED_REWARD = '''
-from trellis.rewards import gsm8k_score
+from trellis_algos import gsm8k_score
 
 
 def graded(data_source, solution_str, ground_truth, extra_info=None):
