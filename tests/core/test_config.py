@@ -99,6 +99,16 @@ def test_unknown_component_name_gives_install_command(registry, yaml_file, monke
     assert "installed advantage names: example_scaled" in msg
 
 
+@pytest.mark.parametrize("recipe", ["rl", "sft", "spin", "rm"])
+def test_a_recipe_of_trellis_algos_without_it_gives_the_install_command(registry, yaml_file, monkeypatch, recipe):
+    """Core ships no recipe: every one of them is trellis-algos', and asking for one without it says so."""
+    monkeypatch.setattr("trellis.registry._distribution_installed", lambda name: False)
+    with pytest.raises(ConfigError) as err:
+        compose(yaml_file(f"recipe: {recipe}\n"), [], registry)
+    msg = str(err.value)
+    assert msg.startswith(f"config key 'recipe': recipe {recipe!r}") and "pip install trellis-algos" in msg, msg
+
+
 @dataclass
 class WithTrainer:
     recipe: str = "placed"
