@@ -26,8 +26,9 @@ from trellis_algos.rewards import (
 # the rl recipe's multi_turn section and the protocols it calls (kind rollout_function: trellis-multiturn's)
 from trellis_algos.rl.multi_turn import AgentLoopConfig, ConversationRollout, InteractionConfig, MultiTurnConfig, MultiTurnRunner, ToolConfig
 
-# a folder's tokenizer (a ConfigError naming the key when it holds none), and what differs between two
-from trellis_algos.rl.teacher import load_tokenizer, tokenizer_difference
+# the folder of the policy's tokenizer and its config keys; a folder's tokenizer (a ConfigError naming the key when it
+# holds none), and what differs between two
+from trellis_algos.tokenizers import POLICY_TOKENIZER_KEY, load_tokenizer, policy_tokenizer_path, tokenizer_difference
 
 try:
     __version__ = version("trellis-algos")
@@ -42,6 +43,8 @@ __all__ = [
     "InteractionConfig",
     "ToolConfig",
     "AgentLoopConfig",
+    "POLICY_TOKENIZER_KEY",
+    "policy_tokenizer_path",
     "load_tokenizer",
     "tokenizer_difference",
     "RewardConfig",

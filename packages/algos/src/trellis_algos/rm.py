@@ -8,10 +8,10 @@ from itertools import chain
 from typing import Any
 
 from omegaconf import MISSING, DictConfig
-from transformers import AutoTokenizer
 
 from trellis import OptimConfig, RecipeConfig, Run, RunContext, TrainerConfig, check_inputs, load_rows, ranged, save_hf_folder
 from trellis_algos.pairs import PAIR_SCHEMA, SIDES, PairDataset, PairLoader
+from trellis_algos.tokenizers import policy_tokenizer
 
 ROLE = "reward_model"  # the role's name: trellis export writes a checkpoint's reward_model as a sequence-classification folder
 
@@ -61,7 +61,7 @@ def load_data(cfg: DictConfig, tokenizer) -> tuple[PairLoader, PairDataset | Non
 
 def check_data(cfg: DictConfig, registry) -> str:
     """The pairs read and tokenized as training would (columns, chat template, lengths)."""
-    train, val = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path))
+    train, val = load_data(cfg, policy_tokenizer(cfg))
     held_out = f", {len(val)} held-out" if val is not None else ""
     return f"{len(train.dataset)} training pairs{held_out}"
 
@@ -80,7 +80,7 @@ class RMRecipe:
         with Run(cfg, ctx) as run:
             if run.finished:
                 return run.finished_summary()
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            tokenizer = policy_tokenizer(cfg)
             train, val = load_data(cfg, tokenizer)
             held_out = val.as_batch() if val is not None else None
             model = run.spawn(ROLE, cfg.model.path, cfg.train, head="reward", objectives={"rm_update": "bradley_terry"})

@@ -7,11 +7,11 @@ from itertools import chain
 from typing import Any
 
 from omegaconf import MISSING, DictConfig
-from transformers import AutoTokenizer
 
 from trellis import RecipeConfig, Run, RunContext, SFTTrainConfig, TrainerConfig, check_inputs, load_rows, ranged, save_hf_folder
 from trellis.kit.data import prompt_images
 from trellis_algos.sft_data import SFTDataset, SFTLoader, sft_batches
+from trellis_algos.tokenizers import policy_tokenizer
 
 
 @dataclass
@@ -58,7 +58,7 @@ def load_data(cfg: DictConfig, tokenizer, registry) -> tuple[SFTLoader, SFTDatas
 
 def check_data(cfg: DictConfig, registry) -> str:
     """The samples read and tokenized as training would (columns, responses, lengths)."""
-    train, val = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path), registry)
+    train, val = load_data(cfg, policy_tokenizer(cfg), registry)
     held_out = f", {len(val)} held-out" if val is not None else ""
     return f"{len(train.dataset)} training samples{held_out}"
 
@@ -77,7 +77,7 @@ class SFTRecipe:
         with Run(cfg, ctx) as run:
             if run.finished:
                 return run.finished_summary()
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            tokenizer = policy_tokenizer(cfg)
             train, val_set = load_data(cfg, tokenizer, ctx.registry)
             val = sft_batches(val_set, cfg.data.batch_samples) if val_set is not None else None
             model = run.spawn("actor", cfg.model.path, cfg.train, objectives={"sft_update": "sft"})

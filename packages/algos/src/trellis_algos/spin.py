@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from transformers import AutoTokenizer
 
 from trellis import (
     Batch,
@@ -44,6 +43,7 @@ from trellis import (
 )
 from trellis_algos.preference import make_pairs
 from trellis_algos.rewards import RewardConfig, RewardManager, check_reward
+from trellis_algos.tokenizers import policy_tokenizer
 
 PAIR_SOURCES = ("reference", "ranked")
 
@@ -108,7 +108,7 @@ class SPINRecipe:
         with Run(cfg, ctx) as run:
             if run.finished:
                 return run.finished_summary()
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            tokenizer = policy_tokenizer(cfg)
             train, val = load_prompt_data(cfg.data, tokenizer, cfg.seed)
             if cfg.pairs == "reference":
                 check_answers(train.dataset)

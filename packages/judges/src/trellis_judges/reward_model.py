@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from trellis import Batch, ConfigError, RewardResult, Scorer, WorkerGroup, last_valid_index, without_adapter
 from trellis.kit.rewards import check_not_a_run
-from trellis_algos import RESERVED_KEYS, RewardConfig, ServiceContext, load_tokenizer
+from trellis_algos import POLICY_TOKENIZER_KEY, RESERVED_KEYS, RewardConfig, ServiceContext, load_tokenizer, policy_tokenizer_path
 from trellis_judges.reward_inputs import RewardInputs, retokenize_reason
 
 ROLE = "reward_model"  # also the name trainer.separate_pools gives a pool of its own under Ray
@@ -45,7 +45,7 @@ def check_reward_model(cfg: DictConfig) -> None:
             "config key 'reward.model.path' is set with multi_turn.enable=true: the reward model is trained on and scores single "
             "answers, not conversations with environment turns; unset reward.model.path for multi-turn runs"
         )
-    reward_inputs(cfg, load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, "model.tokenizer_path or model.path"))
+    reward_inputs(cfg, load_tokenizer(policy_tokenizer_path(cfg), POLICY_TOKENIZER_KEY))
 
 
 def reward_inputs(cfg: DictConfig, policy) -> RewardInputs | None:

@@ -10,7 +10,6 @@ from itertools import chain
 from typing import Any
 
 from omegaconf import DictConfig
-from transformers import AutoTokenizer
 
 from trellis import ConfigError, RolloutGroup, Run, RunContext, SamplingParams, Scorer, save_hf_folder
 from trellis_algos.rl.ahead import staleness_bound
@@ -19,6 +18,7 @@ from trellis_algos.rl.config import AlgorithmConfig, RLConfig, RLTrainerConfig, 
 from trellis_algos.rl.figures import groups_with_signal, truncated, without_truncated
 from trellis_algos.rl.learner import Learner, compute_advantages
 from trellis_algos.rl.samples import SampleSource, make_reward, sample, scorer_of
+from trellis_algos.tokenizers import policy_tokenizer
 
 __all__ = [
     "AlgorithmConfig", "RLConfig", "RLRecipe", "RLTrainerConfig", "ValidationConfig",
@@ -42,7 +42,7 @@ class RLRecipe:
         with Run(cfg, ctx) as run:
             if run.finished:
                 return run.finished_summary()
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            tokenizer = policy_tokenizer(cfg)
             agent, train, val = load_data(cfg, ctx.registry, tokenizer)
             bound = staleness_bound(cfg.trainer)  # None: generation inline (async_mode=off)
             learner = Learner(cfg, run, tokenizer, async_run=bound is not None)
@@ -80,7 +80,7 @@ class RLRecipe:
         if not cfg.data.val_path:
             raise ConfigError("config key 'data.val_path' is not set; trellis eval scores the held-out prompts it names: set data.val_path=<file>")
         with Run(cfg, ctx) as run:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+            tokenizer = policy_tokenizer(cfg)
             agent, _, val = load_data(cfg, ctx.registry, tokenizer)
             rollout = run.spawn_rollout(run.spawn("actor", cfg.model.path, cfg.actor), tokenizer, max_len=longest_sequence(cfg))
             reward_fn = make_reward(cfg, run, ctx.registry, tokenizer)

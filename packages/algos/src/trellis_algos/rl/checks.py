@@ -7,7 +7,6 @@ import importlib.util
 import logging
 
 from omegaconf import DictConfig
-from transformers import AutoTokenizer
 
 from trellis import ConfigError, PromptDataset, PromptLoader, RegistryError, check_inputs, instantiate_options, load_prompt_data, resolve_component
 from trellis.kit.data import prompt_images
@@ -27,6 +26,7 @@ from trellis_algos.rl.dynamic_sampling import group_filters
 from trellis_algos.rl.memory import check_activation_memory
 from trellis_algos.rl.multi_turn import ConversationRollout, MultiTurnRunner
 from trellis_algos.rl.teacher import TEACHER_NEED, check_teacher
+from trellis_algos.tokenizers import policy_tokenizer
 
 log = logging.getLogger("trellis")
 # the reward services (trellis-judges') that serve reward.judge and reward.model, by the key that asks for each
@@ -260,7 +260,7 @@ def load_data(cfg: DictConfig, registry, tokenizer) -> tuple[ConversationRollout
 
 def check_data(cfg: DictConfig, registry) -> str:
     """The prompts read and tokenized as training would (columns, chat template, lengths)."""
-    _, train, val = load_data(cfg, registry, AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path))
+    _, train, val = load_data(cfg, registry, policy_tokenizer(cfg))
     longest = max(len(item["input_ids"]) for item in train.dataset.items)
     held_out = f", {len(val)} held-out" if val is not None else ""
     return f"{len(train.dataset)} training prompts (longest {longest} tokens of data.max_prompt_length={cfg.data.max_prompt_length}){held_out}"

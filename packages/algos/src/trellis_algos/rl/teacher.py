@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
-from transformers import AutoTokenizer
 
 from trellis import Batch, ConfigError
 from trellis.kit.rewards import check_not_a_run
+from trellis_algos.tokenizers import POLICY_TOKENIZER_KEY, load_tokenizer, policy_tokenizer_path, tokenizer_difference
 
 TEACHER_NEED = "teacher_log_probs"
 
@@ -60,28 +60,10 @@ def check_actor_tokenizer(cfg: DictConfig, key: str, path: str, why: str) -> Non
     """Refuse the model folder ``path`` (config key ``key``) when its tokenizer differs from the
     actor's: a role that scores the actor's token ids needs the same ids to mean the same text.
     ``why`` ends the error: what the role does with the ids and what to choose instead."""
-    actor = cfg.model.tokenizer_path or cfg.model.path
-    differ = tokenizer_difference(load_tokenizer(actor, "model.tokenizer_path or model.path"), load_tokenizer(path, key))
+    actor = policy_tokenizer_path(cfg)
+    differ = tokenizer_difference(load_tokenizer(actor, POLICY_TOKENIZER_KEY), load_tokenizer(path, key))
     if differ:
         raise ConfigError(f"config key {key!r} is {path!r}, whose tokenizer differs from the actor's in {actor!r} ({differ}); {why}")
-
-
-def load_tokenizer(path: str, key: str):
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"config key {key!r} is {path!r}, which holds no tokenizer: {exc}") from None
-
-
-def tokenizer_difference(student, teacher) -> str:
-    """What differs between two tokenizers (vocabulary, special tokens), or '' if nothing does."""
-    a, b = student.get_vocab(), teacher.get_vocab()
-    if a != b:
-        changed = sum(a.get(token) != i for token, i in b.items()) + len(a.keys() - b.keys())
-        return f"vocabularies of {len(a)} and {len(b)} tokens, {changed} tokens with another id or missing"
-    if student.special_tokens_map != teacher.special_tokens_map:
-        return f"special tokens {student.special_tokens_map} and {teacher.special_tokens_map}"
-    return ""
 
 
 def score_samples(teacher: Any, batch: Batch, top_k: int | None) -> dict[str, float]:
