@@ -67,7 +67,7 @@ def batch_checks_seconds(repeats: int = 200) -> float:
     from trellis.batch import Batch
     from trellis.data import left_pad
     from trellis.interfaces.rollout import SamplingParams, samples_batch
-    from trellis.runtime.invariants import AgreementCheck, check_alignment
+    from trellis_algos.rl.invariants import AgreementCheck, check_alignment
 
     ids, mask, pos = left_pad([list(range(8 + i % 9)) for i in range(16)], 0)
     params = SamplingParams(n=8, max_new_tokens=12)

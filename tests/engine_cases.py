@@ -142,8 +142,8 @@ class RolloutCases:
 
         from trellis.config import validate
         from trellis.plugins import load_plugins
-        from trellis.recipes.options import ActorConfig
         from trellis.runtime.worker import build_worker
+        from trellis_algos import ActorConfig
 
         registry = load_plugins().registry
         options = validate(OmegaConf.create({"optim": {"lr": 1e-2}, "micro_batch_samples": 8}), ActorConfig, registry)
@@ -621,7 +621,7 @@ def check_reward_router(server, ask: dict, reply: dict) -> None:
     ``/generate`` from text or from token ids answers what chat completions answer greedily for the
     same rendered prompt; chat completions answer under the address too; what it cannot honour is
     refused by name, and without the token in the path nothing is found."""
-    from trellis.kit.serving import encode_text, render_chat
+    from trellis import encode_text, render_chat
 
     router = f"http://{server.address}"
     text = render_chat(server.tokenizer, ask["messages"], True, {})

@@ -1,5 +1,5 @@
 """String options whose values are open (paths, names, free text), by options class: what
-``assert_choices_enforced`` leaves alone in core's sections (tests/core) and the rl recipe's (tests/algos)."""
+``assert_choices_enforced`` leaves alone in core's sections (tests/core) and trellis-algos' recipes' (tests/algos)."""
 
 OPEN_ENDED = {
     "AdapterConfig": {"target_modules"},  # module-name suffixes of the model at hand, or all-linear
@@ -15,6 +15,9 @@ OPEN_ENDED = {
     "RewardTerm": {"name", "path", "key"},
     "RewardModelConfig": {"path", "key"},
     "RMConfig": {"recipe"},
+    "SFTConfig": {"recipe"},
+    "SFTData": {"response_key", "image_key"},  # columns of the user's rows
+    "SPINConfig": {"recipe"},
     "TeacherConfig": {"path"},
     "ToolConfig": {"component", "verl_class"},
     "TrainerConfig": {"run_dir", "threads", "resume", "resume_allow_changes"},  # threads: auto or a count; resume: auto, never or a path

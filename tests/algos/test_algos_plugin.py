@@ -12,9 +12,7 @@ from omegaconf import OmegaConf
 from trellis.config import option_dataclasses
 from trellis.interfaces.signatures import AdvantageInputs, Aggregation, PolicyLossInputs
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig
 from trellis_algos.kl import KLControlOptions
-from trellis_algos.rl import AlgorithmConfig
 
 EXPECTED = {
     "advantage": {
@@ -84,19 +82,13 @@ def test_every_numeric_option_declares_and_enforces_a_range(plugins, assert_rang
 
 
 def test_every_string_option_with_a_fixed_set_of_values_declares_and_enforces_it(plugins, assert_choices_enforced):
-    """With the kl estimators installed, the core options that name one (actor.kl_loss_type,
-    algorithm.kl_penalty) are checked here too."""
-    schemas = {s for e in plugins.registry.entries() if e.plugin == "algos" and e.options for s in option_dataclasses(e.options)}
-    # the rl recipe's own sections and its reward section: tests/algos/test_rl_options.py
-    schemas = {
-        s for s in schemas if s.__module__.startswith("trellis_algos") and not s.__module__.startswith(("trellis_algos.rl", "trellis_algos.rewards"))
-    }
-    schemas |= {ActorConfig, AlgorithmConfig}
-    # names, criteria lists, columns of the user's rows
-    open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold", "recipe", "response_key", "image_key"}
+    """The options of trellis-algos' components (estimators, losses, filters); its recipes' sections
+    are checked in tests/algos/test_recipe_options.py."""
+    entries = [e for e in plugins.registry.entries() if e.plugin == "algos" and e.options and e.kind != "recipe"]
+    schemas = {s for e in entries for s in option_dataclasses(e.options)}
+    open_ended = {"reward_keys", "reward_weights", "rollout_rs", "rollout_rs_threshold"}  # names, criteria lists
     checked = {s.__name__: assert_choices_enforced(s, plugins.registry, open_ended) for s in schemas}
-    assert checked["VanillaOptions"] == 1 and checked["BypassOptions"] == 2  # rollout_is; loss_type
-    assert (checked["GPGOptions"], checked["SPINConfig"], checked["ActorConfig"], checked["AlgorithmConfig"]) == (1, 1, 3, 2)
+    assert (checked["VanillaOptions"], checked["BypassOptions"], checked["GPGOptions"]) == (1, 2, 1)  # rollout_is; loss_type; alpha_from
 
 
 def test_components_run_by_name_with_default_options(plugins):

@@ -14,7 +14,7 @@ from trellis.batch import Batch
 from trellis.config import ConfigError, validate
 from trellis.interfaces.hf import log_probs_at, top_log_probs
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig
+from trellis_algos import ActorConfig
 from trellis_algos.distill_losses import JSDOptions, forward_kl, jsd, reverse_kl, top_k_buckets
 
 P = [0.5, 0.3, 0.2]  # the student

@@ -15,8 +15,8 @@ from trellis.interfaces.rollout import RolloutEngine, SamplingParams, samples_ba
 from trellis.rewards import RewardResult
 from trellis.runtime.controller import LocalRollout, WorkerGroup
 from trellis.runtime.harness import StageTimer
-from trellis.runtime.invariants import check_alignment
 from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig, fill
+from trellis_algos.rl.invariants import check_alignment
 from trellis_algos.rl.partial import generate_in_chunks
 from trellis_algos.rl.streaming import generate_scored
 

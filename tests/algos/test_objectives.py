@@ -13,7 +13,7 @@ from trellis.batch import Batch
 from trellis.config import validate
 from trellis.interfaces.signatures import Aggregation, pair_batch
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig, CriticConfig, PreferenceTrainConfig, SFTTrainConfig
+from trellis_algos import ActorConfig, CriticConfig, PreferenceTrainConfig, SFTTrainConfig
 
 B, R = 4, 3
 
@@ -107,7 +107,7 @@ def test_preference_pairs_whose_sides_differ_in_prompt_width_keep_each_response_
     beside a generated one); chosen then rejected rows must keep every response in the last columns."""
     from rollouts import rollout_round
 
-    from trellis.runtime.invariants import check_alignment
+    from trellis_algos.rl.invariants import check_alignment
 
     objective = make(registry, "preference", PreferenceTrainConfig, loss={"name": "sigmoid", "beta": 0.5})
     chosen = rollout_round([[1, 2, 3], [4]], [[11, 12], [13]])

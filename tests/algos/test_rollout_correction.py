@@ -14,7 +14,7 @@ from trellis.batch import Batch
 from trellis.config import validate
 from trellis.interfaces.signatures import Aggregation, PolicyLossInputs
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig
+from trellis_algos import ActorConfig
 from trellis_algos.policy_losses import BypassOptions, bypass_mode, vanilla
 from trellis_algos.rollout_correction import RolloutCorrectionOptions, rejection_mask, rollout_correction, rs_criteria
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trellis import PromptData, RecipeConfig, SFTTrainConfig, TrainerConfig, hookimpl
+from trellis import PromptData, RecipeConfig, TrainerConfig, hookimpl
 from trellis.config import ConfigError, validate_recipe_config
 from trellis.data import EpochLoader
 from trellis.plugins import load_plugins
@@ -185,11 +185,10 @@ def test_find_resume_per_trainer_resume(tmp_path):
 
 @dataclass
 class PromptsConfig(RecipeConfig):
-    """A recipe's config of core's shared sections (prompts, a trained policy, a trainer)."""
+    """A recipe's config of core's shared sections (prompts, a trainer)."""
 
     recipe: str = "prompts"
     data: PromptData = field(default_factory=PromptData)
-    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -213,7 +212,7 @@ def test_a_checkpoint_saved_before_an_option_existed_resumes_with_the_options_de
     from it still is."""
     registry = load_plugins(extra=[("prompts", PromptsRecipe)]).registry
     # components of the example plugin (this session installs no algorithm or backend package)
-    components = {"recipe": "prompts", "backend": {"name": "example_counting"}, "train": {"loss": {"name": "example_nll"}}}
+    components = {"recipe": "prompts", "backend": {"name": "example_counting"}}
     given = OmegaConf.merge(cfg(), {"model": {"path": "m"}}, components)
     given.data = {"train_path": "rows.jsonl"}
     current = validate_recipe_config(given, registry)

@@ -10,12 +10,12 @@ from omegaconf import OmegaConf
 
 from trellis.config import ConfigError, Range, option_dataclasses, ranged, unranged_options, validate
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig, CriticConfig, PreferenceTrainConfig, PromptData, SamplingConfig, SFTTrainConfig, TrainerConfig
+from trellis.recipes.options import AdapterConfig, BatchingConfig, OptimConfig, PromptData, SamplingConfig, TrainerConfig
 
 CORE = load_plugins(entry_points=False).registry
-# the sections core offers the recipes of other packages (trellis-algos' rl, sft, spin, rm): the rl recipe's own and
-# its reward section are checked in tests/algos/test_rl_options.py
-SHARED = (TrainerConfig, SFTTrainConfig, PreferenceTrainConfig, ActorConfig, CriticConfig, SamplingConfig, PromptData)
+# the sections core offers the recipes of other packages (trellis-algos' rl, sft, spin, rm): the recipes' own and
+# those of the roles they train are checked in tests/algos/test_recipe_options.py
+SHARED = (TrainerConfig, OptimConfig, AdapterConfig, BatchingConfig, SamplingConfig, PromptData)
 CORE_SCHEMAS = sorted(
     {s for options in [*(e.options for e in CORE.entries() if e.options), *SHARED] for s in option_dataclasses(options)}, key=lambda s: s.__qualname__
 )
@@ -23,7 +23,7 @@ CORE_SCHEMAS = sorted(
 
 def test_core_sections_reach_every_options_section():
     names = {s.__name__ for s in CORE_SCHEMAS}
-    assert {"SFTTrainConfig", "TrainerConfig", "OptimConfig", "ActorConfig", "CriticConfig", "SamplingConfig"} <= names
+    assert {"TrainerConfig", "OptimConfig", "AdapterConfig", "BatchingConfig", "SamplingConfig", "PromptData"} <= names
     assert unranged_options(CORE) == []
 
 

@@ -22,8 +22,8 @@ from trellis.config import validate
 from trellis.interfaces.backend import DistInfo
 from trellis.interfaces.signatures import PolicyLossInputs, aggregation_for, pair_batch
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig, CriticConfig, PreferenceTrainConfig, SFTTrainConfig
 from trellis.runtime.worker import RoleWorker, WorkerSpec
+from trellis_algos import ActorConfig, CriticConfig, PreferenceTrainConfig, SFTTrainConfig
 from trellis_algos.policy_losses import VanillaOptions, vanilla
 from trellis_fsdp.backend import FSDPBackend, FSDPOptions
 from trellis_plain import PlainBackend

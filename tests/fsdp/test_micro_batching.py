@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from trellis.config import validate
 from trellis.interfaces.signatures import AGG_MODES, Aggregation, PolicyLossInputs
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig, SFTTrainConfig
+from trellis_algos import ActorConfig, SFTTrainConfig
 from trellis_algos.policy_losses import VanillaOptions, vanilla
 from trellis_plain import PlainBackend
 

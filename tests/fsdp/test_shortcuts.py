@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from trellis.config import validate
 from trellis.interfaces.hf import token_log_probs
 from trellis.plugins import load_plugins
-from trellis.recipes.options import CriticConfig, SFTTrainConfig
+from trellis_algos import CriticConfig, SFTTrainConfig
 from trellis_fsdp.backend import FSDPBackend
 from trellis_plain import PlainBackend
 

@@ -205,9 +205,9 @@ def actor_and_own_rollout(tiny_model_path, data_files):
     from trellis.data import PromptDataset, load_rows
     from trellis.interfaces.rollout import RolloutSpec
     from trellis.plugins import load_plugins
-    from trellis.recipes.options import ActorConfig
     from trellis.runtime.controller import LocalRollout, LocalWorkerGroup
     from trellis.runtime.worker import build_worker
+    from trellis_algos import ActorConfig
     from trellis_hf.engine import make_engine
 
     registry = load_plugins().registry

@@ -301,8 +301,8 @@ def test_export_loads_without_trellis_and_gives_the_actors_logits(reference, tmp
     from omegaconf import OmegaConf
 
     from trellis.config import validate
-    from trellis.recipes.options import ActorConfig
     from trellis.runtime.worker import build_worker
+    from trellis_algos import ActorConfig
 
     checkpoint = reference[0] / "checkpoint-4"
     out = tmp_path / "hf"

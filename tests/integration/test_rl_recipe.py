@@ -104,8 +104,8 @@ def actor_and_rollout(tiny_model_path, data_files):
     from omegaconf import OmegaConf
 
     from trellis.config import validate
-    from trellis.recipes.options import ActorConfig
     from trellis.runtime.worker import build_worker
+    from trellis_algos import ActorConfig
     from trellis_hf.engine import make_engine
 
     registry = load_plugins().registry

@@ -13,10 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import spine_plugins  # noqa: E402  (test-only plugins beside this file)
 
+from trellis import SyncCheckFailed  # noqa: E402
 from trellis.plugins import load_plugins  # noqa: E402
 from trellis.recipes.train import train  # noqa: E402
-from trellis.runtime.invariants import InvariantFailed  # noqa: E402
-from trellis.runtime.sync_probe import SyncCheckFailed  # noqa: E402
+from trellis_algos.rl.invariants import InvariantFailed  # noqa: E402
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from test_training import rl_batch
 from trellis.config import validate
 from trellis.interfaces.dispatch import Mesh
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig
 from trellis.runtime.worker import build_worker
+from trellis_algos import ActorConfig
 from trellis_megatron.options import MegatronOptions
 
 

@@ -12,8 +12,8 @@ from ranks import run_ranks
 from trellis.config import validate
 from trellis.interfaces.dispatch import Mesh
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig
 from trellis.runtime.worker import build_worker
+from trellis_algos import ActorConfig
 
 
 def _actor_on_cuda_groups(info, path: str) -> dict:

@@ -15,8 +15,8 @@ from trellis.batch import Batch
 from trellis.config import validate
 from trellis.interfaces.dispatch import DP_SPLIT, Mesh
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig, CriticConfig
 from trellis.runtime.worker import build_worker
+from trellis_algos import ActorConfig, CriticConfig
 from trellis_fsdp.backend import FSDPOptions
 from trellis_megatron.options import MegatronOptions
 

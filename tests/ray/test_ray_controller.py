@@ -17,9 +17,9 @@ from trellis.batch import Batch
 from trellis.config import ConfigError, validate
 from trellis.interfaces.dispatch import DP_SPLIT, Route
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig
 from trellis.runtime.controller import LocalController
 from trellis.runtime.worker import RoleWorker, Worker, WorkerSpec
+from trellis_algos import ActorConfig
 from trellis_fsdp.backend import FSDPBackend, FSDPOptions
 
 ray = pytest.importorskip("ray")

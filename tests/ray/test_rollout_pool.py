@@ -92,8 +92,8 @@ def test_one_step_ahead_with_an_engine_process_of_its_own(ray_cluster, tiny_mode
 def test_a_sync_that_skips_a_tensor_stops_naming_the_step_engine_and_tensor(ray_cluster, tiny_model_path, transport):
     from transformers import AutoTokenizer
 
+    from trellis import SyncCheckFailed
     from trellis.interfaces.rollout import RolloutSpec
-    from trellis.runtime.sync_probe import SyncCheckFailed
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     batch = helpers.grpo_batch(tiny_model_path)

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from trellis.batch import Batch
 from trellis.config import validate
 from trellis.plugins import load_plugins
-from trellis.recipes.options import ActorConfig
 from trellis.runtime.worker import RoleWorker, WorkerSpec
+from trellis_algos import ActorConfig
 from trellis_fsdp.backend import FSDPBackend, FSDPOptions
 
 ray = pytest.importorskip("ray")

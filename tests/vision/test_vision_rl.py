@@ -9,10 +9,10 @@ import json
 import pytest
 from images import image_row, squares
 
+from trellis import SyncCheckFailed
 from trellis.config import ConfigError
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
-from trellis.runtime.sync_probe import SyncCheckFailed
 from trellis_demo.tasks import write_rows
 from trellis_fsdp.backend import FSDPBackend
 

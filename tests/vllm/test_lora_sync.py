@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from trellis import SyncCheckFailed
 from trellis.recipes.train import train
-from trellis.runtime.sync_probe import SyncCheckFailed
 from trellis_vllm.engine import VLLMRollout, lora_rank_slot
 
 LENGTH_REWARD = '''

@@ -18,9 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from trellis import Generation, RolloutEngine, SamplingParams, ToolCallParser, Trajectory
-from trellis.kit import serving as kit
-from trellis.kit.serving import Refused, canonical, encode_text, render_chat, renders_tools
+from trellis import Generation, RolloutEngine, SamplingParams, ToolCallParser, Trajectory, encode_text, render_chat
+from trellis.kit.multiturn import renders_tools
+from trellis_algos import openai_api as wire
+from trellis_algos.openai_api import Refused, canonical
 from trellis_multiturn import ChatDeltas, record_into
 
 log = logging.getLogger("trellis")
@@ -140,7 +141,7 @@ class PolicyEndpoint:
     async def _models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's token>)")
-        return web.json_response({"object": "list", "data": [{"id": kit.MODEL, "object": "model", "owned_by": "trellis"}]})
+        return web.json_response({"object": "list", "data": [{"id": wire.MODEL, "object": "model", "owned_by": "trellis"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
         return await self._handle(request, self._serve_chat)
@@ -152,7 +153,7 @@ class PolicyEndpoint:
         if not self._authorized(request):
             return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's token>); use the client trellis gives the agent")
         try:
-            body = await kit.request_body(request)
+            body = await wire.request_body(request)
             episode = self._episode(request, body)
             async with episode.lock:
                 if episode.closed:
@@ -180,7 +181,7 @@ class PolicyEndpoint:
         return episode
 
     async def _serve_chat(self, episode: Episode, body: dict) -> dict[str, Any]:
-        req = kit.chat_request(body)
+        req = wire.chat_request(body)
         params = _params(episode.params, body)
         kwargs = dict(self.template_kwargs)
         if req.tools is not None:
@@ -192,15 +193,15 @@ class PolicyEndpoint:
         delta = self._chat_delta(episode, text, req, kwargs)
         ids, gen, trained = await self._step(episode, delta, lambda: encode_text(self.tokenizer, text), params, req.max_tokens, CHAT_FIRST)
         content, calls = self.parser.split(self._content(gen)) if req.tools else (self._content(gen), [])
-        message = kit.assistant_message(content, calls)
+        message = wire.assistant_message(content, calls)
         if trained:
             episode.chain_text = text + self._content(gen) + self.chat.sampled_closing(gen.token_ids)
             reply = {"role": "assistant", "content": content, "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
             episode.history = [canonical(m) for m in req.messages] + [canonical(reply)]
-        return kit.chat_reply(message, gen, len(ids))
+        return wire.chat_reply(message, gen, len(ids))
 
     async def _serve_text(self, episode: Episode, body: dict) -> dict[str, Any]:
-        req = kit.text_request(body, len(self.tokenizer))
+        req = wire.text_request(body, len(self.tokenizer))
         params = _params(episode.params, body)
         prompt = req.prompt
         if isinstance(prompt, str):
@@ -217,9 +218,9 @@ class PolicyEndpoint:
             episode.chain_text += given + text + self.chat.sampled_closing(gen.token_ids)
             episode.history = None
         tokens = [self.tokenizer.decode([t]) for t in gen.token_ids] if req.logprobs else None
-        return kit.text_reply(text, gen, len(ids), tokens)
+        return wire.text_reply(text, gen, len(ids), tokens)
 
-    def _chat_delta(self, episode: Episode, text: str, req: kit.ChatRequest, kwargs: dict[str, Any]) -> list[int] | None:
+    def _chat_delta(self, episode: Episode, text: str, req: wire.ChatRequest, kwargs: dict[str, Any]) -> list[int] | None:
         """The ids a chat request adds to the trajectory; None when it does not continue it."""
         if episode.ended:
             return None
@@ -354,4 +355,4 @@ def _limit_message(episode: Episode) -> str:
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response(kit.error_body(status, message), status=status)
+    return web.json_response(wire.error_body(status, message), status=status)

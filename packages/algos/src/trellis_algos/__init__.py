@@ -1,11 +1,16 @@
 """Trellis algorithms and recipes: advantage estimators, policy/KL/SFT/preference losses, loss aggregation,
 and the ``rl``, ``sft``, ``spin`` and ``rm`` recipes.
 
-``__all__`` is what other packages may import from trellis-algos: the ``rl`` recipe's
-``multi_turn`` section for agent loops and rollout functions, its ``reward`` section, reward manager
-and reward services, the tokenizer checks for roles that score the actor's ids. Every module may change."""
+``__all__`` is what other packages may import from trellis-algos: the config sections of the roles its
+recipes train, the ``rl`` recipe's ``multi_turn`` section for agent loops and rollout functions, its
+``reward`` section, reward manager and reward services, the tokenizer checks for roles that score the
+actor's ids, and the OpenAI wire format that the policy endpoint (trellis-agents) and the judge server
+(trellis-judges) speak (the module ``openai_api``). Every other module may change."""
 
 from importlib.metadata import PackageNotFoundError, version
+
+# the OpenAI wire format: /v1/chat/completions and /v1/completions requests checked field by field, and the replies
+from trellis_algos import openai_api
 
 # the reward section of the rl and spin recipes, the manager that scores a batch with it, the rule rewards; a service the
 # rl recipe starts for its reward (kind reward_service), what it is started with, the metric keys it must not take
@@ -26,6 +31,10 @@ from trellis_algos.rewards import (
 # the rl recipe's multi_turn section and the protocols it calls (kind rollout_function: trellis-multiturn's)
 from trellis_algos.rl.multi_turn import AgentLoopConfig, ConversationRollout, InteractionConfig, MultiTurnConfig, MultiTurnRunner, ToolConfig
 
+# the sections of the roles the recipes train (rl's actor and critic, sft's and spin's policy); the check of the files a
+# recipe's config names
+from trellis_algos.sections import ActorConfig, CriticConfig, DistillConfig, PreferenceTrainConfig, SFTTrainConfig, check_inputs
+
 # the folder of the policy's tokenizer and its config keys; a folder's tokenizer (a ConfigError naming the key when it
 # holds none), and what differs between two
 from trellis_algos.tokenizers import POLICY_TOKENIZER_KEY, load_tokenizer, policy_tokenizer_path, tokenizer_difference
@@ -37,6 +46,13 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 __all__ = [
     "__version__",
+    "openai_api",
+    "ActorConfig",
+    "CriticConfig",
+    "DistillConfig",
+    "SFTTrainConfig",
+    "PreferenceTrainConfig",
+    "check_inputs",
     "MultiTurnConfig",
     "MultiTurnRunner",
     "ConversationRollout",

@@ -9,8 +9,9 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
-from trellis import OptimConfig, RecipeConfig, Run, RunContext, TrainerConfig, check_inputs, load_rows, ranged, save_hf_folder
+from trellis import OptimConfig, RecipeConfig, Run, RunContext, TrainerConfig, load_rows, ranged, save_hf_folder
 from trellis_algos.pairs import PAIR_SCHEMA, SIDES, PairDataset, PairLoader
+from trellis_algos.sections import check_inputs
 from trellis_algos.tokenizers import policy_tokenizer
 
 ROLE = "reward_model"  # the role's name: trellis export writes a checkpoint's reward_model as a sequence-classification folder

@@ -20,7 +20,6 @@ from omegaconf import DictConfig
 from trellis import (
     Batch,
     ConfigError,
-    PreferenceTrainConfig,
     PromptData,
     PromptDataset,
     RecipeConfig,
@@ -29,7 +28,6 @@ from trellis import (
     SamplingConfig,
     SamplingParams,
     TrainerConfig,
-    check_inputs,
     choice,
     component,
     encode_response,
@@ -43,6 +41,7 @@ from trellis import (
 )
 from trellis_algos.preference import make_pairs
 from trellis_algos.rewards import RewardConfig, RewardManager, check_reward
+from trellis_algos.sections import PreferenceTrainConfig, check_inputs
 from trellis_algos.tokenizers import policy_tokenizer
 
 PAIR_SOURCES = ("reference", "ranked")

@@ -90,6 +90,7 @@ _API = {
     "RunContext": "trellis.runtime.harness",
     "WorkerGroup": "trellis.runtime.controller",
     "RolloutGroup": "trellis.runtime.controller",
+    "SyncCheckFailed": "trellis.interfaces.transport",
     "Tracker": "trellis.runtime.trackers",
     # recipes
     "Recipe": "trellis.recipes.train",
@@ -102,12 +103,7 @@ _API = {
     "BatchingConfig": "trellis.recipes.options",
     "PromptData": "trellis.recipes.options",
     "SamplingConfig": "trellis.recipes.options",
-    "ActorConfig": "trellis.recipes.options",
-    "CriticConfig": "trellis.recipes.options",
-    "SFTTrainConfig": "trellis.recipes.options",
-    "PreferenceTrainConfig": "trellis.recipes.options",
     "backend_field": "trellis.recipes.options",
-    "check_inputs": "trellis.recipes.options",
     "without_adapter": "trellis.recipes.options",
     "save_hf_folder": "trellis.export",
 }

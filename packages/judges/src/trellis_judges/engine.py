@@ -1,6 +1,6 @@
 """The judge engine (``reward.judge``, reward service ``judge_engine``): a frozen rollout engine the
 ``rl`` recipe starts itself, served on loopback as OpenAI-compatible ``/v1/chat/completions`` (the
-wire format of ``trellis.kit.serving``) to the ``judge`` rewards that name no url.
+wire format of ``trellis_algos.openai_api``) to the ``judge`` rewards that name no url.
 
 The engine is built and driven by one thread of its own, which runs the server's event loop (an
 engine is driven from the thread that built it: vLLM's rule); the reward's threads call the server

@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from trellis import RolloutEngine, SamplingParams
-from trellis.kit.serving import Refused, assistant_message, chat_reply, chat_request, encode_text, error_body, render_chat, request_body
+from trellis import RolloutEngine, SamplingParams, encode_text, render_chat
+from trellis_algos.openai_api import Refused, assistant_message, chat_reply, chat_request, error_body, request_body
 
 log = logging.getLogger("trellis")
 COUNTS = ("requests", "refused", "prompt_tokens", "completion_tokens")  # the server's figures, logged as judge/<name>

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from trellis.kit.controller import Mesh, RolloutEngine, SyncCheckFailed, WeightTransport, digest_dtype
+from trellis import SyncCheckFailed
+from trellis.kit.controller import Mesh, RolloutEngine, WeightTransport, digest_dtype
 from trellis_ray.ranks import RayPool, RayRollout, RayWorkerGroup
 from trellis_ray.transport import BroadcastTransport, ObjectStoreTransport
 

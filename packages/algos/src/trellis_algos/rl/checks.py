@@ -8,7 +8,7 @@ import logging
 
 from omegaconf import DictConfig
 
-from trellis import ConfigError, PromptDataset, PromptLoader, RegistryError, check_inputs, instantiate_options, load_prompt_data, resolve_component
+from trellis import ConfigError, PromptDataset, PromptLoader, RegistryError, instantiate_options, load_prompt_data, resolve_component
 from trellis.kit.data import prompt_images
 from trellis.kit.recipe import (
     OBJECTIVE,
@@ -26,6 +26,7 @@ from trellis_algos.rl.dynamic_sampling import group_filters
 from trellis_algos.rl.memory import check_activation_memory
 from trellis_algos.rl.multi_turn import ConversationRollout, MultiTurnRunner
 from trellis_algos.rl.teacher import TEACHER_NEED, check_teacher
+from trellis_algos.sections import check_inputs
 from trellis_algos.tokenizers import policy_tokenizer
 
 log = logging.getLogger("trellis")

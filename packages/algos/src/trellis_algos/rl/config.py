@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trellis import ActorConfig, CriticConfig, PromptData, RecipeConfig, SamplingConfig, TrainerConfig, choice, component, ranged
-from trellis.kit.recipe import SyncCheckConfig
+from trellis import PromptData, RecipeConfig, SamplingConfig, TrainerConfig, choice, component, ranged
 from trellis_algos.rewards import RewardConfig
 from trellis_algos.rl.ahead import MODES, SCHEDULES
 from trellis_algos.rl.dynamic_sampling import DynamicSamplingConfig
 from trellis_algos.rl.multi_turn import MultiTurnConfig
+from trellis_algos.rl.sync_probe import SyncCheckConfig
 from trellis_algos.rl.teacher import TeacherConfig
+from trellis_algos.sections import ActorConfig, CriticConfig
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""The ``rl`` step's figures beside the losses (groups with signal, throughput, the KL in use) and
-its truncated samples (``actor.mask_truncated``: counted, and masked out of the actor's loss)."""
+"""The ``rl`` step's figures beside the losses (groups with signal, throughput, the KL in use, a
+mixture-of-experts policy's routing) and its truncated samples (``actor.mask_truncated``: counted, and masked out of the actor's loss)."""
 
 from __future__ import annotations
 
 import torch
 
 from trellis import Batch, RewardResult, SamplingParams, last_valid_index
+from trellis.kit.recipe import ROUTED_EXPERTS
 from trellis_algos.rl.dynamic_sampling import group_has_signal
 
 
@@ -54,3 +55,25 @@ def kl_summary(update_metrics: dict[str, float], kl_metrics: dict[str, float]) -
     """``actor/kl``: the KL to the reference in use (as a loss term, else in the reward), if any."""
     kl = update_metrics.get("actor/kl_loss", kl_metrics.get("actor/reward_kl"))
     return {} if kl is None else {"actor/kl": kl}
+
+
+def router_metrics(batch: Batch, outputs: Batch, experts: int) -> dict[str, float]:
+    """A mixture-of-experts policy's figures of a step: ``moe/router_entropy`` (the trainer's forward
+    ``outputs``), and from the engine's recorded routes, when the batch has them,
+    ``moe/load_max/layer{i}``, the busiest expert's share of a layer's routed tokens over the even
+    share (1: balanced), and ``moe/routing_flip_rate``, the share of recorded (token, layer) pairs the
+    trainer routed to other experts (its ``routing_flips``)."""
+    attended = batch["attention_mask"].bool()
+    metrics = {"moe/router_entropy": float(outputs["router_entropy"][attended.any(-1)].mean())}
+    if ROUTED_EXPERTS not in batch:
+        return metrics
+    routes = batch[ROUTED_EXPERTS]
+    known = (routes[..., 0] >= 0) & attended[..., None]  # (batch, seq_len, layers)
+    for layer in range(routes.shape[2]):
+        chosen = routes[:, :, layer][known[:, :, layer]].long().flatten()
+        if chosen.numel():
+            load = torch.bincount(chosen, minlength=experts).float()
+            metrics[f"moe/load_max/layer{layer}"] = float(load.max() / load.mean())
+    if "routing_flips" in outputs:
+        metrics["moe/routing_flip_rate"] = float(outputs["routing_flips"].sum() / known.sum().clamp(min=1))
+    return metrics

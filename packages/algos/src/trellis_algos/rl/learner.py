@@ -10,23 +10,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trellis import AdvantageInputs, Batch, RolloutGroup, Run, SamplingParams, instantiate_options, resolve_component, without_adapter
-from trellis.kit.recipe import (
-    SyncCheckConfig,
-    SyncProbe,
-    agreement_check,
-    check_alignment,
-    expert_counts,
-    mark_replay,
-    router_metrics,
-    text_config,
-    trainer_dtype,
-    without_replay,
-)
+from trellis.kit.recipe import expert_counts, mark_replay, text_config, without_replay
 from trellis_algos.rl.ahead import staleness_metrics
 from trellis_algos.rl.checks import needs, on_policy_update
-from trellis_algos.rl.figures import first_groups, groups_with_signal, kl_summary, throughput, truncated, without_truncated
+from trellis_algos.rl.figures import first_groups, groups_with_signal, kl_summary, router_metrics, throughput, truncated, without_truncated
+from trellis_algos.rl.invariants import agreement_check, check_alignment, trainer_dtype
 from trellis_algos.rl.partial import version_span
 from trellis_algos.rl.samples import COMPONENT, StepSamples
+from trellis_algos.rl.sync_probe import SyncCheckConfig, SyncProbe
 from trellis_algos.rl.teacher import TEACHER_NEED, score_samples, wants_teacher
 
 log = logging.getLogger("trellis")

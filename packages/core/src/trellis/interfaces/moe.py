@@ -1,6 +1,6 @@
 """Mixture-of-experts routing in Hugging Face models: the experts each token was routed to,
 recorded while an engine generates and replayed in a trainer's forward (routing replay, "R3"),
-and the router's figures (entropy, expert load, the load-balancing loss)."""
+and the router's figures a forward returns (entropy, the load-balancing loss)."""
 
 from __future__ import annotations
 
@@ -261,25 +261,3 @@ def refuse_lost_routes(batch: Batch, reads: tuple[str, ...], who: str) -> None:
             f"{who} takes no recorded routes ({ROUTED_EXPERTS} is not among its model_inputs), but actor.router_replay is "
             "rollout; use a backend that replays them (fsdp) or set actor.router_replay: off"
         )
-
-
-def router_metrics(batch: Batch, outputs: Batch, experts: int) -> dict[str, float]:
-    """A mixture-of-experts policy's figures of a step: ``moe/router_entropy`` (the trainer's forward
-    ``outputs``), and from the engine's recorded routes, when the batch has them,
-    ``moe/load_max/layer{i}``, the busiest expert's share of a layer's routed tokens over the even
-    share (1: balanced), and ``moe/routing_flip_rate``, the share of recorded (token, layer) pairs the
-    trainer routed to other experts (its ``routing_flips``)."""
-    attended = batch["attention_mask"].bool()
-    metrics = {"moe/router_entropy": float(outputs["router_entropy"][attended.any(-1)].mean())}
-    if ROUTED_EXPERTS not in batch:
-        return metrics
-    routes = batch[ROUTED_EXPERTS]
-    known = (routes[..., 0] >= 0) & attended[..., None]  # (batch, seq_len, layers)
-    for layer in range(routes.shape[2]):
-        chosen = routes[:, :, layer][known[:, :, layer]].long().flatten()
-        if chosen.numel():
-            load = torch.bincount(chosen, minlength=experts).float()
-            metrics[f"moe/load_max/layer{layer}"] = float(load.max() / load.mean())
-    if "routing_flips" in outputs:
-        metrics["moe/routing_flip_rate"] = float(outputs["routing_flips"].sum() / known.sum().clamp(min=1))
-    return metrics

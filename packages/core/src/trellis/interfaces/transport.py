@@ -15,6 +15,11 @@ import torch
 Manifest = Mapping[str, Sequence[int]] | None  # the trainer's weight_shapes(): name -> full shape, in send order (None: unknown)
 
 
+class SyncCheckFailed(RuntimeError):
+    """An engine's weights differ from the trainer's after a weight sync: a verified sync's digests
+    (trellis-ray's pools), or the rl recipe's probe of log-probs (``trellis_algos.rl.sync_probe``)."""
+
+
 class StaleWeights(RuntimeError):
     """An engine received a bucket of another weight version than the sync it was asked for."""
 

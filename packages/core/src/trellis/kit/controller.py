@@ -15,7 +15,6 @@ from trellis.runtime.controller import (
     run_rollout_fn,
     sync_from,
 )
-from trellis.runtime.sync_probe import SyncCheckFailed
 from trellis.runtime.worker import Worker
 
 __all__ = [
@@ -50,5 +49,4 @@ __all__ = [
     "unpack",
     "tensor_digest",
     "digest_dtype",
-    "SyncCheckFailed",
 ]

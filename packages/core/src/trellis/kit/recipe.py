@@ -1,16 +1,15 @@
 """What a recipe that trains on its own samples needs beyond ``trellis`` (trellis-algos' ``rl``): stage timing, placement,
-prompts, rollout helpers, reward figures, batch invariants and the sync probe, mixture-of-experts routes, a model folder's config."""
+prompts, rollout helpers, reward figures, a prompt's images, mixture-of-experts routes, a model folder's config."""
 
 from trellis.data import left_pad, load_prompt_rows
 from trellis.hf_folder import text_config
-from trellis.interfaces.moe import expert_counts, mark_replay, router_metrics, without_replay
+from trellis.interfaces.backend import PROMPT_IMAGES, first_images
+from trellis.interfaces.moe import REPLAY_MODES, ROUTED_EXPERTS, expert_counts, mark_replay, without_replay
 from trellis.interfaces.rollout import RolloutFn, engine_devices, pad_id, stop_ids
 from trellis.interfaces.signatures import OBJECTIVE
 from trellis.rewards import reward_figures
 from trellis.runtime.harness import StageTimer, backend_mesh, controller_class
-from trellis.runtime.invariants import agreement_check, check_alignment, trainer_dtype
 from trellis.runtime.plan import Plan
-from trellis.runtime.sync_probe import SyncCheckConfig, SyncProbe
 
 __all__ = [
     # a step's stage seconds; the backend's placement (mesh) and the controller class a config names
@@ -31,17 +30,15 @@ __all__ = [
     "OBJECTIVE",
     # a batch's reward metrics
     "reward_figures",
-    # every batch's checks before training: alignment, trainer-vs-engine log-prob agreement, the sync probe
-    "check_alignment",
-    "agreement_check",
-    "trainer_dtype",
-    "SyncCheckConfig",
-    "SyncProbe",
-    # a mixture-of-experts model's routes: replayed in training, counted, reported
+    # a sample's prompt images, without those a conversation's tools returned
+    "PROMPT_IMAGES",
+    "first_images",
+    # a mixture-of-experts model's routes: the batch field, replayed in training or not, the model's expert counts
+    "REPLAY_MODES",
+    "ROUTED_EXPERTS",
     "expert_counts",
     "mark_replay",
     "without_replay",
-    "router_metrics",
     # a model folder's config.json (its text model's, for a vision-language model)
     "text_config",
 ]

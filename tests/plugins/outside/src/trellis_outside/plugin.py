@@ -20,12 +20,12 @@ from trellis import (
     RunContext,
     SamplingConfig,
     SamplingParams,
-    SFTTrainConfig,
     TrainerConfig,
     aggregation_for,
     component,
     load_prompt_data,
 )
+from trellis_algos import SFTTrainConfig
 from trellis_multiturn import ChatDeltas
 
 

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from trellis.batch import Batch
+from trellis import Batch
 
 WIDE = (torch.float32, torch.float64)
 # mean |engine - trainer| log-prob per response token that agreeing sides stay under, by the lower

@@ -1,4 +1,4 @@
-"""The checks every rl batch passes before training (``trellis.runtime.invariants``): each one on a
+"""The checks every rl batch passes before training (``trellis_algos.rl.invariants``, ``trellis_algos.rl.sync_probe``): each one on a
 deliberately broken batch, and the bounds both sides' dtypes give."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from rollouts import rollout_round
 
 from trellis.batch import Batch
 from trellis.interfaces.rollout import SamplingParams
-from trellis.runtime.invariants import (
+from trellis_algos.rl.invariants import (
     FLOAT32_GAP,
     SHARED_GAP,
     SIXTEEN_BIT_GAP,
@@ -21,7 +21,7 @@ from trellis.runtime.invariants import (
     gap_bound,
     trainer_dtype,
 )
-from trellis.runtime.sync_probe import SyncCheckConfig, SyncCheckFailed, SyncProbe
+from trellis_algos.rl.sync_probe import SyncCheckConfig, SyncProbe
 
 
 def test_an_aligned_batch_passes_and_a_shifted_response_stops_the_run_naming_the_sample():
@@ -121,4 +121,3 @@ def test_the_probe_bound_comes_from_both_sides():
     assert SyncProbe(SyncCheckConfig(), rollout(torch.float32), SamplingParams(), torch.bfloat16).max_gap == SIXTEEN_BIT_GAP
     assert SyncProbe(SyncCheckConfig(), rollout(torch.float32), SamplingParams(), torch.float32).max_gap == FLOAT32_GAP
     assert SyncProbe(SyncCheckConfig(max_gap=0.5), rollout(torch.float32), SamplingParams(), torch.float32).max_gap == 0.5
-    assert issubclass(SyncCheckFailed, InvariantFailed)

@@ -1,6 +1,7 @@
-"""The rl recipe's options (its own sections and the ``reward`` section): every section it reaches declares its choices and ranges, compose and
-``trellis train`` name the key, the value and the fix before anything is built, and a section
-another package serves names that package when it is missing (core and trellis-algos alone)."""
+"""The options of trellis-algos' recipes (their own sections, the roles' and the ``reward`` section):
+every section they reach declares its choices and ranges, compose and ``trellis train`` name the key, the
+value and the fix before anything is built, and a section another package serves names that package
+when it is missing (core and trellis-algos alone)."""
 
 from __future__ import annotations
 
@@ -17,29 +18,37 @@ from trellis_algos.rl.multi_turn import MultiTurnConfig
 
 # core and trellis-algos only, whatever else this venv has installed
 REGISTRY = load_plugins(entry_points=False, extra=[("algos", trellis_algos.plugin)]).registry
-RL_SCHEMAS = sorted(
-    {s for s in option_dataclasses(REGISTRY.get("recipe", "rl").options) if s.__module__.startswith(("trellis_algos.rl", "trellis_algos.rewards"))},
+# the sections trellis-algos' recipes declare (their own, the reward section, the roles they train); core's in tests/core
+SCHEMAS = sorted(
+    {
+        s
+        for name in ("rl", "sft", "spin", "rm")
+        for s in option_dataclasses(REGISTRY.get("recipe", name).options)
+        if s.__module__.startswith("trellis_algos")
+    },
     key=lambda s: s.__qualname__,
 )
 
 
-def test_the_rl_recipe_reaches_its_sections_and_every_number_declares_a_range():
+def test_the_recipes_reach_their_sections_and_every_number_declares_a_range():
     sections = {"RLConfig", "RLTrainerConfig", "AlgorithmConfig", "MultiTurnConfig", "ToolConfig", "DynamicSamplingConfig", "TeacherConfig"}
-    assert sections | {"RewardConfig", "RewardModelConfig"} <= {s.__name__ for s in RL_SCHEMAS}
+    sections |= {"ActorConfig", "CriticConfig", "DistillConfig", "SFTTrainConfig", "PreferenceTrainConfig"}
+    assert sections | {"RewardConfig", "RewardModelConfig"} <= {s.__name__ for s in SCHEMAS}
     assert unranged_options(REGISTRY) == []
 
 
-@pytest.mark.parametrize("schema", RL_SCHEMAS, ids=lambda s: s.__qualname__)
-def test_every_numeric_rl_option_rejects_values_outside_its_range(schema, assert_ranges_enforced):
+@pytest.mark.parametrize("schema", SCHEMAS, ids=lambda s: s.__qualname__)
+def test_every_numeric_recipe_option_rejects_values_outside_its_range(schema, assert_ranges_enforced):
     assert_ranges_enforced(schema, REGISTRY)
 
 
-def test_every_rl_string_option_with_a_fixed_set_of_values_declares_and_enforces_it(assert_choices_enforced):
-    checked = {s.__qualname__: assert_choices_enforced(s, REGISTRY, OPEN_ENDED.get(s.__qualname__, ())) for s in RL_SCHEMAS}
-    # algorithm.kl_penalty and kl_ctrl_type, multi_turn.score, dynamic_sampling.metric and filters, reward.model.layout, and the trainer's
-    # section: core's 5 (controller, ray_network, trackers, separate_pools, weight_transport) plus async_mode and
-    # async_schedule (multi_turn.agent_loop and tool_parser name trellis-multiturn's components: tests/multiturn)
-    assert sum(checked.values()) == 13, checked
+def test_every_recipe_string_option_with_a_fixed_set_of_values_declares_and_enforces_it(assert_choices_enforced):
+    checked = {s.__qualname__: assert_choices_enforced(s, REGISTRY, OPEN_ENDED.get(s.__qualname__, ())) for s in SCHEMAS}
+    # algorithm.kl_penalty and kl_ctrl_type, multi_turn.score, dynamic_sampling.metric and filters, reward.model.layout, the
+    # trainer's section: core's 5 (controller, ray_network, trackers, separate_pools, weight_transport) plus async_mode and
+    # async_schedule; the roles' sections: actor.loss_agg_mode, kl_loss_type and router_replay, critic.loss_agg_mode, sft's
+    # train.loss_agg_mode; spin's pairs (multi_turn.agent_loop and tool_parser name trellis-multiturn's components: tests/multiturn)
+    assert sum(checked.values()) == 19, {k: v for k, v in checked.items() if v}
 
 
 def test_compose_names_key_value_valid_values_and_closest():

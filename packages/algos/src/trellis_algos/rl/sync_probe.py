@@ -7,16 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trellis.batch import Batch, position_ids
-from trellis.config import ranged
-from trellis.interfaces.backend import IMAGE_INPUTS, PROMPT_IMAGES, first_images
-from trellis.interfaces.rollout import SamplingParams
-from trellis.runtime.controller import RolloutGroup, WorkerGroup
-from trellis.runtime.invariants import InvariantFailed, describe, gap_bound
-
-
-class SyncCheckFailed(InvariantFailed):
-    """An engine's weights differ from the trainer's after a weight sync."""
+from trellis import IMAGE_INPUTS, Batch, RolloutGroup, SamplingParams, SyncCheckFailed, WorkerGroup, position_ids, ranged
+from trellis.kit.recipe import PROMPT_IMAGES, first_images
+from trellis_algos.rl.invariants import describe, gap_bound
 
 
 @dataclass
@@ -25,7 +18,7 @@ class SyncCheckConfig:
     first training prompt) and the trainer scores them: ``sync/probe_gap`` is the largest per-engine
     mean |engine - trainer| log-prob. Above ``max_gap`` the run stops, naming the engine.
     Every step, the same gap over the batch's response tokens (``sync/batch_gap``, the samples the
-    current weights generated; ``trellis.runtime.invariants``) must stay under ``max_batch_gap``.
+    current weights generated; ``trellis_algos.rl.invariants``) must stay under ``max_batch_gap``.
     Both bounds, when None, come from the lower precision of the trainer's compute dtype and the
     engines' weight dtype: 1e-3 when both are float32 (1e-4 for the batch when the engine generates
     from the actor's own module), 0.1 when either is 16-bit or unknown."""

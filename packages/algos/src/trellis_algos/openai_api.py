@@ -1,4 +1,4 @@
-"""The OpenAI wire format of the policy endpoint and the judge engine's server: requests of
+"""The OpenAI wire format of the policy endpoint (trellis-agents) and the judge engine's server (trellis-judges): requests of
 ``/v1/chat/completions`` and ``/v1/completions`` checked field by field (what cannot be served is
 refused by name), chat messages as the chat template takes them, and the replies."""
 
@@ -10,8 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from trellis.interfaces.agents import ToolCall
-from trellis.interfaces.rollout import Generation
+from trellis import Generation, ToolCall
 
 MODEL = "trellis-policy"
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "user", "tools", "tool_choice", "stream")
