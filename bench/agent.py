@@ -54,8 +54,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from trellis.data import PromptDataset
     from trellis.interfaces.rollout import RolloutSpec
+    from trellis_algos import PromptDataset
     from trellis_demo.tasks import make_arithmetic_split
     from trellis_demo.tool_call import ADD, make_tool_calling_model
     from trellis_hf.engine import make_engine

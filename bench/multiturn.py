@@ -94,10 +94,10 @@ def measure(name: str, engine, tokenizer, args) -> dict:
     from omegaconf import OmegaConf
 
     from trellis.config import validate
-    from trellis.data import PromptDataset
     from trellis.interfaces.agents import Interaction, InteractionTurn
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
+    from trellis_algos import PromptDataset
     from trellis_algos.rl.multi_turn import MultiTurnConfig
     from trellis_demo.tasks import make_arithmetic_split
     from trellis_multiturn.environment import agent_spec

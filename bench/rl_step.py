@@ -94,8 +94,8 @@ def floor_steps(model_path: Path, data: Path, prompts: int, n: int, length: int,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trellis.data import PromptDataset, load_rows
-    from trellis_algos import gsm8k_score
+    from trellis.data import load_rows
+    from trellis_algos import PromptDataset, gsm8k_score
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     torch.manual_seed(0)

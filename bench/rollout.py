@@ -98,9 +98,9 @@ def set_up_environment(args, engines: list[str]) -> None:
 def bench_model(label: str, path: str, rows, engines: list[str], args) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trellis.data import PromptDataset
     from trellis.interfaces.rollout import SamplingParams
     from trellis.plugins import load_plugins
+    from trellis_algos import PromptDataset
 
     registry = load_plugins().registry
     tok = AutoTokenizer.from_pretrained(path)

@@ -60,10 +60,9 @@ def accuracy(model_dir: Path, test_rows: list[dict]) -> float:
     """Greedy accuracy (the ``gsm8k`` reward) on ``test_rows``."""
     from transformers import AutoTokenizer
 
-    from trellis.data import PromptDataset
     from trellis.interfaces.rollout import RolloutSpec, SamplingParams
     from trellis.plugins import load_plugins
-    from trellis_algos import RewardConfig, RewardManager
+    from trellis_algos import PromptDataset, RewardConfig, RewardManager
     from trellis_hf.engine import make_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -401,7 +401,7 @@ class MultiTurnCases:
     def test_conversations_are_token_exact_with_matching_log_probs(self, tiny_model_path):
         """Environment turns are the chat template's tokens, and the rollout log-probs of the
         model's tokens equal a forward pass over the whole conversation."""
-        from trellis.data import PromptDataset
+        from trellis_algos import PromptDataset
         from trellis_demo.tasks import make_arithmetic_split
 
         engine = build(self.ENGINE, tiny_model_path, **{self.CONTEXT: 256})

@@ -10,8 +10,9 @@ import asyncio
 from omegaconf import OmegaConf
 
 from trellis.config import validate
-from trellis.data import PromptDataset, encode_text
+from trellis.data import encode_text
 from trellis.interfaces.rollout import Generation, RolloutEngine, SamplingParams
+from trellis_algos import PromptDataset
 from trellis_algos.rl.multi_turn import MultiTurnConfig
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.loop import ToolAgentLoop

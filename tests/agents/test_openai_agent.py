@@ -19,12 +19,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trellis_algos.rl.samples as rl
 from trellis.config import ConfigError, validate
-from trellis.data import PromptDataset, encode_text, render_chat
+from trellis.data import encode_text, render_chat
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
+from trellis_algos import PromptDataset
 from trellis_algos.rl.multi_turn import MultiTurnConfig
 from trellis_demo.tasks import make_arithmetic_split, write_rows
 from trellis_demo.tool_call import ADD, make_tool_calling_model

@@ -16,11 +16,12 @@ from scripted import REASONING_TEMPLATE, ScriptedEngine
 
 import trellis_agents.endpoint as endpoint_module
 from trellis.config import ConfigError, validate
-from trellis.data import PromptDataset, encode_text, render_chat
+from trellis.data import encode_text, render_chat
 from trellis.interfaces.rollout import SamplingParams
 from trellis.plugins import load_plugins
 from trellis_agents.endpoint import HEADER, PolicyEndpoint
 from trellis_agents.loop import OpenAIAgentLoop
+from trellis_algos import PromptDataset
 from trellis_algos.rl.multi_turn import MultiTurnConfig
 from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_tokenizer
 from trellis_demo.tool_call import ADD

@@ -202,12 +202,12 @@ def actor_and_own_rollout(tiny_model_path, data_files):
     from transformers import AutoTokenizer
 
     from trellis.config import validate
-    from trellis.data import PromptDataset, load_rows
+    from trellis.data import load_rows
     from trellis.interfaces.rollout import RolloutSpec
     from trellis.plugins import load_plugins
     from trellis.runtime.controller import LocalRollout, LocalWorkerGroup
     from trellis.runtime.worker import build_worker
-    from trellis_algos import ActorConfig
+    from trellis_algos import ActorConfig, PromptDataset
     from trellis_hf.engine import make_engine
 
     registry = load_plugins().registry

@@ -12,10 +12,11 @@ from transformers import AutoTokenizer
 
 from trellis.batch import Batch
 from trellis.config import ConfigError
-from trellis.data import PromptDataset, load_rows
+from trellis.data import load_rows
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.plugins import load_plugins
 from trellis.recipes.train import train
+from trellis_algos import PromptDataset
 
 STEP_KEYS = {
     "reward/mean", "actor/entropy", "actor/pg_loss", "response/length_mean", "timing/step_s",

@@ -337,9 +337,9 @@ def test_agent_loops_run_next_to_each_engine(ray_cluster, tiny_model_path):
     import agent_loops
     from transformers import AutoTokenizer
 
-    from trellis.data import PromptDataset
     from trellis.interfaces.rollout import RolloutSpec, SamplingParams
     from trellis.runtime.controller import LocalRollout
+    from trellis_algos import PromptDataset
     from trellis_algos.rl.multi_turn import MultiTurnConfig
     from trellis_demo.tasks import make_arithmetic_split
     from trellis_hf.engine import make_engine

@@ -14,11 +14,11 @@ from transformers import AutoImageProcessor, AutoTokenizer
 from trellis_vision.prompts import ImagePrompts
 
 from trellis.config import ConfigError
-from trellis.data import DataError, PromptDataset, load_rows
+from trellis.data import DataError, load_rows
 from trellis.interfaces.backend import IMAGE_INPUTS
 from trellis.interfaces.rollout import stop_ids
-from trellis.recipes.options import prompt_images
 from trellis.registry import Registry
+from trellis_algos import PromptDataset, prompt_images
 from trellis_demo.tasks import write_rows
 
 

@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 from trellis_vision.prompts import ImagePrompts
 
 from trellis.batch import Batch
-from trellis.data import PromptDataset
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS
 from trellis.interfaces.dispatch import DP_SPLIT, Mesh, Route
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.runtime.controller import RolloutGroup, WorkerGroup
+from trellis_algos import PromptDataset
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fsdp"))
 from test_fsdp_worker import OBJECTIVES, actor_options, make_worker  # noqa: E402

@@ -8,8 +8,8 @@ import asyncio
 import torch
 from engine_cases import MultiTurnCases, always_wrong_agent, build
 
-from trellis.data import PromptDataset
 from trellis.interfaces.rollout import SamplingParams
+from trellis_algos import PromptDataset
 from trellis_demo.tasks import make_arithmetic_split
 
 

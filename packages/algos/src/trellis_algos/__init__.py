@@ -1,16 +1,22 @@
 """Trellis algorithms and recipes: advantage estimators, policy/KL/SFT/preference losses, loss aggregation,
 and the ``rl``, ``sft``, ``spin`` and ``rm`` recipes.
 
-``__all__`` is what other packages may import from trellis-algos: the config sections of the roles its
-recipes train, the ``rl`` recipe's ``multi_turn`` section for agent loops and rollout functions, its
-``reward`` section, reward manager and reward services, the tokenizer checks for roles that score the
-actor's ids, and the OpenAI wire format that the policy endpoint (trellis-agents) and the judge server
-(trellis-judges) speak (the module ``openai_api``). Every other module may change."""
+``__all__`` is what other packages may import from trellis-algos: the recipes' data (prompts in verl's
+schema, resumable loaders), the config sections of the roles its recipes train, the ``rl`` recipe's
+``multi_turn`` section for agent loops and rollout functions, its ``reward`` section, reward manager
+and reward services, the tokenizer checks for roles that score the actor's ids, and the OpenAI wire
+format that the policy endpoint (trellis-agents) and the judge server (trellis-judges) speak (the
+module ``openai_api``). Every other module may change."""
 
 from importlib.metadata import PackageNotFoundError, version
 
 # the OpenAI wire format: /v1/chat/completions and /v1/completions requests checked field by field, and the replies
 from trellis_algos import openai_api
+
+# prompts in verl's schema for the recipes that generate, tokenized and served by a resumable loader; the rows as read
+# (for checks), a vision-language model's prompt encoder; the resumable epochs every recipe's loader has
+from trellis_algos.loaders import EpochLoader
+from trellis_algos.prompts import PROMPT_COLUMNS, PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows, prompt_images
 
 # the reward section of the rl and spin recipes, the manager that scores a batch with it, the rule rewards; a service the
 # rl recipe starts for its reward (kind reward_service), what it is started with, the metric keys it must not take
@@ -47,6 +53,13 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "__version__",
     "openai_api",
+    "PROMPT_COLUMNS",
+    "PromptDataset",
+    "PromptLoader",
+    "EpochLoader",
+    "load_prompt_data",
+    "load_prompt_rows",
+    "prompt_images",
     "ActorConfig",
     "CriticConfig",
     "DistillConfig",

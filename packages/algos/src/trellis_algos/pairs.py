@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from trellis import Batch, DataError, EpochLoader, chat_messages, encode_response, encode_text, position_ids, render_chat, require_pad_id
+from trellis import Batch, DataError, chat_messages, encode_response, encode_text, position_ids, render_chat, require_pad_id
+from trellis_algos.loaders import EpochLoader
 
 logger = logging.getLogger("trellis")
 

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 
 from trellis import RecipeConfig, Run, RunContext, TrainerConfig, load_rows, ranged, save_hf_folder
-from trellis.kit.data import prompt_images
+from trellis_algos.prompts import prompt_images
 from trellis_algos.sections import SFTTrainConfig, check_inputs
 from trellis_algos.sft_data import SFTDataset, SFTLoader, sft_batches
 from trellis_algos.tokenizers import policy_tokenizer

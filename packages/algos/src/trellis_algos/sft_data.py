@@ -9,19 +9,9 @@ from typing import Any
 
 import torch
 
-from trellis import (
-    Batch,
-    DataError,
-    EpochLoader,
-    PromptEncoder,
-    chat_messages,
-    encode_response,
-    encode_text,
-    position_ids,
-    render_chat,
-    require_pad_id,
-)
-from trellis.kit.data import has_images, image_field, refuse_images, row_value
+from trellis import Batch, DataError, PromptEncoder, chat_messages, encode_response, encode_text, position_ids, render_chat, require_pad_id, row_value
+from trellis_algos.loaders import EpochLoader
+from trellis_algos.prompts import has_images, image_field, refuse_images
 
 logger = logging.getLogger("trellis")
 

@@ -21,7 +21,6 @@ from trellis import (
     Batch,
     ConfigError,
     PromptData,
-    PromptDataset,
     RecipeConfig,
     Run,
     RunContext,
@@ -32,7 +31,6 @@ from trellis import (
     component,
     encode_response,
     instantiate_options,
-    load_prompt_data,
     pair_batch,
     ranged,
     rollout_batch,
@@ -40,6 +38,7 @@ from trellis import (
     without_adapter,
 )
 from trellis_algos.preference import make_pairs
+from trellis_algos.prompts import PromptDataset, load_prompt_data
 from trellis_algos.rewards import RewardConfig, RewardManager, check_reward
 from trellis_algos.sections import PreferenceTrainConfig, check_inputs
 from trellis_algos.tokenizers import policy_tokenizer

@@ -30,7 +30,8 @@ def make_tool_calling_model(out_dir: str | os.PathLike, rows: Sequence[dict[str,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trellis import PromptDataset, encode_text
+    from trellis import encode_text
+    from trellis_algos import PromptDataset
     from trellis_demo.tasks import task_texts
     from trellis_demo.tiny import TOOLS_CHAT_TEMPLATE, make_tiny_model
     from trellis_multiturn import ChatDeltas  # the model is for conversations, which need trellis-multiturn

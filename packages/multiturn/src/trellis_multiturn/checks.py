@@ -11,8 +11,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trellis import AgentLoop, ConfigError, Registry
-from trellis.kit.multiturn import load_prompt_rows
-from trellis_algos import InteractionConfig
+from trellis_algos import InteractionConfig, load_prompt_rows
 from trellis_multiturn.environment import agent_spec, check_interaction_names, class_adapter, interaction_name
 from trellis_multiturn.rollout import AGENT_COLUMN, agent_rollout
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trellis import PromptDataset, PromptEncoder, PromptLoader, Registry, load_prompt_data
+from trellis import PromptEncoder, Registry
+from trellis_algos import PromptDataset, PromptLoader, load_prompt_data
 from trellis_multiturn.checks import check_multi_turn
 from trellis_multiturn.environment import agent_spec
 from trellis_multiturn.rollout import AGENT_COLUMN, AgentRollout, agent_rollout

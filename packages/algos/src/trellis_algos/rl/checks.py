@@ -8,18 +8,9 @@ import logging
 
 from omegaconf import DictConfig
 
-from trellis import ConfigError, PromptDataset, PromptLoader, RegistryError, instantiate_options, load_prompt_data, resolve_component
-from trellis.kit.data import prompt_images
-from trellis.kit.recipe import (
-    OBJECTIVE,
-    Plan,
-    backend_mesh,
-    controller_class,
-    engine_devices,
-    expert_counts,
-    load_prompt_rows,
-    text_config,
-)
+from trellis import ConfigError, RegistryError, instantiate_options, resolve_component
+from trellis.kit.recipe import OBJECTIVE, Plan, backend_mesh, controller_class, engine_devices, expert_counts, text_config
+from trellis_algos.prompts import PromptDataset, PromptLoader, load_prompt_data, load_prompt_rows, prompt_images
 from trellis_algos.rewards import AUTO_SOURCES, RewardConfig, RewardService, check_reward, unknown_sources
 from trellis_algos.rl.ahead import partial_chunk, staleness_bound
 from trellis_algos.rl.dynamic_sampling import group_filters

@@ -8,8 +8,9 @@ from typing import Any, Optional, Protocol
 
 from omegaconf import MISSING, DictConfig
 
-from trellis import PromptDataset, PromptEncoder, PromptLoader, Registry, Scorer, choice, ranged, switch
+from trellis import PromptEncoder, Registry, Scorer, choice, ranged, switch
 from trellis.kit.recipe import RolloutFn
+from trellis_algos.prompts import PromptDataset, PromptLoader
 
 SCORES = ("last", "sum", "reward")
 

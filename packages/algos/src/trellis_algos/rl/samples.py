@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trellis import Batch, PromptLoader, RewardResult, RolloutGroup, Run, SamplingParams, Scorer, instantiate_options
+from trellis import Batch, RewardResult, RolloutGroup, Run, SamplingParams, Scorer, instantiate_options
 from trellis.kit.recipe import StageTimer, backend_mesh, pad_id, reward_figures, stop_ids
+from trellis_algos.prompts import PromptLoader
 from trellis_algos.rewards import RewardConfig, RewardManager, ServiceContext, add_overlong_penalty, reward_name
 from trellis_algos.rl.ahead import Produced, Producer, TrainedPosition, partial_chunk
 from trellis_algos.rl.checks import reward_services

@@ -1,6 +1,6 @@
 """What a package running the ``rl`` recipe's ``multi_turn`` section (kind ``rollout_function``) needs beyond ``trellis``."""
 
-from trellis.data import load_prompt_rows, renders_tools
+from trellis.data import renders_tools
 from trellis.interfaces.agents import ClassAdapter
 from trellis.interfaces.backend import MODEL_INPUTS, PROMPT_IMAGES, join_images
 from trellis.interfaces.moe import ROUTED_EXPERTS, batch_routes, conversation_routes
@@ -10,8 +10,7 @@ from trellis.rewards import reward_figures
 __all__ = [
     # a verl class run through an adapter (kind class_adapter: trellis-verl-compat's)
     "ClassAdapter",
-    # the data's rows as read, before tokenizing; whether a chat template renders tools
-    "load_prompt_rows",
+    # whether a chat template renders tools
     "renders_tools",
     # the prompt fields an engine reads, a vision-language prompt's images, the pad token
     "MODEL_INPUTS",

@@ -1,8 +1,8 @@
 """What a recipe that trains on its own samples needs beyond ``trellis`` (trellis-algos' ``rl``): stage timing, placement,
-prompts, rollout helpers, reward figures, a prompt's images, mixture-of-experts routes, a model folder's config."""
+padding, rollout helpers, reward figures, a prompt's images, mixture-of-experts routes, a model folder's config."""
 
-from trellis.data import left_pad, load_prompt_rows
-from trellis.hf_folder import text_config
+from trellis.data import left_pad
+from trellis.hf_folder import model_config, text_config
 from trellis.interfaces.backend import PROMPT_IMAGES, first_images
 from trellis.interfaces.moe import REPLAY_MODES, ROUTED_EXPERTS, expert_counts, mark_replay, without_replay
 from trellis.interfaces.rollout import RolloutFn, engine_devices, pad_id, stop_ids
@@ -18,8 +18,7 @@ __all__ = [
     "controller_class",
     # how many actor updates one batch makes (mini-batches x epochs)
     "Plan",
-    # the data's rows as read, before tokenizing; token id lists padded on the left
-    "load_prompt_rows",
+    # token id lists padded on the left
     "left_pad",
     # what a rollout function is; the engines' devices, pad and stop tokens
     "RolloutFn",
@@ -40,5 +39,6 @@ __all__ = [
     "mark_replay",
     "without_replay",
     # a model folder's config.json (its text model's, for a vision-language model)
+    "model_config",
     "text_config",
 ]

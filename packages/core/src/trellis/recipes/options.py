@@ -9,10 +9,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trellis.config import ConfigError, choice, component, ranged, switch
-from trellis.data import PromptEncoder
-from trellis.hf_folder import model_config
 from trellis.interfaces.optim import LR_SCHEDULES
-from trellis.registry import RegistryError
 
 
 @dataclass
@@ -181,15 +178,3 @@ def without_adapter(section: DictConfig) -> DictConfig:
     """A role section with its adapter off: a frozen role (reference, teacher) built from a trained
     role's batching trains nothing, so it must not get an adapter of its own."""
     return OmegaConf.merge(section, {"adapter": {"rank": 0}}) if "adapter" in section else section
-
-
-def prompt_images(model_path: str, data: Any, registry, tokenizer) -> PromptEncoder | None:
-    """The prompt encoder (kind ``prompt_encoder``, ``images``: trellis-vision) of a ``model_path`` that
-    takes images (a vision tower in its config.json), built for the ``data`` section; None for a text model."""
-    if "vision_config" not in model_config(model_path):
-        return None
-    try:
-        factory = registry.get("prompt_encoder", "images").obj
-    except RegistryError as exc:
-        raise ConfigError(f"config key 'model.path': {model_path!r} is a vision-language model; reading its image prompts: {exc}") from None
-    return factory(model_path, tokenizer, data)

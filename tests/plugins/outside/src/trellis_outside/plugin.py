@@ -12,20 +12,8 @@ from omegaconf import MISSING, DictConfig
 from transformers import AutoTokenizer
 
 import trellis
-from trellis import (
-    Batch,
-    PromptData,
-    RecipeConfig,
-    Run,
-    RunContext,
-    SamplingConfig,
-    SamplingParams,
-    TrainerConfig,
-    aggregation_for,
-    component,
-    load_prompt_data,
-)
-from trellis_algos import SFTTrainConfig
+from trellis import Batch, PromptData, RecipeConfig, Run, RunContext, SamplingConfig, SamplingParams, TrainerConfig, aggregation_for, component
+from trellis_algos import SFTTrainConfig, load_prompt_data
 from trellis_multiturn import ChatDeltas
 
 
