@@ -6,17 +6,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from trellis import SyncCheckFailed
 from trellis.kit.controller import Mesh, RolloutEngine, WeightTransport, digest_dtype
 from trellis_ray.ranks import RayPool, RayRollout, RayWorkerGroup
 from trellis_ray.transport import BroadcastTransport, ObjectStoreTransport
 
-if TYPE_CHECKING:
-    from trellis_ray.controller import RayController
-
 log = logging.getLogger("trellis")
+
+
+class PoolOwner(Protocol):
+    """What :func:`spawn_pool` reads of the controller that owns the pool (``RayController``)."""
+
+    ray: Any  # the ray module, imported by the controller
+    rollout_pool: int
+    pools: dict[str, RayPool]
+    use_gpu: bool
+    timeout_s: float
+    call_timeout_s: float
+    threads: int
+    transport: str
+    bucket_mb: float
 
 
 class PoolRollout(RayRollout):
@@ -70,7 +81,7 @@ class PoolRollout(RayRollout):
                     )
 
 
-def spawn_pool(ctrl: RayController, make_engine: Callable[[], RolloutEngine], actor: RayWorkerGroup, devices: int) -> PoolRollout:
+def spawn_pool(ctrl: PoolOwner, make_engine: Callable[[], RolloutEngine], actor: RayWorkerGroup, devices: int) -> PoolRollout:
     """``ctrl.rollout_pool`` engine processes (one placement group each: Ray spreads them), each
     building its engine from ``make_engine``, and the weight transport joined by the actor's rank
     0 (which hosts its rendezvous) and every engine process."""

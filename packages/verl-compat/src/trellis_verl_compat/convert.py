@@ -16,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trellis import ConfigError, DataError, Registry, RegistryError, load_rows, validate_recipe_config
+from trellis import ConfigError, DataError, Registry, RegistryError, validate_recipe_config
 from trellis_verl_compat import scoring
 from trellis_verl_compat.features import (
     ASYNC_RULES,
@@ -27,11 +27,24 @@ from trellis_verl_compat.features import (
     ROLLOUT_CORRECTION_RULES,
     critic_defaults,
     fully_async,
-    sync_prompts,
 )
 from trellis_verl_compat.launch import ENTRIES, MAIN_PPO, Launch, config_files, entry_of, module_of, read_script
+from trellis_verl_compat.parity import verl_base
 from trellis_verl_compat.reasons import RL_KNOWN, Known, feature_off
 from trellis_verl_compat.rule import ACTOR, AR, MODE, MULTI_TURN, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, set_dotted, when
+from trellis_verl_compat.sft import SFT_DEFAULTS, SFT_KNOWN, SFT_RULES, SFT_SECTIONS, group_choices
+from trellis_verl_compat.shared_rules import (
+    _controller,
+    _dtype,
+    _epochs,
+    _files,
+    _freq,
+    _optim,
+    _resume,
+    _steps,
+    _trackers,
+    total_steps,
+)
 
 
 @dataclass(frozen=True)
@@ -46,53 +59,8 @@ def _times_n(value: Any, src: Source) -> int:
     return int(value) * int(src.get(AR + "rollout.n", 1))
 
 
-def _freq(value: Any, src: Source) -> int:
-    return max(int(value), 0)
-
-
-def _positive(value: Any, src: Source) -> Any:
-    return value if value > 0 else SKIP
-
-
-def _files(value: Any, src: Source) -> Any:
-    if isinstance(value, str) and value.strip().startswith("["):  # data.train_files="['a', 'b']" quoted on a shell line
-        value = yaml.safe_load(value)
-    return value
-
-
-def _schedule(value: Any, src: Source) -> str:
-    if value not in ("constant", "cosine"):
-        raise Unmapped(f"trellis schedules are constant and cosine, not {value!r}")
-    return value
-
-
-def _controller(value: Any, src: Source) -> Any:
-    return "ray" if int(value) * int(src.get("trainer.nnodes", 1)) > 1 else SKIP
-
-
-def _trackers(value: Any, src: Source) -> list[str]:
-    names = [value] if isinstance(value, str) else list(value)
-    unknown = [n for n in names if n not in ("console", "wandb", "tensorboard", "mlflow")]
-    if unknown:
-        raise Unmapped(f"trellis trackers are console, jsonl, tensorboard, wandb and mlflow; {', '.join(unknown)} is not one")
-    return [*names, "jsonl"] if "jsonl" not in names else names
-
-
-def _resume(value: Any, src: Source) -> str:
-    if value == "resume_path":
-        if not src.get("trainer.resume_from_path"):
-            raise Unmapped("resume_mode resume_path without trainer.resume_from_path")
-        return str(src["trainer.resume_from_path"])
-    if value not in ("auto", "disable"):
-        raise Unmapped(f"resume modes are auto, disable and resume_path, not {value!r}")
-    return "never" if value == "disable" else "auto"
-
-
 def _custom_reward(prefix: str) -> Callable[[Any, Source], str]:
     return lambda value, src: str(src.get(prefix + "custom_reward_function.name") or "compute_score")
-
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _custom_function(src: Source) -> bool:
@@ -118,12 +86,6 @@ def _reward_model(path_key: str, generative: bool) -> Callable[[Any, Source], An
 def _served_model(enable_key: str) -> Callable[[Any, Source], Any]:
     """A setting of the reward model verl serves to a custom function (``reward_model.rollout.*``)."""
     return lambda value, src: value if src.get(enable_key) and _custom_function(src) else SKIP
-
-
-def _dtype(value: Any, src: Source) -> str:
-    if value not in DTYPES:
-        raise Unmapped(f"trellis dtypes are {', '.join(DTYPES)}, not {value!r}")
-    return DTYPES[value]
 
 
 def _when_multi_turn(convert: Callable[[Any, Source], Any]) -> Callable[[Any, Source], Any]:
@@ -179,89 +141,10 @@ def _agent_loops(value: Any, src: Source) -> list[dict[str, Any]]:
     return loops
 
 
-def total_steps(src: Source) -> int:
-    """verl's step count: ``total_training_steps``, else ``total_epochs`` x (training rows //
-    ``train_batch_size``), verl dropping an epoch's last partial batch. verl's fully-async trainer
-    counts weight syncs: ``rollout.total_rollout_steps`` prompts // the prompts of one sync."""
-    if src.get(MODE) == "fully_async":
-        return int(src["rollout.total_rollout_steps"]) // sync_prompts(src)
-    if src.get("trainer.total_training_steps"):
-        return int(src["trainer.total_training_steps"])
-    if not int(src["data.train_batch_size"]):
-        raise Unmapped("data.train_batch_size is 0; give it (prompts per step) or trainer.total_training_steps")
-    files = _files(src.get("data.train_files"), src)
-    try:
-        paths = [str(files)] if isinstance(files, str) else [str(f) for f in files or ()]
-        rows = _row_count(tuple((p, Path(p).stat().st_mtime_ns if Path(p).is_file() else None) for p in paths))
-    except DataError as exc:
-        raise Unmapped(f"steps per epoch need the training rows ({exc}); set trainer.total_steps = epochs x (rows // train_batch_size)") from None
-    if not rows:
-        raise Unmapped("steps per epoch need data.train_files; set trainer.total_steps = epochs x (rows // train_batch_size)")
-    return int(src["trainer.total_epochs"]) * (rows // int(src["data.train_batch_size"]))
-
-
-@functools.lru_cache(maxsize=8)
-def _row_count(files: tuple[tuple[str, int | None], ...]) -> int:
-    """The rows of the training files ``(path, modification time)``, read once while unchanged:
-    several rules need the step count."""
-    return len(load_rows([path for path, _ in files], required=())) if files else 0
-
-
-def _steps(value: Any, src: Source) -> Any:
-    return total_steps(src) if value or src.get(MODE) == "fully_async" else SKIP
-
-
-def _epochs(value: Any, src: Source) -> Any:
-    return SKIP if src.get("trainer.total_training_steps") or src.get(MODE) == "fully_async" else total_steps(src)
-
-
 def _gen_batch(value: Any, src: Source) -> Any:
     if src.get(MODE) == "fully_async" or value in (None, src.get("data.train_batch_size")):
         return SKIP
     raise Unmapped("trellis generates data.train_batch_prompts new prompts per dynamic-sampling round (verl: gen_batch_size)")
-
-
-def _warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
-    def convert(value: Any, src: Source) -> Any:
-        if not value or (src.get(prefix + "optim.lr_warmup_steps") or -1) > 0:  # verl: explicit warm-up steps win
-            return SKIP
-        return int(float(value) * total_steps(src))
-
-    return convert
-
-
-def _from_zero(prefix: str) -> Callable[[Any, Source], Any]:
-    """verl's warm-up (torch LambdaLR stepped after each update) runs its first step at lr 0, but
-    for a cosine schedule with ``zero_indexed_step`` false (then at 1 / warm-up steps, as trellis)."""
-
-    def convert(value: Any, src: Source) -> Any:
-        cosine = "cosine" in (src.get(prefix + "optim.lr_scheduler_type"), src.get(prefix + "optim.warmup_style"))
-        if cosine and src.get(prefix + "optim.zero_indexed_step") is False:
-            return SKIP
-        steps = src.get(prefix + "optim.lr_warmup_steps") or -1
-        ratio = src.get(prefix + "optim.lr_warmup_steps_ratio") or 0
-        return True if steps > 0 or (steps <= 0 and ratio and int(float(ratio) * total_steps(src)) > 0) else SKIP
-
-    return convert
-
-
-def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
-    return [
-        Rule(verl_prefix + "optim.lr", trellis_prefix + "optim.lr"),
-        Rule(verl_prefix + "optim.weight_decay", trellis_prefix + "optim.weight_decay"),
-        Rule(verl_prefix + "optim.betas", trellis_prefix + "optim.betas"),
-        Rule(verl_prefix + "optim.lr_warmup_steps", trellis_prefix + "optim.warmup_steps", _positive, "-1: use the ratio"),
-        Rule(verl_prefix + "optim.lr_warmup_steps_ratio", trellis_prefix + "optim.warmup_steps", _warmup_ratio(verl_prefix), "x total steps"),
-        *(
-            Rule(verl_prefix + key, trellis_prefix + "optim.warmup_from_zero", _from_zero(verl_prefix), "verl's first warm-up step at lr 0")
-            for key in ("optim.lr_warmup_steps", "optim.lr_warmup_steps_ratio")
-        ),
-        Rule(verl_prefix + "optim.warmup_style", trellis_prefix + "optim.lr_schedule", _schedule),
-        Rule(verl_prefix + "optim.lr_scheduler_type", trellis_prefix + "optim.lr_schedule", _schedule),
-        Rule(verl_prefix + "optim.min_lr_ratio", trellis_prefix + "optim.min_lr_ratio"),
-        Rule(verl_prefix + "grad_clip", trellis_prefix + "optim.grad_clip", note="older verl"),
-        Rule(verl_prefix + "optim.clip_grad", trellis_prefix + "optim.grad_clip", note="what verl clips with; wins over grad_clip"),
-    ]
 
 
 def _moe_script(src: Source) -> str | None:
@@ -572,8 +455,6 @@ def convert(given: dict[str, Any], registry: Registry | None = None, entry: str 
         raise DataError("no verl keys given; give verl YAML files and/or key=value overrides as for verl.trainer.main_ppo")
     launched = entry_of(entry)
     if launched.recipe == "sft":
-        from trellis_verl_compat.sft import SFT_DEFAULTS, SFT_KNOWN, SFT_RULES, SFT_SECTIONS  # built on this module's converters
-
         out = Conversion({"recipe": "sft"})
         defaults = {**SFT_DEFAULTS, **launched.defaults}
         apply_rules(out, SFT_RULES, given, defaults, {MODE: launched.mode}, registry, SFT_SECTIONS, SFT_KNOWN)
@@ -660,8 +541,6 @@ def check_converted(conversion: Conversion, registry: Registry) -> None:
     """The converted config against the ``rl`` schema (types, ranges, names; required keys may
     still be missing): a ``DataError`` names the verl key a bad value came from."""
     config = copy.deepcopy(conversion.config)
-    from trellis_verl_compat.sft import SFT_SECTIONS  # built on this module's converters
-
     sections = COMPONENT_SECTIONS if config["recipe"] == "rl" else SFT_SECTIONS
     for section, kind, default in sections:  # an engine or backend not installed here is checked where it is
         *parents, last = section.split(".")
@@ -751,11 +630,7 @@ def read_launch(args: list[str], entry: str | None = None, config_path: str | No
     files, missing = config_files(launch, base)
     choices: dict[str, str] = {}
     if module_of(launch.entry) in ENTRIES and ENTRIES[module_of(launch.entry)].recipe == "sft":
-        from trellis_verl_compat.sft import group_choices  # built on this module's converters
-
         choices, rest = group_choices(rest)
     if resolved:
-        from trellis_verl_compat.parity import verl_base
-
         files = [*verl_base(launch.entry, choices), *files]
     return read_verl(rest, files), launch.entry, missing

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from trellis_verl_compat.convert import (
+from trellis_verl_compat.features import lora_rules
+from trellis_verl_compat.reasons import READ_BY_OTHERS, REASONS, SPEED, TRELLIS_BEHAVIOUR, Known
+from trellis_verl_compat.rule import SKIP, Differs, Rule, Source, Unmapped, when
+from trellis_verl_compat.shared_rules import (
     _controller,
     _dtype,
     _epochs,
@@ -18,9 +21,6 @@ from trellis_verl_compat.convert import (
     _trackers,
     total_steps,
 )
-from trellis_verl_compat.features import lora_rules
-from trellis_verl_compat.reasons import READ_BY_OTHERS, REASONS, SPEED, TRELLIS_BEHAVIOUR, Known
-from trellis_verl_compat.rule import SKIP, Differs, Rule, Source, Unmapped, when
 
 
 def _messages(value: Any, src: Source) -> Any:
