@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trellis import ConfigError, DataError, Registry, RegistryError, validate_recipe_config
 from trellis_verl_compat import scoring
+from trellis_verl_compat import shared_rules as shared
 from trellis_verl_compat.features import (
     ASYNC_RULES,
     DAPO_RULES,
@@ -33,18 +34,6 @@ from trellis_verl_compat.parity import verl_base
 from trellis_verl_compat.reasons import RL_KNOWN, Known, feature_off
 from trellis_verl_compat.rule import ACTOR, AR, MODE, MULTI_TURN, ROLLOUT, SKIP, Differs, Rule, Source, Unmapped, set_dotted, when
 from trellis_verl_compat.sft import SFT_DEFAULTS, SFT_KNOWN, SFT_RULES, SFT_SECTIONS, group_choices
-from trellis_verl_compat.shared_rules import (
-    _controller,
-    _dtype,
-    _epochs,
-    _files,
-    _freq,
-    _optim,
-    _resume,
-    _steps,
-    _trackers,
-    total_steps,
-)
 
 
 @dataclass(frozen=True)
@@ -207,8 +196,8 @@ def _batching(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
 RULES: tuple[Rule, ...] = (
     Rule(AR + "model.path", "model.path"),
     Rule("data.tokenizer", "model.tokenizer_path"),
-    Rule("data.train_files", "data.train_path", _files, "one file or a list"),
-    Rule("data.val_files", "data.val_path", _files, "one file or a list"),
+    Rule("data.train_files", "data.train_path", shared.data_files, "one file or a list"),
+    Rule("data.val_files", "data.val_path", shared.data_files, "one file or a list"),
     Rule("data.train_batch_size", "data.train_batch_prompts", note="prompts"),
     Rule("data.max_prompt_length", "data.max_prompt_length", note="longer prompts are dropped"),
     Rule("data.max_response_length", "sampling.max_new_tokens"),
@@ -216,7 +205,7 @@ RULES: tuple[Rule, ...] = (
     Rule("data.shuffle", "data.shuffle"),
     Rule("data.image_key", "data.image_key", note="a vision-language model's images (trellis-vision)"),
     *_batching(ACTOR, "actor."),
-    *_optim(ACTOR, "actor."),
+    *shared.optim(ACTOR, "actor."),
     Rule(ACTOR + "policy_loss.loss_mode", "actor.policy_loss.name", lambda v, s: str(v).replace("-", "_"), "clip-cov -> clip_cov"),
     *(Rule(ACTOR + key, "actor.policy_loss." + key) for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")),
     *(Rule(ACTOR + "policy_loss." + key, "actor.policy_loss." + key) for key in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio")),
@@ -271,7 +260,7 @@ RULES: tuple[Rule, ...] = (
         "true: the engine records each token's experts (R3 replays them)",
     ),
     *(Rule(ACTOR + f"{engine}.router_replay.mode", "actor.router_replay", _router_replay, "R3 -> rollout") for engine in ("megatron", "veomni")),
-    Rule(ACTOR + "fsdp_config.model_dtype", "backend.dtype", _dtype, "fp32 -> float32, bf16 -> bfloat16"),
+    Rule(ACTOR + "fsdp_config.model_dtype", "backend.dtype", shared.dtype, "fp32 -> float32, bf16 -> bfloat16"),
     Rule(ACTOR + "fsdp_config.param_offload", "backend.offload_params", note="while the engine generates"),
     Rule(ACTOR + "fsdp_config.optimizer_offload", "backend.offload_optimizer", note="while the engine generates"),
     Rule("algorithm.adv_estimator", "algorithm.advantage.name"),
@@ -286,7 +275,7 @@ RULES: tuple[Rule, ...] = (
     Rule("algorithm.kl_ctrl.horizon", "algorithm.kl_horizon"),
     Rule("critic.model.path", "critic.model_path"),
     *_batching("critic.", "critic."),
-    *_optim("critic.", "critic."),
+    *shared.optim("critic.", "critic."),
     Rule("critic.cliprange_value", "critic.cliprange_value"),
     *(
         rule
@@ -320,17 +309,17 @@ RULES: tuple[Rule, ...] = (
             Rule(rm + "rollout.response_length", "reward.judge.max_new_tokens", _served_model(rm + "enable"), "the served model's longest reply"),
         )
     ),
-    Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
-    Rule("trainer.total_epochs", "trainer.total_steps", _epochs, "epochs x (training rows // train_batch_size)"),
+    Rule("trainer.total_training_steps", "trainer.total_steps", shared.steps),
+    Rule("trainer.total_epochs", "trainer.total_steps", shared.epochs, "epochs x (training rows // train_batch_size)"),
     Rule("trainer.nnodes", "trainer.nnodes"),
     Rule("trainer.n_gpus_per_node", "trainer.procs_per_node"),
-    Rule("trainer.n_gpus_per_node", "trainer.controller", _controller, "ray when nnodes x n_gpus_per_node > 1"),
-    Rule("trainer.save_freq", "trainer.save_every_steps", _freq, "-1 -> 0 (the last step only)"),
-    Rule("trainer.test_freq", "trainer.val_every_steps", _freq, "-1 -> 0 (before and after training)"),
+    Rule("trainer.n_gpus_per_node", "trainer.controller", shared.controller, "ray when nnodes x n_gpus_per_node > 1"),
+    Rule("trainer.save_freq", "trainer.save_every_steps", shared.freq, "-1 -> 0 (the last step only)"),
+    Rule("trainer.test_freq", "trainer.val_every_steps", shared.freq, "-1 -> 0 (before and after training)"),
     Rule("trainer.val_before_train", "validation.before_train"),
-    Rule("trainer.logger", "trainer.trackers", _trackers, "jsonl added (metrics.jsonl)"),
+    Rule("trainer.logger", "trainer.trackers", shared.trackers, "jsonl added (metrics.jsonl)"),
     Rule("trainer.default_local_dir", "trainer.run_dir"),
-    Rule("trainer.resume_mode", "trainer.resume", _resume, "disable -> never; resume_path -> trainer.resume_from_path"),
+    Rule("trainer.resume_mode", "trainer.resume", shared.resume, "disable -> never; resume_path -> trainer.resume_from_path"),
     Rule("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints", note="null: every checkpoint kept, in both"),
     *LORA_RULES,
     *DAPO_RULES,
@@ -339,7 +328,7 @@ RULES: tuple[Rule, ...] = (
     *ROLLOUT_CORRECTION_RULES,
     Rule(ROLLOUT + "val_kwargs.do_sample", "validation.temperature", lambda v, s: SKIP if v else 0, "false: greedy (temperature 0)"),
     Rule("data.gen_batch_size", "data.train_batch_prompts", _gen_batch, "fully async: one prompt a request in both"),
-    Rule("rollout.total_rollout_steps", "trainer.total_steps", fully_async(lambda v, s: total_steps(s)), "// prompts per sync (fully async)"),
+    Rule("rollout.total_rollout_steps", "trainer.total_steps", fully_async(lambda v, s: shared.total_steps(s)), "// prompts per sync (fully async)"),
 )
 
 # verl's defaults (ppo_trainer.yaml) where they differ from trellis's, applied under what the user gives

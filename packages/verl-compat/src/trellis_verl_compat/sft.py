@@ -5,22 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from trellis_verl_compat import shared_rules as shared
 from trellis_verl_compat.features import lora_rules
 from trellis_verl_compat.reasons import READ_BY_OTHERS, REASONS, SPEED, TRELLIS_BEHAVIOUR, Known
 from trellis_verl_compat.rule import SKIP, Differs, Rule, Source, Unmapped, when
-from trellis_verl_compat.shared_rules import (
-    _controller,
-    _dtype,
-    _epochs,
-    _files,
-    _freq,
-    _optim,
-    _resume,
-    _schedule,
-    _steps,
-    _trackers,
-    total_steps,
-)
 
 
 def _messages(value: Any, src: Source) -> Any:
@@ -49,7 +37,7 @@ def _response_key(value: Any, src: Source) -> Any:
 
 def _warmup_fraction(value: Any, src: Source) -> Any:
     """The older trainer's ``warmup_steps_ratio`` x the run's steps (none: SKIP)."""
-    steps = int(float(value) * total_steps(src)) if value else 0
+    steps = int(float(value) * shared.total_steps(src)) if value else 0
     return steps or SKIP
 
 
@@ -70,8 +58,8 @@ def _epoch_freq(value: Any, src: Source) -> Any:
     """verl's SFT validates (saves) every ``test_freq`` (``save_freq``) steps, or ``after_each_epoch``: every epoch's steps."""
     if value == "after_each_epoch":
         epochs = int(src.get("trainer.total_epochs") or 1)
-        return max(total_steps({**src, "trainer.total_training_steps": None}) // epochs, 1)
-    return _freq(value, src)
+        return max(shared.total_steps({**src, "trainer.total_training_steps": None}) // epochs, 1)
+    return shared.freq(value, src)
 
 
 def _megatron(value: Any, src: Source) -> Any:
@@ -82,7 +70,7 @@ def _compute_dtype(value: Any, src: Source) -> Any:
     """verl's mixed-precision dtype: bfloat16 is trellis's ``auto`` (bfloat16 on CUDA, float32 on a CPU)."""
     if value == "bfloat16":
         return SKIP
-    return _dtype(value, src)
+    return shared.dtype(value, src)
 
 
 def _hf_model(value: Any, src: Source) -> Any:
@@ -93,8 +81,8 @@ SFT_RULES: tuple[Rule, ...] = (
     Rule("model.path", "model.path"),
     Rule("model.partial_pretrain", "model.path", note="verl before 0.9"),
     Rule("model.tokenizer_path", "model.tokenizer_path"),
-    Rule("data.train_files", "data.train_path", _files, "one file or a list"),
-    Rule("data.val_files", "data.val_path", _files, "one file or a list"),
+    Rule("data.train_files", "data.train_path", shared.data_files, "one file or a list"),
+    Rule("data.val_files", "data.val_path", shared.data_files, "one file or a list"),
     Rule("data.train_batch_size", "data.batch_samples", note="samples per optimizer step in both"),
     Rule("data.micro_batch_size_per_gpu", "train.micro_batch_samples", note="per rank"),
     Rule("data.max_token_len_per_gpu", "train.max_tokens_per_micro_batch", when("data.use_dynamic_bsz"), "with use_dynamic_bsz"),
@@ -105,8 +93,8 @@ SFT_RULES: tuple[Rule, ...] = (
     Rule("data.response_key", "data.response_key", _response_key, "verl before 0.9: the target column (extra_info + ['answer']: trellis's default)"),
     Rule("optim.warmup_steps_ratio", "train.optim.warmup_steps", _warmup_fraction, "verl before 0.9: x total steps"),
     Rule("optim.warmup_steps_ratio", "train.optim.warmup_from_zero", _hf_warmup, "verl before 0.9: transformers' warm-up, its first step at lr 0"),
-    Rule("optim.lr_scheduler", "train.optim.lr_schedule", _schedule, "verl before 0.9"),
-    Rule("model.fsdp_config.model_dtype", "backend.dtype", _dtype, "verl before 0.9"),
+    Rule("optim.lr_scheduler", "train.optim.lr_schedule", shared.schedule, "verl before 0.9"),
+    Rule("model.fsdp_config.model_dtype", "backend.dtype", shared.dtype, "verl before 0.9"),
     *lora_rules("model.", "train."),
     Rule("model.enable_gradient_checkpointing", "backend.activation_checkpointing"),
     Rule("model.use_remove_padding", "backend.padding_free"),
@@ -115,22 +103,22 @@ SFT_RULES: tuple[Rule, ...] = (
         Rule(f"engine.{kind}_model_parallel_size", f"backend.{kind}_parallel", when("engine.strategy", lambda v, s: v), "under strategy megatron")
         for kind in ("tensor", "pipeline")
     ),
-    Rule("engine.model_dtype", "backend.dtype", _dtype, "fp32 -> float32, bf16 -> bfloat16"),
+    Rule("engine.model_dtype", "backend.dtype", shared.dtype, "fp32 -> float32, bf16 -> bfloat16"),
     Rule("engine.dtype", "backend.param_dtype", _compute_dtype, "bfloat16: trellis's auto (bfloat16 on CUDA)"),
     Rule("checkpoint.save_contents", "trainer.save_hf_model", _hf_model, "hf_model: the final model as a Hugging Face folder"),
-    *_optim("", "train."),
-    Rule("trainer.total_training_steps", "trainer.total_steps", _steps),
-    Rule("trainer.total_epochs", "trainer.total_steps", _epochs, "epochs x (training rows // train_batch_size)"),
+    *shared.optim("", "train."),
+    Rule("trainer.total_training_steps", "trainer.total_steps", shared.steps),
+    Rule("trainer.total_epochs", "trainer.total_steps", shared.epochs, "epochs x (training rows // train_batch_size)"),
     Rule("trainer.save_freq", "trainer.save_every_steps", _epoch_freq, "after_each_epoch -> an epoch's steps; -1 -> 0 (the last step only)"),
     Rule("trainer.test_freq", "trainer.val_every_steps", _epoch_freq, "after_each_epoch -> an epoch's steps; -1 -> 0"),
-    Rule("trainer.logger", "trainer.trackers", _trackers, "jsonl added (metrics.jsonl)"),
+    Rule("trainer.logger", "trainer.trackers", shared.trackers, "jsonl added (metrics.jsonl)"),
     Rule("trainer.default_local_dir", "trainer.run_dir"),
-    Rule("trainer.resume_mode", "trainer.resume", _resume, "disable -> never; resume_path -> trainer.resume_from_path"),
+    Rule("trainer.resume_mode", "trainer.resume", shared.resume, "disable -> never; resume_path -> trainer.resume_from_path"),
     Rule("trainer.max_ckpt_to_keep", "trainer.keep_checkpoints", note="null: every checkpoint kept, in both"),
     Rule("trainer.seed", "seed"),
     Rule("trainer.nnodes", "trainer.nnodes"),
     Rule("trainer.n_gpus_per_node", "trainer.procs_per_node"),
-    Rule("trainer.n_gpus_per_node", "trainer.controller", _controller, "ray when nnodes x n_gpus_per_node > 1"),
+    Rule("trainer.n_gpus_per_node", "trainer.controller", shared.controller, "ray when nnodes x n_gpus_per_node > 1"),
 )
 
 # verl 0.9.1's sft_trainer_engine.yaml (with its model, engine and optim defaults) where it differs from trellis's sft

@@ -15,31 +15,31 @@ from trellis_verl_compat.features import sync_prompts
 from trellis_verl_compat.rule import MODE, SKIP, Rule, Source, Unmapped
 
 
-def _freq(value: Any, src: Source) -> int:
+def freq(value: Any, src: Source) -> int:
     return max(int(value), 0)
 
 
-def _positive(value: Any, src: Source) -> Any:
+def positive(value: Any, src: Source) -> Any:
     return value if value > 0 else SKIP
 
 
-def _files(value: Any, src: Source) -> Any:
+def data_files(value: Any, src: Source) -> Any:
     if isinstance(value, str) and value.strip().startswith("["):  # data.train_files="['a', 'b']" quoted on a shell line
         value = yaml.safe_load(value)
     return value
 
 
-def _schedule(value: Any, src: Source) -> str:
+def schedule(value: Any, src: Source) -> str:
     if value not in ("constant", "cosine"):
         raise Unmapped(f"trellis schedules are constant and cosine, not {value!r}")
     return value
 
 
-def _controller(value: Any, src: Source) -> Any:
+def controller(value: Any, src: Source) -> Any:
     return "ray" if int(value) * int(src.get("trainer.nnodes", 1)) > 1 else SKIP
 
 
-def _trackers(value: Any, src: Source) -> list[str]:
+def trackers(value: Any, src: Source) -> list[str]:
     names = [value] if isinstance(value, str) else list(value)
     unknown = [n for n in names if n not in ("console", "wandb", "tensorboard", "mlflow")]
     if unknown:
@@ -47,7 +47,7 @@ def _trackers(value: Any, src: Source) -> list[str]:
     return [*names, "jsonl"] if "jsonl" not in names else names
 
 
-def _resume(value: Any, src: Source) -> str:
+def resume(value: Any, src: Source) -> str:
     if value == "resume_path":
         if not src.get("trainer.resume_from_path"):
             raise Unmapped("resume_mode resume_path without trainer.resume_from_path")
@@ -60,7 +60,7 @@ def _resume(value: Any, src: Source) -> str:
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def _dtype(value: Any, src: Source) -> str:
+def dtype(value: Any, src: Source) -> str:
     if value not in DTYPES:
         raise Unmapped(f"trellis dtypes are {', '.join(DTYPES)}, not {value!r}")
     return DTYPES[value]
@@ -76,7 +76,7 @@ def total_steps(src: Source) -> int:
         return int(src["trainer.total_training_steps"])
     if not int(src["data.train_batch_size"]):
         raise Unmapped("data.train_batch_size is 0; give it (prompts per step) or trainer.total_training_steps")
-    files = _files(src.get("data.train_files"), src)
+    files = data_files(src.get("data.train_files"), src)
     try:
         paths = [str(files)] if isinstance(files, str) else [str(f) for f in files or ()]
         rows = _row_count(tuple((p, Path(p).stat().st_mtime_ns if Path(p).is_file() else None) for p in paths))
@@ -94,15 +94,15 @@ def _row_count(files: tuple[tuple[str, int | None], ...]) -> int:
     return len(load_rows([path for path, _ in files], required=())) if files else 0
 
 
-def _steps(value: Any, src: Source) -> Any:
+def steps(value: Any, src: Source) -> Any:
     return total_steps(src) if value or src.get(MODE) == "fully_async" else SKIP
 
 
-def _epochs(value: Any, src: Source) -> Any:
+def epochs(value: Any, src: Source) -> Any:
     return SKIP if src.get("trainer.total_training_steps") or src.get(MODE) == "fully_async" else total_steps(src)
 
 
-def _warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
+def warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
     def convert(value: Any, src: Source) -> Any:
         if not value or (src.get(prefix + "optim.lr_warmup_steps") or -1) > 0:  # verl: explicit warm-up steps win
             return SKIP
@@ -111,7 +111,7 @@ def _warmup_ratio(prefix: str) -> Callable[[Any, Source], Any]:
     return convert
 
 
-def _from_zero(prefix: str) -> Callable[[Any, Source], Any]:
+def from_zero(prefix: str) -> Callable[[Any, Source], Any]:
     """verl's warm-up (torch LambdaLR stepped after each update) runs its first step at lr 0, but
     for a cosine schedule with ``zero_indexed_step`` false (then at 1 / warm-up steps, as trellis)."""
 
@@ -126,19 +126,19 @@ def _from_zero(prefix: str) -> Callable[[Any, Source], Any]:
     return convert
 
 
-def _optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
+def optim(verl_prefix: str, trellis_prefix: str) -> list[Rule]:
     return [
         Rule(verl_prefix + "optim.lr", trellis_prefix + "optim.lr"),
         Rule(verl_prefix + "optim.weight_decay", trellis_prefix + "optim.weight_decay"),
         Rule(verl_prefix + "optim.betas", trellis_prefix + "optim.betas"),
-        Rule(verl_prefix + "optim.lr_warmup_steps", trellis_prefix + "optim.warmup_steps", _positive, "-1: use the ratio"),
-        Rule(verl_prefix + "optim.lr_warmup_steps_ratio", trellis_prefix + "optim.warmup_steps", _warmup_ratio(verl_prefix), "x total steps"),
+        Rule(verl_prefix + "optim.lr_warmup_steps", trellis_prefix + "optim.warmup_steps", positive, "-1: use the ratio"),
+        Rule(verl_prefix + "optim.lr_warmup_steps_ratio", trellis_prefix + "optim.warmup_steps", warmup_ratio(verl_prefix), "x total steps"),
         *(
-            Rule(verl_prefix + key, trellis_prefix + "optim.warmup_from_zero", _from_zero(verl_prefix), "verl's first warm-up step at lr 0")
+            Rule(verl_prefix + key, trellis_prefix + "optim.warmup_from_zero", from_zero(verl_prefix), "verl's first warm-up step at lr 0")
             for key in ("optim.lr_warmup_steps", "optim.lr_warmup_steps_ratio")
         ),
-        Rule(verl_prefix + "optim.warmup_style", trellis_prefix + "optim.lr_schedule", _schedule),
-        Rule(verl_prefix + "optim.lr_scheduler_type", trellis_prefix + "optim.lr_schedule", _schedule),
+        Rule(verl_prefix + "optim.warmup_style", trellis_prefix + "optim.lr_schedule", schedule),
+        Rule(verl_prefix + "optim.lr_scheduler_type", trellis_prefix + "optim.lr_schedule", schedule),
         Rule(verl_prefix + "optim.min_lr_ratio", trellis_prefix + "optim.min_lr_ratio"),
         Rule(verl_prefix + "grad_clip", trellis_prefix + "optim.grad_clip", note="older verl"),
         Rule(verl_prefix + "optim.clip_grad", trellis_prefix + "optim.grad_clip", note="what verl clips with; wins over grad_clip"),
