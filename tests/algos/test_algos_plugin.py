@@ -50,6 +50,15 @@ def test_every_name_is_registered_by_the_algos_plugin(plugins):
             assert plugins.registry.get(kind, name).plugin == "algos"
 
 
+def test_every_name_in_trellis_algos_all_resolves():
+    """What other packages may import of trellis-algos (its recipes' data, the roles' sections, the rl
+    recipe's sections and services, the wire format) is there under each name ``__all__`` lists."""
+    import trellis_algos
+
+    assert [name for name in trellis_algos.__all__ if not hasattr(trellis_algos, name)] == []
+    assert {"PromptDataset", "EpochLoader", "ActorConfig", "check_inputs", "openai_api"} <= set(trellis_algos.__all__)
+
+
 def test_aliases_share_one_function(plugins):
     get = plugins.registry.get
     assert get("policy_loss", "geo_mean").obj is get("policy_loss", "gmpo").obj

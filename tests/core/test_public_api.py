@@ -19,7 +19,7 @@ def test_a_name_outside_the_api_is_refused_by_name():
         trellis.left_pad  # noqa: B018 - the attribute access is the test
 
 
-@pytest.mark.parametrize("kit", ["trellis.kit.backend", "trellis.kit.engine"])
+@pytest.mark.parametrize("kit", [f"trellis.kit.{name}" for name in ("backend", "engine", "controller", "recipe", "multiturn", "rewards", "runs")])
 def test_every_name_in_a_kit_resolves(kit):
     module = importlib.import_module(kit)
     assert module.__all__ and [name for name in module.__all__ if not hasattr(module, name)] == []
