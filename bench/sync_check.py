@@ -1,6 +1,6 @@
 """What the always-on run invariants cost: the fixed-probe check after every weight sync
 (``sync_check``) against the rl step it follows, the checks every batch passes (alignment and the
-trainer-vs-engine log-prob agreement, ``trellis.runtime.invariants``) and the multi-turn
+trainer-vs-engine log-prob agreement, ``trellis_algos.rl.invariants``) and the multi-turn
 sampled-ids check per conversation. The demo's RL settings on a random model of the demo's size, the HF engine holding
 weights of its own (``rollout.share_actor_weights=false``: the probe runs; an engine sharing the
 actor's module has nothing to check).

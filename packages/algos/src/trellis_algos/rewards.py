@@ -725,5 +725,5 @@ def _ground_truths(batch: Batch) -> list[Any]:
 def _missing(batch: Batch, key: str) -> list[Any]:
     raise RewardError(
         f"the batch has no {key!r} for the reward (fields: {sorted(batch.keys())}); load prompts with "
-        "trellis.data.PromptDataset, whose batches carry data_source and ground_truth"
+        "trellis_algos.PromptDataset, whose batches carry data_source and ground_truth"
     )

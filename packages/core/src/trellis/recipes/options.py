@@ -1,4 +1,4 @@
-"""Config sections shared by recipes: model, trainer, and the roles' optimizer, batching and losses."""
+"""Config sections shared by recipes: model, trainer, prompts, sampling, and the roles' optimizer, LoRA adapter and batching."""
 
 from __future__ import annotations
 
