@@ -8,7 +8,8 @@ prompts, sampling and optimizer with one update per batch (HF rollout, FSDP back
 its micro-batches cut by a token budget of ``TOKEN_BUDGET`` padded tokens, longest samples first
 (the floor runs the batch padded to its longest response in one forward).
 Each (framework, size, length) runs in its own process, interleaved over ``--rounds`` rounds;
-a cell is the median step time after ``--warmup`` steps of every round. Peak RSS is that
+a cell is the median step time after ``--warmup`` steps of every round, with the lowest and highest
+ratio of a single round beside it (the spread this machine shows between processes). Peak RSS is that
 process's. ``--growth-steps`` runs Trellis that many steps on the tiny model and compares RSS
 early and late. On a CUDA machine both run on the GPU.
 
@@ -205,8 +206,13 @@ def main() -> None:
         values = [v for res in results for v in (res["stages"].get(stage, []) if stage else res[key])[args.warmup :]]
         return statistics.median(values) if values else 0.0
 
+    def round_spread(floor: list[dict], trellis: list[dict]) -> str:
+        """The lowest and highest ratio of one round's two processes: how far one run can stray."""
+        ratios = [median([t], "steps") / median([f], "steps") for f, t in zip(floor, trellis)]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
     print(f"\nGRPO step, one update per batch, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up dropped), median (ms)")
-    head = ("size", "tokens", "prompts x n", "floor", "trellis", "ratio", "floor gen", "trellis gen", "tr. old_lp",
+    head = ("size", "tokens", "prompts x n", "floor", "trellis", "ratio", "by round", "floor gen", "trellis gen", "tr. old_lp",
             "tr. update", "floor upd", "tr. sync", "tr. resp len", "RSS fl MB", "RSS tr MB")  # fmt: skip
     print("".join(f"{h:>13}" for h in head))
     result = []
@@ -215,13 +221,15 @@ def main() -> None:
             fl, tr = cells[size, length, "floor"], cells[size, length, "trellis"]
             f_step, t_step = median(fl, "steps") * 1e3, median(tr, "steps") * 1e3
             row = [size, length, "x".join(map(str, WORK[size])), f"{f_step:.1f}", f"{t_step:.1f}", f"{t_step / f_step:.2f}x",
-                   f"{median(fl, '', 'gen') * 1e3:.1f}", f"{median(tr, '', 'gen') * 1e3:.1f}", f"{median(tr, '', 'old_log_prob') * 1e3:.1f}",
+                   round_spread(fl, tr), f"{median(fl, '', 'gen') * 1e3:.1f}", f"{median(tr, '', 'gen') * 1e3:.1f}",
+                   f"{median(tr, '', 'old_log_prob') * 1e3:.1f}",
                    f"{median(tr, '', 'update_actor') * 1e3:.1f}", f"{median(fl, '', 'update_actor') * 1e3:.1f}",
                    f"{median(tr, '', 'weight_sync') * 1e3:.1f}", f"{median(tr, 'tokens'):.1f}",
                    f"{max(x['peak_rss_mb'] for x in fl):.0f}", f"{max(x['peak_rss_mb'] for x in tr):.0f}"]  # fmt: skip
             print("".join(f"{c:>13}" for c in row))
             result.append(f"ratio_{size}_{length}={t_step / f_step:.3f}")
-    print("ratio = trellis / floor; 'tr. resp len' is Trellis's mean response length (the floor samples the same model).")
+    print("ratio = trellis / floor; 'by round': the lowest and highest ratio of one round's pair of processes (the spread one run can show);")
+    print("'tr. resp len' is Trellis's mean response length (the floor samples the same model).")
     if args.growth_steps:
         growth = run_child("trellis", "tiny", 8, args.growth_steps, work, args.threads, "growth")
         rss = growth["rss"]
