@@ -13,6 +13,7 @@ from typing import Any
 
 from trellis import (
     IMAGE_INPUTS,
+    VERL_SCHEMA,
     Batch,
     ConfigError,
     DataError,
@@ -30,7 +31,6 @@ from trellis_algos.loaders import EpochLoader
 logger = logging.getLogger("trellis")
 
 PROMPT_COLUMNS = ("prompt", "data_source", "reward_model.ground_truth")
-PROMPT_SCHEMA = "verl's schema: prompt (chat messages), data_source, reward_model.ground_truth, optional ability and extra_info"
 _TEXT_ONLY_FIX = "its config.json has no vision tower: train a vision-language model (Qwen2-VL, Qwen2.5-VL) on these rows, or drop the column"
 
 
@@ -64,7 +64,7 @@ class PromptDataset:
         too_long: list[int] = []
         for i, row in enumerate(rows):
             if prompt_key not in row:
-                raise DataError(f"row {i} has no {prompt_key!r} column (columns: {sorted(row)}); {PROMPT_SCHEMA}")
+                raise DataError(f"row {i} has no {prompt_key!r} column (columns: {sorted(row)}); {VERL_SCHEMA}")
             messages = chat_messages(row[prompt_key], f"row {i} column {prompt_key!r}")
             if encoder is not None:
                 ids, kept = encoder.encode(messages, row, f"row {i}", kwargs)
@@ -150,8 +150,8 @@ def load_prompt_data(
 def load_prompt_rows(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The raw rows of a ``PromptData`` section's training and held-out files (for checks made
     before anything is built)."""
-    val_rows = load_rows(data.val_path, required=PROMPT_COLUMNS, schema=PROMPT_SCHEMA)[: data.val_max_prompts or None] if data.val_path else []
-    return load_rows(data.train_path, required=PROMPT_COLUMNS, schema=PROMPT_SCHEMA), val_rows
+    val_rows = load_rows(data.val_path, required=PROMPT_COLUMNS)[: data.val_max_prompts or None] if data.val_path else []
+    return load_rows(data.train_path, required=PROMPT_COLUMNS), val_rows
 
 
 class PromptLoader(EpochLoader):

@@ -38,6 +38,7 @@ _API = {
     "chat_messages": "trellis.data",
     "require_pad_id": "trellis.data",
     "load_rows": "trellis.data",
+    "VERL_SCHEMA": "trellis.data",
     "row_value": "trellis.data",
     "stream_seed": "trellis.rng",
     "encode_response": "trellis.data",

@@ -15,7 +15,8 @@ import torch
 from trellis.batch import position_ids
 from trellis.interfaces.rollout import pad_id
 
-_SCHEMA_HINT = "verl's schema: prompt (chat messages), data_source, reward_model.ground_truth, optional ability and extra_info"
+# verl's schema of a prompt row, named in the errors of files read in it (load_rows' default)
+VERL_SCHEMA = "verl's schema: prompt (chat messages), data_source, reward_model.ground_truth, optional ability and extra_info"
 
 
 class DataError(ValueError):
@@ -24,7 +25,7 @@ class DataError(ValueError):
 
 # -- files -----------------------------------------------------------------------------------------
 def load_rows(
-    path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] | None = None, schema: str = _SCHEMA_HINT
+    path: str | os.PathLike | Sequence[str | os.PathLike], *, required: Sequence[str] | None = None, schema: str = VERL_SCHEMA
 ) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file (or of several files, one after another) as dicts.
 
