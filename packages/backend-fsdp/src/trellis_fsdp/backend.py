@@ -83,6 +83,7 @@ from trellis_fsdp.lora import (
     saved_name,
 )
 from trellis_fsdp.offload import HostCopy
+from trellis_fsdp.shared_prompts import shared_outputs
 
 log = logging.getLogger("trellis")
 
@@ -102,6 +103,11 @@ class FSDPOptions:
     ``(chunk, vocab)`` temporaries; each chunk is recomputed in the backward). padding_free: run
     each micro-batch as one packed sequence without padding (attention over a block-diagonal
     mask; pays off with varlen attention kernels, costs ``(tokens, tokens)`` masks with sdpa).
+    share_prompts: ``auto``: in the padded layout, a micro-batch whose samples share prompts (GRPO's
+    ``n`` samples of one) runs each prompt once, its responses after it in one row, each attending
+    to the prompt and to itself (the same log-probs and gradients, less work: half the update at
+    8-token responses) wherever that computes fewer multiply-adds than padding every sample to the
+    longest (a dense text model under sdpa; see ``trellis_fsdp.shared_prompts``); ``off``: never.
     optimizer: AdamW kernels (``auto``: fused on CUDA, foreach elsewhere). offload_optimizer /
     offload_params: while a rollout engine generates, keep this role's optimizer state /
     parameter shards in host memory (``offload`` / ``onload``). freeze_vision_tower: a
@@ -114,6 +120,7 @@ class FSDPOptions:
     activation_checkpointing: bool = False
     entropy_chunk_size: int | None = ranged(2048, ge=1)
     padding_free: bool = False
+    share_prompts: str = choice("auto", ("auto", "off"))
     optimizer: str = choice("auto", IMPLEMENTATIONS)
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -256,7 +263,12 @@ class FSDPBackend(Backend):
     # -- forward and backward -------------------------------------------------------------------
     def _outputs(self, micro: Batch, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
         def run(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-            return forward_outputs(self.model, micro, names, self.spec.head, self.opts.entropy_chunk_size, self.opts.padding_free)
+            chunk = self.opts.entropy_chunk_size
+            if self.opts.share_prompts == "auto" and not self.opts.padding_free and self.spec.head == "lm":
+                shared = shared_outputs(self.model, micro, names, chunk)
+                if shared is not None:
+                    return shared
+            return forward_outputs(self.model, micro, names, self.spec.head, chunk, self.opts.padding_free)
 
         if "base_log_probs" not in outputs:
             return run(outputs)

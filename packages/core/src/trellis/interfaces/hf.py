@@ -440,8 +440,17 @@ def _packed_response(
     ``(batch, seq_len)`` gives the logits row at each position (-1: none)."""
     n = micro["responses"].shape[1]
     where = micro["attention_mask"][:, -n:].bool()
-    picked = logits[rows[:, -n - 1 : -1][where].to(logits.device)]
-    tokens = micro["responses"][where].to(logits.device)
+    return response_outputs(logits[rows[:, -n - 1 : -1][where].to(logits.device)], micro, where, outputs, chunk_size)
+
+
+def response_outputs(
+    picked: torch.Tensor, micro: Batch, where: torch.Tensor, outputs: tuple[str, ...], chunk_size: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Response outputs ``(batch, response_len)`` (0 where ``where`` is False) from ``picked``
+    ``(where.sum(), vocab)``: the logits that predict the response tokens at the True entries of
+    ``where`` ``(batch, response_len)``, in row-major order (a backend with its own layout of the
+    micro-batch gathers them, this does the rest)."""
+    tokens = micro["responses"][where].to(picked.device)
     top_ids = micro["top_ids"][where] if "top_ids_log_probs" in outputs else None
     out = _response_rows(picked, tokens, outputs, micro, chunk_size, top_ids)
     return {k: _unpack(v, where) for k, v in out.items() if k in RESPONSE_OUTPUTS}

@@ -15,7 +15,16 @@ from trellis.interfaces.backend import (
     weight_buckets,
 )
 from trellis.interfaces.dispatch import RANK0, Mesh, Route
-from trellis.interfaces.hf import empty_hf_model, forward_outputs, keep_buffers, load_hf_model, value_outputs, vision_tower
+from trellis.interfaces.hf import (
+    RESPONSE_OUTPUTS,
+    empty_hf_model,
+    forward_outputs,
+    keep_buffers,
+    load_hf_model,
+    response_outputs,
+    value_outputs,
+    vision_tower,
+)
 from trellis.interfaces.moe import MOE_OUTPUTS, ROUTED_EXPERTS, expert_counts
 from trellis.interfaces.optim import IMPLEMENTATIONS, clipped_step, lr_factor, make_optimizer, schedule_step
 from trellis.interfaces.process_group import device_for, join_process_group, leave_process_group
@@ -51,6 +60,9 @@ __all__ = [
     "keep_buffers",
     "forward_outputs",
     "value_outputs",
+    # a backend's own layout of a micro-batch: the response outputs from the logits it gathered
+    "RESPONSE_OUTPUTS",
+    "response_outputs",
     # the optimizer
     "IMPLEMENTATIONS",
     "make_optimizer",
