@@ -395,4 +395,4 @@ def test_numeric_options_declare_and_enforce_ranges(registry, assert_ranges_enfo
 
 
 def test_string_options_declare_and_enforce_their_values(registry, assert_choices_enforced):
-    assert assert_choices_enforced(FSDPOptions, registry) == 4  # dtype, param_dtype, reduce_dtype, optimizer
+    assert assert_choices_enforced(FSDPOptions, registry) == 5  # dtype, param_dtype, reduce_dtype, optimizer, share_prompts
