@@ -207,3 +207,37 @@ def test_a_generation_that_raises_stop_iteration_fails_its_callers_instead_of_ha
 
     with pytest.raises(RuntimeError, match="generation failed: StopIteration"):
         asyncio.run(call())
+
+
+def test_shared_prompts_sample_what_every_row_sampled(tiny_model_path, make_prompts, monkeypatch):
+    """Each distinct prompt prefilled once and its KV cache repeated for its n samples (prompts of
+    mixed widths, left-padded): the same tokens from the same seed, log-probs equal to rounding."""
+    import trellis_hf.engine
+
+    made = []  # the length of each shared cache when made (generate extends it in place)
+    real = trellis_hf.engine._shared_prefill
+
+    def spy(*args):
+        cache = real(*args)
+        made.append(None if cache is None else cache.get_seq_length())
+        return cache
+
+    monkeypatch.setattr(trellis_hf.engine, "_shared_prefill", spy)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    outs = []
+    for share in (True, False):
+        engine = make_engine(RolloutSpec(tiny_model_path, HFRolloutOptions(share_prompts=share), tokenizer))
+        outs.append(engine.generate(make_prompts(tokenizer, TEXTS), SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=7)))
+    shared, every_row = outs
+    assert made == [shared["prompts"].shape[1] - 1]  # made once (the second engine shares nothing), for all but the last prompt token
+    assert torch.equal(shared["responses"], every_row["responses"])
+    torch.testing.assert_close(shared["rollout_log_probs"], every_row["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_shared_prefill_is_skipped_where_no_prompt_repeats(engine, make_prompts):
+    from trellis_hf.engine import _shared_prefill
+
+    prompts = make_prompts(engine.tokenizer, TEXTS)
+    assert _shared_prefill(engine.model, prompts["input_ids"], prompts["attention_mask"]) is None
+    one_token = prompts["input_ids"][:, -1:].repeat(2, 1)
+    assert _shared_prefill(engine.model, one_token, torch.ones_like(one_token)) is None

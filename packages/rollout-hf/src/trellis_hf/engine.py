@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    DynamicCache,
     LogitsProcessor,
     LogitsProcessorList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 
 from trellis import Batch, choice, ranged
 from trellis.kit.engine import (
@@ -55,12 +57,16 @@ class HFRolloutOptions:
     device: ``auto`` (cuda when available), ``cuda`` or ``cpu``. share_actor_weights: when the
     actor's one rank holds its model whole in this process, in this engine's dtype and device,
     generate from that model (no copy of the weights, no sync after each update); false: keep a
-    copy and sync it."""
+    copy and sync it. share_prompts: a prompt that several rows of one ``generate`` call start from
+    (the ``n`` samples of a prompt, concurrent requests of one conversation) is run once and its KV
+    cache repeated for each row, as vLLM's prefix caching would (models with a plain per-layer
+    cache; a sliding-window, static or hybrid cache, images or recorded routes run every row)."""
 
     dtype: str | None = choice(None, tuple(DTYPES))
     micro_batch_prompts: int = ranged(0, ge=0)
     device: str = choice("auto", ("auto", "cuda", "cpu"))
     share_actor_weights: bool = True
+    share_prompts: bool = True
 
 
 def make_engine(spec: RolloutSpec) -> RolloutEngine:
@@ -140,8 +146,10 @@ class HFRollout(RolloutEngine):
         model.eval()  # an adopted actor's model is in training mode: no dropout while sampling
         own_routing(model)  # nor the routes its last training forward replayed
         recording = recorded_routes(model) if params.return_routed_experts else contextlib.nullcontext()
+        shared = self.opts.share_prompts and not images and not params.return_routed_experts
         try:
             with torch.no_grad(), recording as calls:
+                cache = _shared_prefill(model, ids, mask) if shared else None
                 # generate decodes greedily: _Sampler leaves the drawn token the only one possible
                 out = model.generate(
                     input_ids=ids,
@@ -156,6 +164,7 @@ class HFRollout(RolloutEngine):
                     pad_token_id=self.pad_id,
                     logits_processor=LogitsProcessorList(processors),
                     use_cache=True,  # a trainer's model has the KV cache off in its config
+                    **({"past_key_values": cache} if cache is not None else {}),
                 )
         finally:
             model.train(training)
@@ -231,6 +240,28 @@ class HFRollout(RolloutEngine):
         """The digest of each named tensor the model holds (its own names are the trainer's)."""
         state = self.model.state_dict()
         return {name: tensor_digest(state[name]) for name in names if name in state}
+
+
+def _shared_prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> DynamicCache | None:
+    """The KV cache of every row's prompt but its last token ``(rows, ..., width - 1, ...)``,
+    computed once for each distinct prompt (tokens and padding) and repeated for its rows, at the
+    positions ``generate`` gives a left-padded prompt; ``generate`` then runs the last prompt token
+    of each row and samples. None when no two rows share a prompt, the prompts are one token
+    wide, or the model's cache is not plain per-layer keys and values (a sliding window, a static
+    or hybrid cache), which ``batch_select_indices`` might not repeat whole."""
+    if ids.shape[1] < 2 or getattr(model.generation_config, "cache_implementation", None):
+        return None
+    width = ids.shape[1]
+    distinct, rows = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    if len(distinct) == len(ids):
+        return None
+    prompt, prompt_mask = distinct[:, : width - 1], distinct[:, width : 2 * width - 1]
+    positions = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    cache = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, use_cache=True, logits_to_keep=1).past_key_values
+    if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.batch_select_indices(rows)
+    return cache
 
 
 class _Sampler(LogitsProcessor):
