@@ -6,7 +6,9 @@ advantages, one optimizer step per batch of fresh samples (TRL ``num_iterations=
 the old-log-prob pass), no reference model (TRL ``beta=0``), AdamW with grad-norm clip 1.0, HF
 ``generate`` as the rollout, the same thread count. Trellis cuts its update into micro-batches of
 at most ``rl_step.TOKEN_BUDGET`` padded tokens, longest samples first; TRL runs the batch in one
-forward padded to its longest completion (its default). Each framework runs in its own process per
+forward padded to its longest completion (its default). Trellis runs with its defaults, which
+prefill each prompt once for its n samples and run it once per micro-batch in the update where
+that is less work (``rollout.share_prompts``, ``backend.share_prompts``). Each framework runs in its own process per
 round, alternating which goes first; a cell is the median step time after the warm-up steps.
 
 TRL lives in its own venv (``--venv``, made on first use: torch==2.13.0, trl==1.16.0 and the Trellis

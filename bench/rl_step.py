@@ -6,14 +6,17 @@ of the clipped policy loss over the response tokens (on-policy: the old log-prob
 forward's, detached); grad-norm clip 1.0; AdamW. Trellis runs the ``rl`` recipe on the same model,
 prompts, sampling and optimizer with one update per batch (HF rollout, FSDP backend on one rank),
 its micro-batches cut by a token budget of ``TOKEN_BUDGET`` padded tokens, longest samples first
-(the floor runs the batch padded to its longest response in one forward).
+(the floor runs the batch padded to its longest response in one forward), with its defaults: each
+prompt prefilled once for its n samples in generation (``rollout.share_prompts``) and run once per
+micro-batch in the update where that is less work (``backend.share_prompts``); ``--override
+backend.share_prompts=off --override rollout.share_prompts=false`` runs it without them.
 Each (framework, size, length) runs in its own process, interleaved over ``--rounds`` rounds;
 a cell is the median step time after ``--warmup`` steps of every round, with the lowest and highest
 ratio of a single round beside it (the spread this machine shows between processes). Peak RSS is that
 process's. ``--growth-steps`` runs Trellis that many steps on the tiny model and compares RSS
 early and late. On a CUDA machine both run on the GPU.
 
-    python bench/rl_step.py [--sizes tiny,10M,50M] [--lengths 8,64,256] [--rounds 3] [--steps 6]
+    python bench/rl_step.py [--sizes tiny,10M,50M] [--lengths 8,64,256] [--rounds 3] [--steps 6] [--override KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -148,19 +151,19 @@ def floor_steps(model_path: Path, data: Path, prompts: int, n: int, length: int,
     return out
 
 
-def child(framework: str, size: str, length: int, steps: int, work: Path, threads: int, tag: str) -> None:
+def child(framework: str, size: str, length: int, steps: int, work: Path, threads: int, tag: str, overrides: tuple[str, ...]) -> None:
     prompts, n = WORK[size]
     model, data = work / size, work / "train.parquet"
     if framework == "trellis":
-        result = trellis_steps(model, data, prompts, n, length, steps, work / "runs" / f"{size}-{length}-{tag}", threads)
+        result = trellis_steps(model, data, prompts, n, length, steps, work / "runs" / f"{size}-{length}-{tag}", threads, extra=overrides)
     else:
         result = floor_steps(model, data, prompts, n, length, steps, threads)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT-JSON " + json.dumps(result))
 
 
-def run_child(framework: str, size: str, length: int, steps: int, work: Path, threads: int, tag: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", framework, size, str(length), str(steps), str(work), str(threads), tag]
+def run_child(framework: str, size: str, length: int, steps: int, work: Path, threads: int, tag: str, overrides: tuple[str, ...] = ()) -> dict:
+    cmd = [sys.executable, __file__, "--child", framework, size, str(length), str(steps), str(work), str(threads), tag, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{framework} {size} {length} failed:\n{proc.stderr[-3000:]}")
@@ -176,11 +179,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of each round")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every usable core)")
     parser.add_argument("--growth-steps", type=int, default=500, help="Trellis steps on the tiny model for the RSS-growth check (0: skip)")
-    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="a Trellis config override (repeatable)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        framework, size, length, steps, work, threads, tag = args.child
-        child(framework, size, int(length), int(steps), Path(work), int(threads), tag)
+        framework, size, length, steps, work, threads, tag, *overrides = args.child
+        child(framework, size, int(length), int(steps), Path(work), int(threads), tag, tuple(overrides))
         return
 
     from trellis_demo.tasks import make_arithmetic_split, task_texts, write_rows
@@ -198,7 +202,7 @@ def main() -> None:
         for size in sizes:
             for length in lengths:
                 for framework in ("floor", "trellis") if r % 2 == 0 else ("trellis", "floor"):
-                    result = run_child(framework, size, length, args.steps, work, args.threads, f"r{r}")
+                    result = run_child(framework, size, length, args.steps, work, args.threads, f"r{r}", tuple(args.override))
                     cells.setdefault((size, length, framework), []).append(result)
                     print(f"round {r + 1}/{args.rounds} {size} {length} {framework} done", file=sys.stderr, flush=True)
 
@@ -212,6 +216,8 @@ def main() -> None:
         return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
     print(f"\nGRPO step, one update per batch, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up dropped), median (ms)")
+    if args.override:
+        print("Trellis overrides: " + " ".join(args.override))
     head = ("size", "tokens", "prompts x n", "floor", "trellis", "ratio", "by round", "floor gen", "trellis gen", "tr. old_lp",
             "tr. update", "floor upd", "tr. sync", "tr. resp len", "RSS fl MB", "RSS tr MB")  # fmt: skip
     print("".join(f"{h:>13}" for h in head))
@@ -231,7 +237,7 @@ def main() -> None:
     print("ratio = trellis / floor; 'by round': the lowest and highest ratio of one round's pair of processes (the spread one run can show);")
     print("'tr. resp len' is Trellis's mean response length (the floor samples the same model).")
     if args.growth_steps:
-        growth = run_child("trellis", "tiny", 8, args.growth_steps, work, args.threads, "growth")
+        growth = run_child("trellis", "tiny", 8, args.growth_steps, work, args.threads, "growth", tuple(args.override))
         rss = growth["rss"]
         early, late = statistics.mean(rss[40:60]), statistics.mean(rss[-20:])
         print(f"RSS over {args.growth_steps} Trellis steps (tiny, 8 tokens): steps 41-60 {early:.1f} MB, "
