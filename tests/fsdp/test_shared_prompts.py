@@ -139,6 +139,10 @@ def test_layouts_it_cannot_match_keep_the_padded_forward(model):
     holed["attention_mask"] = batch["attention_mask"].clone()
     holed["attention_mask"][0, -RESPONSE + 1] = 0  # a response with a hole: not one run from its start
     assert shared_rows(holed, model.config.hidden_size) is None
+    empty = batch.select(*batch.keys())
+    empty["attention_mask"] = batch["attention_mask"].clone()
+    empty["attention_mask"][0, : -RESPONSE] = 0  # a sample without prompt tokens: no column predicts its first token
+    assert shared_rows(empty, model.config.hidden_size) is None
     assert applies(model, batch, ("log_probs",))
     assert not applies(model, batch, ("label_log_probs",))
     eager = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")

@@ -60,16 +60,18 @@ def applies(model: torch.nn.Module, micro: Batch, outputs: tuple[str, ...]) -> b
 def shared_rows(micro: Batch, hidden_size: int) -> SharedRows | None:
     """``micro``'s shared-prompt layout, or None where the padded layout does no more work (no two
     samples share a prompt, or too few tokens are saved to pay for the longer rows' attention) or
-    cannot be matched (a prompt not left-padded, a response whose attended tokens are not one run
-    from its start). Samples share a prompt when its attended tokens and positions are equal; a
+    cannot be matched (an empty prompt, one not left-padded, a response whose attended tokens are
+    not one run from its start). Samples share a prompt when its attended tokens and positions are equal; a
     row takes up to ``m`` of them, ``m`` chosen by :func:`_cost`."""
     ids, positions, mask = micro["input_ids"].cpu(), micro["position_ids"].cpu(), micro["attention_mask"].cpu().bool()
+    if positions.shape != ids.shape:  # multimodal positions
+        return None
     n = micro["responses"].shape[1]
     p = ids.shape[1] - n
     prompt_len, response_len = mask[:, :p].sum(-1), mask[:, p:].sum(-1)
     left_padded = torch.arange(p) >= p - prompt_len[:, None]
     right_padded = torch.arange(n) < response_len[:, None]
-    if ids.dim() != 2 or positions.shape != ids.shape or not torch.equal(mask, torch.cat([left_padded, right_padded], 1)):
+    if not prompt_len.all() or not torch.equal(mask, torch.cat([left_padded, right_padded], 1)):
         return None
     groups: dict[bytes, list[int]] = {}
     for i in range(len(ids)):
