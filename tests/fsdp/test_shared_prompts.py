@@ -141,7 +141,7 @@ def test_layouts_it_cannot_match_keep_the_padded_forward(model):
     assert shared_rows(holed, model.config.hidden_size) is None
     empty = batch.select(*batch.keys())
     empty["attention_mask"] = batch["attention_mask"].clone()
-    empty["attention_mask"][0, : -RESPONSE] = 0  # a sample without prompt tokens: no column predicts its first token
+    empty["attention_mask"][0, :-RESPONSE] = 0  # a sample without prompt tokens: no column predicts its first token
     assert shared_rows(empty, model.config.hidden_size) is None
     assert applies(model, batch, ("log_probs",))
     assert not applies(model, batch, ("label_log_probs",))
