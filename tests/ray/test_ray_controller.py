@@ -385,6 +385,7 @@ class RecordingOptions:
     dtype: str = "float32"
     micro_batch_prompts: int = 0
     device: str = "auto"
+    share_prompts: bool = True
 
 
 def make_recording_engine(spec):
