@@ -34,6 +34,7 @@ from trellis.kit.engine import (
     causal_lm_class,
     engine_dtype,
     generated_routes,
+    grouped_query_sdpa,
     image_kwargs,
     left_pad,
     own_routing,
@@ -96,6 +97,7 @@ class HFRollout(RolloutEngine):
     @property
     def model(self) -> torch.nn.Module:
         if self._model is None:
+            grouped_query_sdpa()
             self._model = causal_lm_class(self.model_path).from_pretrained(self.model_path, dtype=self.weight_dtype).to(self.device).eval()
         return self._model
 

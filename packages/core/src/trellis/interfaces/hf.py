@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -292,10 +293,27 @@ def _checked(model: torch.nn.Module, path: str, head: str) -> torch.nn.Module:
     return model
 
 
+SDPA_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def grouped_query_sdpa() -> None:
+    """In a process without CUDA, attention with fewer key/value heads than query heads (GQA) runs
+    as one sdpa call over the key/value heads (``enable_gqa``) also where a mask is given: no copy
+    of the keys and values for each query head (or, decoding, of the queries regrouped), which
+    transformers makes unless the mask is absent because CUDA's fused kernels take no mask with
+    GQA; CPU's do, with the same results to rounding. Sets transformers'
+    ``TRANSFORMERS_SDPA_FORCE_GQA=1`` (read at every attention call) unless the environment sets
+    it. Called wherever a model is built (backends, engines), so every process of a run agrees."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault(SDPA_GQA, "1")
+
+
 def load_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     """The model of a Hugging Face folder: a causal LM (head ``lm``) or the same body with a
     one-label token-classification head (``value``: a critic; ``reward``: a reward model, whose
-    ``score`` layer a sequence-classification folder's fills), no dropout before it; KV cache off."""
+    ``score`` layer a sequence-classification folder's fills), no dropout before it; KV cache off.
+    Grouped-query attention as :func:`grouped_query_sdpa` sets it."""
+    grouped_query_sdpa()
     config = _config(path, head)
     model = _model_class(head, config).from_pretrained(path, config=config, dtype=dtype)
     return _checked(model, path, head)
@@ -306,6 +324,7 @@ def empty_hf_model(path: str, head: str, dtype: torch.dtype) -> torch.nn.Module:
     every parameter on the meta device (no weights read, no memory taken: shard it, then
     materialise and load) and every buffer real, as the model's constructor computed it (rotary
     ``inv_freq`` and the like, which no checkpoint holds): see :func:`keep_buffers`."""
+    grouped_query_sdpa()
     config = _config(path, head)
     with _parameters_on_meta():
         model = _model_class(head, config).from_config(config, dtype=dtype)

@@ -2,7 +2,7 @@
 
 from trellis.data import left_pad
 from trellis.interfaces.backend import IMAGE_INPUTS, MODEL_INPUTS, WeightBucket, weight_buckets
-from trellis.interfaces.hf import causal_lm_class, image_kwargs
+from trellis.interfaces.hf import causal_lm_class, grouped_query_sdpa, image_kwargs
 from trellis.interfaces.moe import ROUTED_EXPERTS, generated_routes, own_routing, recorded_routes
 from trellis.interfaces.rollout import (
     ALL_MEMORY,
@@ -46,6 +46,8 @@ __all__ = [
     # a Hugging Face folder's model class (vision-language or text) and a micro-batch's image inputs to it
     "causal_lm_class",
     "image_kwargs",
+    # grouped-query attention in one sdpa call on CPU: call it where the engine builds its model
+    "grouped_query_sdpa",
     # a mixture-of-experts model's experts per token, recorded while it generates (SamplingParams.return_routed_experts)
     "ROUTED_EXPERTS",
     "recorded_routes",
