@@ -302,8 +302,9 @@ def grouped_query_sdpa() -> None:
     of the keys and values for each query head (or, decoding, of the queries regrouped), which
     transformers makes unless the mask is absent because CUDA's fused kernels take no mask with
     GQA; CPU's do, with the same results to rounding. Sets transformers'
-    ``TRANSFORMERS_SDPA_FORCE_GQA=1`` (read at every attention call) unless the environment sets
-    it. Called wherever a model is built (backends, engines), so every process of a run agrees."""
+    ``TRANSFORMERS_SDPA_FORCE_GQA=1`` (read at every attention call; transformers before 5.23
+    reads no such switch and keeps copying) unless the environment sets it. Called wherever a
+    model is built (backends, engines), so every process of a run agrees."""
     if not torch.cuda.is_available():
         os.environ.setdefault(SDPA_GQA, "1")
 
