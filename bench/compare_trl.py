@@ -8,7 +8,8 @@ the old-log-prob pass), no reference model (TRL ``beta=0``), AdamW with grad-nor
 at most ``rl_step.TOKEN_BUDGET`` padded tokens, longest samples first; TRL runs the batch in one
 forward padded to its longest completion (its default). Trellis runs with its defaults, which
 prefill each prompt once for its n samples and run it once per micro-batch in the update where
-that is less work (``rollout.share_prompts``, ``backend.share_prompts``). Each framework runs in its own process per
+that is less work (``rollout.share_prompts``, ``backend.share_prompts``), and on CPU run grouped-query
+attention in one sdpa call (core's ``grouped_query_sdpa``). Each framework runs in its own process per
 round, alternating which goes first; a cell is the median step time after the warm-up steps.
 
 TRL lives in its own venv (``--venv``, made on first use: torch==2.13.0, trl==1.16.0 and the Trellis

@@ -8,8 +8,10 @@ prompts, sampling and optimizer with one update per batch (HF rollout, FSDP back
 its micro-batches cut by a token budget of ``TOKEN_BUDGET`` padded tokens, longest samples first
 (the floor runs the batch padded to its longest response in one forward), with its defaults: each
 prompt prefilled once for its n samples in generation (``rollout.share_prompts``) and run once per
-micro-batch in the update where that is less work (``backend.share_prompts``); ``--override
-backend.share_prompts=off --override rollout.share_prompts=false`` runs it without them.
+micro-batch in the update where that is less work (``backend.share_prompts``), and on CPU grouped-query
+attention in one sdpa call (core's ``grouped_query_sdpa``; the floor runs transformers' default);
+``--override backend.share_prompts=off --override rollout.share_prompts=false`` runs it without the
+first two, ``TRANSFORMERS_SDPA_FORCE_GQA=0`` in the environment without the third.
 Each (framework, size, length) runs in its own process, interleaved over ``--rounds`` rounds;
 a cell is the median step time after ``--warmup`` steps of every round, with the lowest and highest
 ratio of a single round beside it (the spread this machine shows between processes). Peak RSS is that
