@@ -72,10 +72,10 @@ def test_same_log_probs_gradients_and_generations_as_the_copied_heads(model, mon
         pytest.skip(f"transformers {transformers.__version__} reads no {SDPA_GQA} (5.23 on): nothing to compare")
     ids, mask = _padded_batch(model.config.vocab_size)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    results = {}
+    results, calls = {}, _spy_gqa(monkeypatch)
     for switch in ("0", "1"):
         monkeypatch.setenv(SDPA_GQA, switch)
-        calls = _spy_gqa(monkeypatch)
+        calls.clear()
         model.zero_grad()
         log_probs = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1], -1)
         log_probs = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
