@@ -60,6 +60,7 @@ from trellis_algos import RewardConfig, RewardManager
 from trellis_demo.tasks import task_texts
 from trellis_demo.tiny import make_tiny_tokenizer
 from trellis_sandbox.api import RunRequest
+from trellis_sandbox.cli import default_workers
 from trellis_sandbox.client import SandboxClient
 
 # what the server meets before the load with --hostile: the kinds tests/sandbox/test_hostile.py runs
@@ -155,6 +156,12 @@ def reward_stage(url: str, samples: int, concurrency: int) -> str:
     return f" reward_serial_s={times['serial']:.2f} reward_concurrent_s={times['concurrent']:.2f} reward_speedup={ratio:.2f}"
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, all) CPU ticks of the whole machine since boot, from /proc/stat."""
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of process ``pid`` and of its children it has reaped (as root, every process of every run)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -163,7 +170,7 @@ def tree_cpu_s(pid: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=default_workers(), help="the server's slots (default: the server's own, CPUs + 1)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--samples", type=int, default=256)
@@ -179,20 +186,22 @@ def main() -> None:
             asyncio.run(hostile(client, args.hostile))
             print(f"{args.hostile} round(s) of {len(HOSTILE)} hostile programs: {time.perf_counter() - t:.1f} s")
         asyncio.run(load(client, 20, args.concurrency, args.program))  # warm-up
-        cpu0 = tree_cpu_s(proc.pid)
+        cpu0, ticks0 = tree_cpu_s(proc.pid), machine_ticks()
         latencies, lost, wall = asyncio.run(load(client, args.requests, args.concurrency, args.program))
         cpu_ms = (tree_cpu_s(proc.pid) - cpu0) / args.requests * 1e3
+        ticks1 = machine_ticks()
+        busy = 100 * (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1])
         latencies.sort()
         p50, p99 = latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3
         rate = args.requests / wall
         after = f", after {args.hostile} round(s) of hostile programs" if args.hostile else ""
         print(f"\n{args.requests} requests of the {args.program} program, concurrency {args.concurrency}, {args.workers} workers{after}")
-        print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server CPU ms/run':>18}")
-        print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>18.1f}")
+        print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server CPU ms/run':>18} {'machine busy %':>15}")
+        print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>18.1f} {busy:>15.0f}")
         client.close()
         result = (
-            f"RESULT program={args.program} hostile={args.hostile} isolation={args.isolation} requests={args.requests} lost={lost} "
-            f"p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f}"
+            f"RESULT program={args.program} hostile={args.hostile} isolation={args.isolation} workers={args.workers} requests={args.requests} "
+            f"lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f} busy_pct={busy:.0f}"
         )
         if args.samples:
             result += reward_stage(url, args.samples, args.concurrency)

@@ -195,15 +195,13 @@ class Runner:
         uid = self.uid(slot)
         if uid is None:
             return
-        deadline = time.monotonic() + CLEAN_GRACE_S
-        while True:
+        live, dead = _processes_of(uid)
+        if live:
+            await _exits(live, time.monotonic() + CLEAN_GRACE_S)
             live, dead = _processes_of(uid)
-            for pid in dead:
-                with contextlib.suppress(ChildProcessError):  # not an orphan handed to this server
-                    os.waitpid(pid, os.WNOHANG)
-            if not live or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.005)
+        for pid in dead:
+            with contextlib.suppress(ChildProcessError):  # not an orphan handed to this server
+                os.waitpid(pid, os.WNOHANG)
         for pid in live:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -260,6 +258,30 @@ def _become_subreaper() -> None:
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
+
+
+async def _exits(pids: list[int], deadline: float) -> None:
+    """Returns once every process of ``pids`` has exited or at ``deadline``. Each is watched through a pidfd,
+    so the wait ends at the exit itself: polling /proc every 5 ms left a slot idle ~2 ms per run on average."""
+    loop = asyncio.get_running_loop()
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        exited = loop.create_future()
+        loop.add_reader(fd, _settle, exited)  # readable from the exit on
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(exited, max(0.0, deadline - time.monotonic()))
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _processes_of(uid: int) -> tuple[list[int], list[int]]:
