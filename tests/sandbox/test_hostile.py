@@ -130,6 +130,28 @@ print("work dir ok", open("inside.txt").read())
         assert not os.path.exists(t), t  # ../evil landed in the run's own /tmp, gone with it (the work root is checked empty)
 
 
+def test_scratch_folders_are_fresh_writable_and_private_per_run(server):
+    """/tmp, /var/tmp and /dev/shm take writes in a run and start empty in the next (in the same slots),
+    and none shows the host's own: the host's /dev/shm holds the runs' work dirs."""
+    token = uuid.uuid4().hex
+    canary = Path("/dev/shm") / f"canary-{token}"
+    canary.write_text("host")
+    code = f"""
+import multiprocessing, os
+for d in ("/tmp", "/var/tmp", "/dev/shm"):
+    print(d, sorted(set(os.listdir(d)) - {{"work"}}))  # /tmp/work: the run's work dir
+    open(os.path.join(d, "left-{token}"), "w").write("x")
+multiprocessing.Lock()  # a POSIX semaphore in /dev/shm
+print("lock ok")
+"""
+    try:
+        for _ in range(3 * server.stats()["workers"]):  # every slot, each more than once
+            out = server.run(code)["run_result"]["stdout"]
+            assert out == "/tmp []\n/var/tmp []\n/dev/shm []\nlock ok\n"
+    finally:
+        canary.unlink()
+
+
 def test_the_server_environment_is_invisible(server):
     code = f"""
 import os

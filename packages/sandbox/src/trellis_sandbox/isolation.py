@@ -48,8 +48,9 @@ class Isolation:
 
     def _bwrap(self, argv: list[str], workdir: Path) -> list[str]:
         cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/"]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp", "--tmpfs", "/dev/shm"]
-        for folder in self.hidden:
+        # --dev builds a new /dev whose /dev/shm is already a fresh folder the program may write
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
+        for folder in _outside_tmp(self.hidden):  # the new /tmp hides those inside it (and stays empty)
             cmd += ["--tmpfs", folder]
         cmd += ["--bind", str(workdir), WORK_MOUNT, "--chdir", WORK_MOUNT, "--clearenv"]
         for k, v in SCRUBBED_ENV.items():
