@@ -7,38 +7,23 @@
     python bench/sandbox.py [--workers N] [--requests 1000] [--samples 256]   # --samples 0 skips 2.
         [--program print|stdin] [--hostile ROUNDS] [--isolation auto|bwrap|unshare]
 
-Load patterns (each figure below says its own): ``print``, the one-line ``print(i)``; ``stdin``, a
-short solution reading its case from stdin (the shape of a code-reward run); ``--hostile N`` first
-runs N rounds of the hostile programs of tests/sandbox/test_hostile.py at once (fork bomb, memory
-bomb, infinite loop, busy child, daemon, output flood), so the load meets a server that has cleaned
-up after them. 2026-12-04, this VM, quiet, ``--samples 0``, stdin program after 1 hostile round:
-bwrap p50 375 / 421 ms, p99 418 / 477 ms (two runs an hour apart); unshare p50 468 ms, p99 530 ms,
-24.2 ms CPU per run (29.1-29.6 with a ``mount`` exec per folder; print program then: p99 595-638 ms).
-2026-12-05, the same pattern, four runs back to back after a 33-minute CI run: bwrap p50 367-384 ms,
-p99 439 / 446 / 428 / 439 ms, 82-86 runs/s, 17.7-18.6 ms server CPU per run (the 12-04 runs below: p99
-365-405 ms at 88-95 runs/s, 16-17 ms): at the 432 ms goal, not under it every time.
+Load patterns (each figure says its own): ``print``, the one-line ``print(i)``; ``stdin``, a short
+solution reading its case from stdin (the shape of a code-reward run); ``--hostile N`` first runs N
+rounds of the hostile programs of tests/sandbox/test_hostile.py at once (fork bomb, memory bomb,
+infinite loop, busy child, daemon, output flood), so the load meets a server that has cleaned up
+after them. The issue's pattern is ``--samples 0 --program stdin --hostile 1``. The table adds
+``machine busy %`` over the load (all processes, from /proc/stat): under 100 means the CPUs waited
+on the server, and more slots or less waiting raise runs/s; at ~97% only less CPU per run does.
 
-Needs trellis-sandbox (and bubblewrap or unshare). For scale: the upstream Sandbox Fusion server,
-default install, on a 2-core machine: p50 398 ms, p99 432 ms.
+Figures (this 2-core VM, bwrap, as root, quiet) are in docs/speed.md#sandbox with their conditions.
+2026-12-05 evening, the issue's pattern, the server before and after one change set alternated in
+one client process (3 rounds each): 2 workers, 5 ms polling clean-up, work dirs on disk: p99 538 /
+606 / 578 ms, 64-67 runs/s, machine 86-87% busy; now (3 workers, pidfd waits, /dev/shm): p99 465 /
+484 / 497 ms, 73-78 runs/s, 97% busy. The same VM spent 22-24 ms of CPU per run against 16-18 ms
+on the VM of the morning (where 2 workers gave p99 365-446 ms), so runs/s here is CPU-bound, and
+p99 < 432 ms needs ~85 runs/s. Upstream Sandbox Fusion, default install, 2 cores: p50 398, p99 432 ms.
 
-Measured here (bwrap, 2 workers, root so one uid per slot; a 2-core VM; --samples 0), the same
-isolation every time. On a quiet machine, before and after back to back, three times:
-
-    before (init reaps bwrap's in-sandbox PID 1)  p50 382 / 387 / 369 ms, p99 421 / 429 / 402 ms, 83 / 83 / 86 runs/s
-    after  (the server reaps it, subreaper)       p50 361 / 348 / 336 ms, p99 398 / 405 / 365 ms, 88 / 91 / 95 runs/s
-
-Earlier, on a machine shared with other jobs (load average 4-5):
-
-    asyncio.Queue slots, fork of the server per run  p50 864 / 625 ms, p99 1274 / 1187 ms, 41 / 52 runs/s
-    FIFO slot handoff, vfork + setpriv               p50 416 / 567 ms, p99  591 /  657 ms, 70 / 56 runs/s
-
-At concurrency 32 a request waits for the ~31 ahead of it, so p50 is about 32 / (runs/s) and only
-throughput lowers it. `server CPU ms/run` is the server's CPU and its reaped children's per request:
-16-17 ms on the quiet machine (every process of every run; before the subreaper change the sandbox's
-inner processes went to init, so that figure read ~7 ms and is not comparable). Of it: the program's
-python3 start ~7.5 ms, bwrap ~4, the setpriv + prlimit execs ~1.8 (each exec pays glibc's cpuid
-probing, slow in a VM), the server itself ~2.2 (was 3.4-3.8: the clean-up scan read the state of
-dozens of lingering zombies after every run). On a shared machine the p99 follows the others' load.
+Needs trellis-sandbox (and bubblewrap or unshare).
 """
 
 from __future__ import annotations
