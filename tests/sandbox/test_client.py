@@ -6,15 +6,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 from sandbox_server import start_server, stop
 
+from trellis_sandbox import cli
 from trellis_sandbox.api import RunRequest
 from trellis_sandbox.client import SandboxClient, get_client, normalize_url
 
@@ -153,3 +157,15 @@ def test_a_busy_or_invalid_port_is_one_line_without_traceback(tmp_path):
             assert proc.stderr.splitlines()[-1].startswith(f"trellis-sandbox: {line}") and "Traceback" not in proc.stderr, proc.stderr
     finally:
         taken.close()
+
+
+def test_work_dirs_go_to_dev_shm_only_where_it_has_room(server, monkeypatch):
+    """The server keeps its runs' work dirs on /dev/shm when that has SHM_MIN_FREE free (a tmpfs: cheap
+    to make and remove); with less (a container's default 64 MB) or none, in the temp dir."""
+    room = os.path.isdir(cli.SHM) and shutil.disk_usage(cli.SHM).free >= cli.SHM_MIN_FREE
+    assert os.path.dirname(server.stats()["work_root"]) == (cli.SHM if room else tempfile.gettempdir())
+    if room:
+        monkeypatch.setattr(cli, "SHM_MIN_FREE", shutil.disk_usage(cli.SHM).free * 2)
+        assert cli.scratch_dir() is None
+    monkeypatch.setattr(cli, "SHM", "/no-such-shm")
+    assert cli.scratch_dir() is None

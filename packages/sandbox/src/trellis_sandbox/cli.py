@@ -25,13 +25,17 @@ from trellis_sandbox.runner import Runner, RunnerConfig
 from trellis_sandbox.server import SandboxServer, ServerConfig
 
 SHM = "/dev/shm"
+SHM_MIN_FREE = 1 << 30
 
 
 def scratch_dir() -> str | None:
-    """Where the runs' work dirs go: /dev/shm where it is a writable folder (a tmpfs: each run's
-    mkdir, write, chown and rmtree cost ~0.35 ms there against ~1.2 ms on this VM's disk, all on the
-    server's one thread), else the system's temp dir. The programs' own /tmp is a tmpfs either way."""
-    return SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK) else None
+    """Where the runs' work dirs go: /dev/shm where it is a writable folder with at least
+    ``SHM_MIN_FREE`` free (a tmpfs: each run's mkdir, write, chown and rmtree cost ~0.35 ms there
+    against ~1.2 ms on this VM's disk, all on the server's one thread; a container's default 64 MB
+    /dev/shm would refuse a program's larger files), else the system's temp dir."""
+    if os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK) and shutil.disk_usage(SHM).free >= SHM_MIN_FREE:
+        return SHM
+    return None
 
 
 def default_workers() -> int:
