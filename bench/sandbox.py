@@ -5,7 +5,10 @@
    third crashing) scored by the reward manager with ``reward.max_concurrency`` 1 (serial) and 32.
 
     python bench/sandbox.py [--workers N] [--requests 1000] [--samples 256]   # --samples 0 skips 2.
-        [--program print|stdin] [--hostile ROUNDS] [--isolation auto|bwrap|unshare]
+        [--program print|stdin] [--hostile ROUNDS] [--isolation auto|bwrap|unshare] [--url URL]
+
+``--url`` loads a server that is already running (say upstream Sandbox Fusion on the same machine)
+instead of starting trellis-sandbox; its CPU per run is then not known (nan).
 
 Load patterns (each figure says its own): ``print``, the one-line ``print(i)``; ``stdin``, a short
 solution reading its case from stdin (the shape of a code-reward run); ``--hostile N`` first runs N
@@ -21,7 +24,10 @@ one client process (3 rounds each): 2 workers, 5 ms polling clean-up, work dirs 
 606 / 578 ms, 64-67 runs/s, machine 86-87% busy; now (3 workers, pidfd waits, /dev/shm): p99 465 /
 484 / 497 ms, 73-78 runs/s, 97% busy. The same VM spent 22-24 ms of CPU per run against 16-18 ms
 on the VM of the morning (where 2 workers gave p99 365-446 ms), so runs/s here is CPU-bound, and
-p99 < 432 ms needs ~85 runs/s. Upstream Sandbox Fusion, default install, 2 cores: p50 398, p99 432 ms.
+p99 < 432 ms needs ~85 runs/s. Upstream Sandbox Fusion, default install, on its authors' 2 cores:
+p50 398, p99 432 ms; on this VM (``--url``, stdin program, no hostile round since it does not
+isolate), back to back with this server: p99 819 / 996 ms at 61 / 56 runs/s against 513 / 450 ms at
+77 / 84 runs/s (docs/speed.md#sandbox says how it was run).
 
 Needs trellis-sandbox (and bubblewrap or unshare).
 """
@@ -30,11 +36,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -75,14 +84,20 @@ PROGRAMS = [
 ]
 
 
-def start(workers: int, isolation: str = "auto") -> tuple[str, subprocess.Popen]:
+@contextlib.contextmanager
+def trellis_server(workers: int, isolation: str = "auto") -> Iterator[tuple[str, int]]:
+    """A trellis-sandbox server on a free port: (its URL, its pid); stopped on the way out."""
     cmd = [sys.executable, "-m", "trellis_sandbox.cli", "serve", "--port", "0", "--workers", str(workers), "--isolation", isolation]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    line = proc.stdout.readline()
-    if "serving " not in line:
-        raise SystemExit(f"the server did not start: {line!r}")
-    print(line.strip())
-    return line.split("serving ", 1)[1].split(" ", 1)[0], proc
+    try:
+        line = proc.stdout.readline()
+        if "serving " not in line:
+            raise SystemExit(f"the server did not start: {line!r}")
+        print(line.strip())
+        yield line.split("serving ", 1)[1].split(" ", 1)[0], proc.pid
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
 
 
 async def hostile(client: SandboxClient, rounds: int) -> None:
@@ -147,8 +162,11 @@ def machine_ticks() -> tuple[int, int]:
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of process ``pid`` and of its children it has reaped (as root, every process of every run)."""
+def tree_cpu_s(pid: int | None) -> float:
+    """CPU seconds of process ``pid`` and of its children it has reaped (as root, every process of every
+    run); nan for a server this bench did not start."""
+    if pid is None:
+        return math.nan
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
@@ -162,38 +180,40 @@ def main() -> None:
     p.add_argument("--program", choices=tuple(LOAD), default="print", help="the load's program (see LOAD)")
     p.add_argument("--hostile", type=int, default=0, help="rounds of the hostile programs before the load (0: none)")
     p.add_argument("--isolation", choices=("auto", "bwrap", "unshare"), default="auto")
+    p.add_argument("--url", help="load a server already running at URL (say upstream Sandbox Fusion) instead of starting one")
     args = p.parse_args()
-    url, proc = start(args.workers, args.isolation)
-    try:
+    if args.url and args.hostile:
+        p.error("--hostile with --url: the hostile programs (a fork bomb among them) would run on a server this bench did not start")
+    with contextlib.ExitStack() as stack:
+        url, pid = (args.url, None) if args.url else stack.enter_context(trellis_server(args.workers, args.isolation))
         client = SandboxClient(url, max_concurrency=args.concurrency)
+        stack.callback(client.close)
         if args.hostile:
             t = time.perf_counter()
             asyncio.run(hostile(client, args.hostile))
             print(f"{args.hostile} round(s) of {len(HOSTILE)} hostile programs: {time.perf_counter() - t:.1f} s")
         asyncio.run(load(client, 20, args.concurrency, args.program))  # warm-up
-        cpu0, ticks0 = tree_cpu_s(proc.pid), machine_ticks()
+        cpu0, ticks0 = tree_cpu_s(pid), machine_ticks()
         latencies, lost, wall = asyncio.run(load(client, args.requests, args.concurrency, args.program))
-        cpu_ms = (tree_cpu_s(proc.pid) - cpu0) / args.requests * 1e3
+        cpu_ms = (tree_cpu_s(pid) - cpu0) / args.requests * 1e3
         ticks1 = machine_ticks()
         busy = 100 * (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1])
         latencies.sort()
         p50, p99 = latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3
         rate = args.requests / wall
         after = f", after {args.hostile} round(s) of hostile programs" if args.hostile else ""
-        print(f"\n{args.requests} requests of the {args.program} program, concurrency {args.concurrency}, {args.workers} workers{after}")
+        server = args.url or f"trellis-sandbox, {args.workers} workers"
+        print(f"\n{args.requests} requests of the {args.program} program, concurrency {args.concurrency}, {server}{after}")
         print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server CPU ms/run':>18} {'machine busy %':>15}")
         print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>18.1f} {busy:>15.0f}")
-        client.close()
+        setup = f"url={args.url}" if args.url else f"isolation={args.isolation} workers={args.workers}"
         result = (
-            f"RESULT program={args.program} hostile={args.hostile} isolation={args.isolation} workers={args.workers} requests={args.requests} "
+            f"RESULT program={args.program} hostile={args.hostile} {setup} requests={args.requests} "
             f"lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f} busy_pct={busy:.0f}"
         )
         if args.samples:
             result += reward_stage(url, args.samples, args.concurrency)
         print(result)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
 
 
 if __name__ == "__main__":
