@@ -21,7 +21,7 @@ from aiohttp import web
 from trellis_sandbox.auth import TOKEN_ENV, Access, client_hint, decide_access
 from trellis_sandbox.isolation import IsolationUnavailable, detect
 from trellis_sandbox.languages import available_languages, default_python
-from trellis_sandbox.runner import Runner, RunnerConfig
+from trellis_sandbox.runner import Runner, RunnerConfig, pidfds_work
 from trellis_sandbox.server import SandboxServer, ServerConfig
 
 SHM = "/dev/shm"
@@ -126,7 +126,7 @@ def _watch_children_by_pidfd() -> None:
     """Python 3.11 learns of each run's exit from a thread started per process (``ThreadedChildWatcher``),
     whose start the event loop waits for while every CPU may be busy with runs; a pidfd in the loop's own
     poll needs no thread. 3.12 picks pidfds by itself (and deprecates setting a watcher)."""
-    if sys.version_info < (3, 12):
+    if sys.version_info < (3, 12) and pidfds_work():
         watcher = asyncio.PidfdChildWatcher()
         watcher.attach_loop(asyncio.get_running_loop())
         asyncio.set_child_watcher(watcher)
