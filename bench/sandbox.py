@@ -199,7 +199,7 @@ def main() -> None:
         ticks1 = machine_ticks()
         busy = 100 * (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1])
         latencies.sort()
-        p50, p99 = latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3
+        p50, p99 = (latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3) if latencies else (math.nan, math.nan)
         rate = args.requests / wall
         after = f", after {args.hostile} round(s) of hostile programs" if args.hostile else ""
         server = args.url or f"trellis-sandbox, {args.workers} workers"
