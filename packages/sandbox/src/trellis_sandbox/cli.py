@@ -42,7 +42,8 @@ def default_workers() -> int:
     """One slot more than the CPUs: each run spends a few ms of its slot off the CPU (its launchers
     starting and exiting, the server answering and setting up the next), and with slots = CPUs those
     gaps left the machine ~12% idle under load. The cost: when every slot runs a CPU-bound program,
-    each gets CPUs / (CPUs + 1) of a core, so its wall time (and ``run_timeout``) stretches by that."""
+    each gets CPUs / (CPUs + 1) of a core, so its wall time (measured against ``run_timeout``)
+    stretches by (CPUs + 1) / CPUs."""
     return (os.cpu_count() or 1) + 1
 
 
