@@ -50,6 +50,7 @@ import torch
 
 from trellis.batch import Batch
 from trellis.plugins import load_plugins
+from trellis.runtime.threads import TICKS, machine_busy_ticks
 from trellis_algos import RewardConfig, RewardManager
 from trellis_demo.tasks import task_texts
 from trellis_demo.tiny import make_tiny_tokenizer
@@ -156,12 +157,6 @@ def reward_stage(url: str, samples: int, concurrency: int) -> str:
     return f" reward_serial_s={times['serial']:.2f} reward_concurrent_s={times['concurrent']:.2f} reward_speedup={ratio:.2f}"
 
 
-def machine_ticks() -> tuple[int, int]:
-    """(busy, all) CPU ticks of the whole machine since boot, from /proc/stat."""
-    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
-
-
 def tree_cpu_s(pid: int | None) -> float:
     """CPU seconds of process ``pid`` and of its children it has reaped (as root, every process of every
     run); nan for a server this bench did not start."""
@@ -193,11 +188,10 @@ def main() -> None:
             asyncio.run(hostile(client, args.hostile))
             print(f"{args.hostile} round(s) of {len(HOSTILE)} hostile programs: {time.perf_counter() - t:.1f} s")
         asyncio.run(load(client, 20, args.concurrency, args.program))  # warm-up
-        cpu0, ticks0 = tree_cpu_s(pid), machine_ticks()
+        cpu0, busy0 = tree_cpu_s(pid), machine_busy_ticks()
         latencies, lost, wall = asyncio.run(load(client, args.requests, args.concurrency, args.program))
         cpu_ms = (tree_cpu_s(pid) - cpu0) / args.requests * 1e3
-        ticks1 = machine_ticks()
-        busy = 100 * (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1])
+        busy = 100 * (machine_busy_ticks() - busy0) / TICKS / wall / (os.cpu_count() or 1)
         latencies.sort()
         p50, p99 = (latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3) if latencies else (math.nan, math.nan)
         rate = args.requests / wall

@@ -62,7 +62,7 @@ class CpuSample:
 
     @classmethod
     def now(cls) -> CpuSample:
-        return cls(time.monotonic(), _machine_busy_ticks(), _tree_ticks(os.getpid()))
+        return cls(time.monotonic(), machine_busy_ticks(), _tree_ticks(os.getpid()))
 
 
 def others_busy(before: CpuSample, after: CpuSample) -> float:
@@ -73,7 +73,7 @@ def others_busy(before: CpuSample, after: CpuSample) -> float:
     return max(0.0, ((after.machine - before.machine) - (after.ours - before.ours)) / TICKS / seconds)
 
 
-def _machine_busy_ticks() -> int:
+def machine_busy_ticks() -> int:
     # /proc/stat's first line: cpu user nice system idle iowait irq softirq steal ...
     fields = [int(x) for x in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
     return sum(fields[:8]) - fields[3] - fields[4]
