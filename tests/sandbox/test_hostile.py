@@ -168,6 +168,20 @@ print(seen)
     assert "PATH" in out  # it did print an environment: the scrubbed one
 
 
+def test_the_program_gets_the_scrubbed_environment_and_the_requests_limits(server):
+    """Whichever side of the sandbox the launcher applies the rlimits on, the program runs under them, with
+    the scrubbed environment (its UTF-8 locale included) and not the launcher's."""
+    code = """
+import os, resource as r
+print(sorted(k for k in os.environ if k != "PWD"), os.environ["LANG"], os.environ["HOME"])
+print([r.getrlimit(getattr(r, "RLIMIT_" + k)) for k in ("AS", "CPU", "NPROC", "FSIZE", "NOFILE", "CORE")])
+"""
+    out = server.run(code, memory_limit_MB=300, run_timeout=4)["run_result"]["stdout"].splitlines()
+    assert out[0] == "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE'] C.UTF-8 /tmp/work"
+    mb = 2**20
+    assert out[1] == str([(300 * mb, 300 * mb), (5, 5), (64, 64), (64 * mb, 64 * mb), (256, 256), (0, 0)])
+
+
 def test_killing_the_server_or_its_parent_fails(server):
     code = f"""
 import os, signal

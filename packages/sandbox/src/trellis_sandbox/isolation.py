@@ -20,6 +20,9 @@ from pathlib import Path
 WORK_MOUNT = "/tmp/work"
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 SCRUBBED_ENV = {"PATH": SAFE_PATH, "HOME": WORK_MOUNT, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+# bwrap's launchers need only PATH: without LANG, setpriv, prlimit and bwrap each skip loading the
+# C.UTF-8 locale's files (about 0.1 ms of CPU apiece a run); the program still gets SCRUBBED_ENV.
+LAUNCHER_ENV = {"PATH": SAFE_PATH}
 
 
 class IsolationUnavailable(RuntimeError):
@@ -33,15 +36,24 @@ class Isolation:
     kind: str
     hidden: tuple[str, ...] = ()
 
-    def wrap(self, argv: list[str], workdir: Path, stage: Path) -> list[str]:
-        """The command that runs ``argv`` inside the sandbox with ``workdir`` at ``WORK_MOUNT``.
-        ``stage``: an empty folder next to ``workdir`` (the unshare form writes its mount table there and
-        builds the new /tmp on it)."""
+    def wrap(self, argv: list[str], workdir: Path, stage: Path, rlimits: tuple[str, ...] = ()) -> list[str]:
+        """The command that runs ``argv`` inside the sandbox with ``workdir`` at ``WORK_MOUNT``, under the
+        ``rlimits`` command prefix (``prlimit ... --``). ``stage``: an empty folder next to ``workdir`` (the
+        unshare form writes its mount table there and builds the new /tmp on it). Start it with
+        ``env=self.launcher_env()``."""
         if self.kind == "bwrap":
-            return self._bwrap(argv, workdir)
+            # bwrap starts under the limits (its two processes count in them) and hands them on to the
+            # program: prlimit then runs outside the sandbox, in the launchers' locale-free environment
+            return [*rlimits, *self._bwrap(argv, workdir)]
         if self.kind == "unshare":
-            return self._unshare(argv, workdir, stage)
-        return ["env", "-i", *(f"{k}={v}" for k, v in {**SCRUBBED_ENV, "HOME": str(workdir)}.items()), *argv]
+            return self._unshare([*rlimits, *argv], workdir, stage)
+        return ["env", "-i", *(f"{k}={v}" for k, v in {**SCRUBBED_ENV, "HOME": str(workdir)}.items()), *rlimits, *argv]
+
+    def launcher_env(self) -> dict[str, str]:
+        """The environment to start :meth:`wrap`'s command in. Scrubbed for every kind, because the launcher's
+        own process is visible from inside the sandbox (bwrap's as PID 1); the unshare form's program
+        inherits it."""
+        return LAUNCHER_ENV if self.kind == "bwrap" else SCRUBBED_ENV
 
     def workdir_in_sandbox(self, workdir: Path) -> str:
         return str(workdir) if self.kind == "none" else WORK_MOUNT

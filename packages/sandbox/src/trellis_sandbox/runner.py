@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from trellis_sandbox.api import ERROR, FAILED, FINISHED, SUCCESS, TIME_LIMIT, CommandResult, RequestError, RunRequest, RunResponse
-from trellis_sandbox.isolation import SCRUBBED_ENV, Isolation, as_user
+from trellis_sandbox.isolation import Isolation, as_user
 from trellis_sandbox.languages import Language
 
 logger = logging.getLogger("trellis.sandbox")
@@ -40,8 +40,8 @@ class Limits:
     fsize_mb: int
     nofile: int
 
-    def prlimit(self) -> list[str]:
-        return [
+    def prlimit(self) -> tuple[str, ...]:
+        return (
             "prlimit",
             f"--as={self.memory_mb << 20}",
             f"--cpu={self.cpu_s}",
@@ -50,7 +50,7 @@ class Limits:
             f"--nofile={self.nofile}",
             "--core=0",
             "--",
-        ]
+        )
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class Runner:
         return RunResponse(SUCCESS if ok else FAILED, "" if ok else _explain(run_result), compile_result, run_result, files)
 
     async def _command(self, argv: list[str], work: Path, stage: Path, slot: int, limits: Limits, stdin: str | None, timeout: float) -> CommandResult:
-        cmd = as_user(self.isolation.wrap([*limits.prlimit(), *argv], work, stage), self.uid(slot))
+        cmd = as_user(self.isolation.wrap(argv, work, stage, limits.prlimit()), self.uid(slot))
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd,
@@ -153,7 +153,7 @@ class Runner:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # one process group to kill, whatever the program does
             cwd=work,
-            env=SCRUBBED_ENV,  # also for the launcher: bwrap's own process is visible from inside as PID 1
+            env=self.isolation.launcher_env(),
         )
         over_cap = asyncio.Event()
         outs = [_Capture(self.config.output_cap, over_cap), _Capture(self.config.output_cap, over_cap)]
