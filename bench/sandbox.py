@@ -16,7 +16,9 @@ rounds of the hostile programs of tests/sandbox/test_hostile.py at once (fork bo
 infinite loop, busy child, daemon, output flood), so the load meets a server that has cleaned up
 after them. The issue's pattern is ``--samples 0 --program stdin --hostile 1``. The table adds
 ``machine busy %`` over the load (all processes, from /proc/stat): under 100 means the CPUs waited
-on the server, and more slots or less waiting raise runs/s; at ~97% only less CPU per run does.
+on the server, and more slots or less waiting raise runs/s; at ~97% only less CPU per run does. A
+line under the table splits a run's CPU: the server's own thread, its runs (every process it
+started and reaped), this bench's client, and the whole machine's busy time per run.
 
 Figures (this 2-core VM, bwrap, as root, quiet) are in docs/speed.md#sandbox with their conditions.
 2026-12-05 evening, the issue's pattern, the server before and after one change set alternated in
@@ -157,13 +159,14 @@ def reward_stage(url: str, samples: int, concurrency: int) -> str:
     return f" reward_serial_s={times['serial']:.2f} reward_concurrent_s={times['concurrent']:.2f} reward_speedup={ratio:.2f}"
 
 
-def tree_cpu_s(pid: int | None) -> float:
-    """CPU seconds of process ``pid`` and of its children it has reaped (as root, every process of every
-    run); nan for a server this bench did not start."""
+def server_cpu_s(pid: int | None) -> tuple[float, float]:
+    """CPU seconds of the server process ``pid`` itself and of the children it has reaped (as root, every
+    process of every run: launchers, bwrap, the programs); nan for a server this bench did not start."""
     if pid is None:
-        return math.nan
+        return math.nan, math.nan
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    own, runs = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+    return own / os.sysconf("SC_CLK_TCK"), runs / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -188,22 +191,31 @@ def main() -> None:
             asyncio.run(hostile(client, args.hostile))
             print(f"{args.hostile} round(s) of {len(HOSTILE)} hostile programs: {time.perf_counter() - t:.1f} s")
         asyncio.run(load(client, 20, args.concurrency, args.program))  # warm-up
-        cpu0, busy0 = tree_cpu_s(pid), machine_busy_ticks()
+        cpu0, client0, busy0 = server_cpu_s(pid), time.process_time(), machine_busy_ticks()
         latencies, lost, wall = asyncio.run(load(client, args.requests, args.concurrency, args.program))
-        cpu_ms = (tree_cpu_s(pid) - cpu0) / args.requests * 1e3
-        busy = 100 * (machine_busy_ticks() - busy0) / TICKS / wall / (os.cpu_count() or 1)
+        per_run = 1e3 / args.requests
+        server_ms, runs_ms = ((after - before) * per_run for after, before in zip(server_cpu_s(pid), cpu0))
+        client_ms = (time.process_time() - client0) * per_run  # this process: the client's thread and the load's loop
+        machine_ms = (machine_busy_ticks() - busy0) / TICKS * per_run
+        busy = 100 * machine_ms / per_run / wall / (os.cpu_count() or 1)
+        cpu_ms = server_ms + runs_ms
         latencies.sort()
         p50, p99 = (latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3) if latencies else (math.nan, math.nan)
         rate = args.requests / wall
         after = f", after {args.hostile} round(s) of hostile programs" if args.hostile else ""
         server = args.url or f"trellis-sandbox, {args.workers} workers"
         print(f"\n{args.requests} requests of the {args.program} program, concurrency {args.concurrency}, {server}{after}")
-        print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server CPU ms/run':>18} {'machine busy %':>15}")
-        print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>18.1f} {busy:>15.0f}")
+        print(f"{'lost':>6} {'p50 ms':>8} {'p99 ms':>8} {'runs/s':>8} {'server+runs CPU ms/run':>23} {'machine busy %':>15}")
+        print(f"{lost:>6} {p50:>8.1f} {p99:>8.1f} {rate:>8.1f} {cpu_ms:>23.1f} {busy:>15.0f}")
+        print(
+            f"CPU ms a run: server's own thread {server_ms:.1f}, its runs (launchers, bwrap, program) {runs_ms:.1f}, "
+            f"this bench's client {client_ms:.1f}, the whole machine {machine_ms:.1f}"
+        )
         setup = f"url={args.url}" if args.url else f"isolation={args.isolation} workers={args.workers}"
         result = (
             f"RESULT program={args.program} hostile={args.hostile} {setup} requests={args.requests} "
-            f"lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f} busy_pct={busy:.0f}"
+            f"lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f} busy_pct={busy:.0f} "
+            f"server_ms_per_run={server_ms:.1f} runs_ms_per_run={runs_ms:.1f} client_ms_per_run={client_ms:.1f} machine_ms_per_run={machine_ms:.1f}"
         )
         if args.samples:
             result += reward_stage(url, args.samples, args.concurrency)
