@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import weakref
 from typing import Any, ClassVar
 
@@ -358,10 +359,18 @@ class RolloutCases:
         options = registry.get("rollout", self.ENGINE).options
         assert assert_choices_enforced(options, registry, self.OPEN_ENDED) == self.CHOICES
 
+    def files_outside(self, engine) -> list[str]:
+        """Files the engine keeps outside its processes while it runs (none by default)."""
+        return []
+
     def test_closing_one_engine_leaves_the_other_generating(self, engines, make_prompts):
-        """Last of the class: closes the untied engine. A closed engine refuses work by name."""
+        """Last of the class: closes the untied engine, which removes the files it kept outside its
+        processes. A closed engine refuses work by name."""
+        files = self.files_outside(engines["untied"])
+        assert all(os.path.exists(f) for f in files), files
         engines["untied"].close()
         engines["untied"].close()  # twice: harmless
+        assert not [f for f in files if os.path.exists(f)]
         with pytest.raises(RuntimeError, match=f"rollout '{self.ENGINE}' is closed"):
             greedy(engines["untied"], make_prompts)
         assert len(greedy(engines["tied"], make_prompts)) == 3

@@ -13,7 +13,7 @@ from engine_cases import LONG, TEXTS, RolloutCases, checkpoint_state, forward_lo
 from trellis.interfaces.rollout import RolloutSpec, SamplingParams
 from trellis.interfaces.weights import WeightSyncError
 from trellis_sglang import SGLangRolloutOptions
-from trellis_sglang.engine import engine_args, tensor_payloads
+from trellis_sglang.engine import engine_args, load_snapshot_path, tensor_payloads
 
 CPU = not torch.cuda.is_available()
 
@@ -32,6 +32,9 @@ class TestSGLangRollout(RolloutCases):
     ]
     if CPU:  # SGLang's tensor parallel needs CUDA
         BAD_OPTIONS.append(({"tensor_parallel_size": 2}, r"tensor_parallel_size=2: .*needs CUDA devices; on CPU set rollout.tensor_parallel_size=1"))
+
+    def files_outside(self, engine) -> list[str]:
+        return [load_snapshot_path(engine.engine)]  # its schedulers' load, in /dev/shm
 
     @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
     def test_distributed_sync_equals_tensor_sync(self, tied, engines, make_prompts, restore):

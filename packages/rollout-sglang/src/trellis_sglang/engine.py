@@ -132,6 +132,7 @@ class SGLangRollout(RolloutEngine):
             watchdog.stop()
         for pid in self._children:
             kill_process_tree(pid)
+        _unlink_load_snapshot(self.engine)
         atexit.unregister(self.close)
         if self._group is not None:
             import torch.distributed as dist
@@ -395,6 +396,25 @@ def _sampled_log_probs(output: dict) -> list[float]:
     if entries is None:
         raise RuntimeError("SGLang returned no log-probs; the request must set return_logprob=True")
     return [float(e[0]) for e in entries]
+
+
+def load_snapshot_path(engine: Any) -> str:
+    """The /dev/shm file in which the engine's schedulers publish their load (SGLang's
+    ``load_snapshot``), named by the engine's instance id."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    return shm_path_for(engine.port_args.instance_id)
+
+
+def _unlink_load_snapshot(engine: Any) -> None:
+    """Removes the engine's load file: SGLang never unlinks it (its own CI sweeps /dev/shm at job start),
+    and killed schedulers could not, so each engine closed left one behind."""
+    try:
+        os.unlink(load_snapshot_path(engine))
+    except FileNotFoundError:
+        pass
+    except (AttributeError, ImportError) as exc:  # an SGLang without load files, or a renamed one
+        log.debug("rollout 'sglang': no load snapshot file to remove: %r", exc)
 
 
 def _close_zmq(*owners: Any) -> None:
