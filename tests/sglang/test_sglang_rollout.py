@@ -1,11 +1,12 @@
 """The SGLang rollout against the real engine (on CPU here): the shared engine tests
 (``tests/engine_cases.py``) plus SGLang's own: the distributed weight sync against the tensor one
 (each from a list and streamed), tensor parallel reaching the engine, the distributed sync
-refused on the trainer's own GPU, and the tensor sync's payloads (host memory on CPU, the device on
-a GPU)."""
+refused on the trainer's own GPU, the tensor sync's payloads (host memory on CPU, the device on
+a GPU), and the processes ``close()`` ends."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 from engine_cases import LONG, TEXTS, RolloutCases, checkpoint_state, forward_log_probs, greedy, perturbed, stream
@@ -35,6 +36,15 @@ class TestSGLangRollout(RolloutCases):
 
     def files_outside(self, engine) -> list[str]:
         return [load_snapshot_path(engine.engine)]  # its schedulers' load, in /dev/shm
+
+    def test_the_processes_close_ends_are_the_engines_own(self, engines):
+        """close() kills the processes the engine's start added to this one. Python's multiprocessing
+        resource tracker, which that start launches when nothing had before, is not among them: it
+        belongs to this process and unlinks leaked semaphores at its exit."""
+        for eng in engines.values():
+            commands = [" ".join(psutil.Process(pid).cmdline()) for pid in eng._children]
+            assert any("sglang::scheduler" in c for c in commands), commands
+            assert not [c for c in commands if "resource_tracker" in c], commands
 
     @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
     def test_distributed_sync_equals_tensor_sync(self, tied, engines, make_prompts, restore):

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -88,6 +89,9 @@ class SGLangRollout(RolloutEngine):
         # SGLang's Engine takes the current thread's event loop; give it a private one, run in a thread.
         self._loop = asyncio.new_event_loop()
         start = time.perf_counter()
+        # Python's multiprocessing resource tracker, which the engine's start would otherwise launch, is this
+        # process's, not the engine's: killed by close(), it would leak the semaphores it tracks.
+        resource_tracker.ensure_running()
         before = {p.pid for p in psutil.Process().children()}
         asyncio.set_event_loop(self._loop)
         try:
