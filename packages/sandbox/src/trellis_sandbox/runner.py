@@ -32,7 +32,8 @@ PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-process rlimits (applied inside the sandbox, so they count that run only)."""
+    """Per-process rlimits of one run: set on its own processes only (bwrap and the program, or the
+    program alone without bwrap), never on the server."""
 
     memory_mb: int
     cpu_s: int
