@@ -165,8 +165,7 @@ def server_cpu_s(pid: int | None) -> tuple[float, float]:
     if pid is None:
         return math.nan, math.nan
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    own, runs = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
-    return own / os.sysconf("SC_CLK_TCK"), runs / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / TICKS, (int(fields[13]) + int(fields[14])) / TICKS
 
 
 def main() -> None:
@@ -196,8 +195,8 @@ def main() -> None:
         per_run = 1e3 / args.requests
         server_ms, runs_ms = ((after - before) * per_run for after, before in zip(server_cpu_s(pid), cpu0))
         client_ms = (time.process_time() - client0) * per_run  # this process: the client's thread and the load's loop
-        machine_ms = (machine_busy_ticks() - busy0) / TICKS * per_run
-        busy = 100 * machine_ms / per_run / wall / (os.cpu_count() or 1)
+        machine_s = (machine_busy_ticks() - busy0) / TICKS
+        machine_ms, busy = machine_s * per_run, 100 * machine_s / wall / (os.cpu_count() or 1)
         cpu_ms = server_ms + runs_ms
         latencies.sort()
         p50, p99 = (latencies[len(latencies) // 2] * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3) if latencies else (math.nan, math.nan)
