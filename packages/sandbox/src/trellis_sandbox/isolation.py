@@ -135,10 +135,10 @@ def as_user(cmd: list[str], uid: int | None) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *cmd]
 
 
-def _works(cmd: list[str], user: int | None) -> str | None:
-    """None when ``cmd`` runs as ``user`` and prints ``ok``; else why not."""
+def _works(cmd: list[str], user: int | None, env: dict[str, str]) -> str | None:
+    """None when ``cmd`` runs as ``user`` in ``env`` and prints ``ok``; else why not."""
     try:
-        out = subprocess.run(as_user(cmd, user), capture_output=True, text=True, timeout=20)
+        out = subprocess.run(as_user(cmd, user), capture_output=True, text=True, timeout=20, env=env)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{type(exc).__name__}: {exc}"
     if out.returncode == 0 and out.stdout.strip().endswith("ok"):
@@ -165,7 +165,7 @@ def detect(preferred: str, probe_user: int | None, scratch: Path) -> Isolation:
             if probe_user is not None:
                 os.chown(d, probe_user, probe_user)
         iso = Isolation(kind, hidden)
-        why = _works(iso.wrap(["sh", "-c", "echo ok"], work, stage), probe_user)
+        why = _works(iso.wrap(["sh", "-c", "echo ok"], work, stage), probe_user, iso.launcher_env())  # as runs start
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(stage, ignore_errors=True)
         if why is None:
