@@ -1,6 +1,8 @@
 """Sandbox server throughput and the reward stage it serves, on loopback.
 
-1. 1000 requests of a trivial Python program at concurrency 32: lost requests, p50/p99 latency, runs/s.
+1. 1000 requests of a trivial Python program at concurrency 32: lost requests, p50/p99 latency, runs/s;
+   then the same runs on the server's own ``Runner`` in this process (its slots, no HTTP, no client):
+   the runs/s the runs themselves allow on this machine, and the server's runs/s as a ratio of it.
 2. A reward stage of 256 code samples (one stdin/stdout case each; a third right, a third wrong, a
    third crashing) scored by the reward manager with ``reward.max_concurrency`` 1 (serial) and 32.
 
@@ -8,7 +10,8 @@
         [--program print|stdin] [--hostile ROUNDS] [--isolation auto|bwrap|unshare] [--url URL]
 
 ``--url`` loads a server that is already running (say upstream Sandbox Fusion on the same machine)
-instead of starting trellis-sandbox; its CPU per run is then not known (nan).
+instead of starting trellis-sandbox; its CPU per run is then not known (nan), and the Runner line is
+left out.
 
 Load patterns (each figure says its own): ``print``, the one-line ``print(i)``; ``stdin``, a short
 solution reading its case from stdin (the shape of a code-reward run); ``--hostile N`` first runs N
@@ -18,18 +21,12 @@ after them. The issue's pattern is ``--samples 0 --program stdin --hostile 1``. 
 ``machine busy %`` over the load (all processes, from /proc/stat): under 100 means the CPUs waited
 on the server, and more slots or less waiting raise runs/s; at ~97% only less CPU per run does. A
 line under the table splits a run's CPU: the server's own thread, its runs (every process it
-started and reaped), this bench's client, and the whole machine's busy time per run.
+started and reaped), this bench's client, and the whole machine's busy time per run. At concurrency
+32 a request waits for the ~31 ahead of it, so p50 is about 32 / (runs/s): the Runner line says what
+that wait is with the HTTP server and client taken away.
 
-Figures (this 2-core VM, bwrap, as root, quiet) are in docs/speed.md#sandbox with their conditions.
-2026-12-05 evening, the issue's pattern, the server before and after one change set alternated in
-one client process (3 rounds each): 2 workers, 5 ms polling clean-up, work dirs on disk: p99 538 /
-606 / 578 ms, 64-67 runs/s, machine 86-87% busy; now (3 workers, pidfd waits, /dev/shm): p99 465 /
-484 / 497 ms, 73-78 runs/s, 97% busy. The same VM spent 22-24 ms of CPU per run against 16-18 ms
-on the VM of the morning (where 2 workers gave p99 365-446 ms), so runs/s here is CPU-bound, and
-p99 < 432 ms needs ~85 runs/s. Upstream Sandbox Fusion, default install, on its authors' 2 cores:
-p50 398, p99 432 ms; on this VM (``--url``, stdin program, no hostile round since it does not
-isolate), back to back with this server: p99 819 / 996 ms at 61 / 56 runs/s against 513 / 450 ms at
-77 / 84 runs/s (docs/speed.md#sandbox says how it was run).
+Figures (this 2-core VM, bwrap, as root, quiet) are in docs/speed.md#sandbox with their conditions,
+beside upstream Sandbox Fusion run on the same VM (``--url``).
 
 Needs trellis-sandbox (and bubblewrap or unshare).
 """
@@ -41,9 +38,11 @@ import asyncio
 import contextlib
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,8 +56,11 @@ from trellis_algos import RewardConfig, RewardManager
 from trellis_demo.tasks import task_texts
 from trellis_demo.tiny import make_tiny_tokenizer
 from trellis_sandbox.api import RunRequest
-from trellis_sandbox.cli import default_workers
+from trellis_sandbox.cli import default_workers, scratch_dir, watch_children_by_pidfd
 from trellis_sandbox.client import SandboxClient
+from trellis_sandbox.isolation import detect
+from trellis_sandbox.languages import available_languages, default_python
+from trellis_sandbox.runner import Runner, RunnerConfig
 
 # what the server meets before the load with --hostile: the kinds tests/sandbox/test_hostile.py runs
 HOSTILE = [
@@ -125,6 +127,32 @@ async def load(client: SandboxClient, n: int, concurrency: int, program: str = "
     start_t = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(n)))
     return latencies, results.count(False), time.perf_counter() - start_t
+
+
+async def runner_alone(n: int, workers: int, isolation: str, program: str) -> tuple[int, float]:
+    """The same runs on the server's own ``Runner`` in this process, ``workers`` slots each taking the next
+    request as soon as it is free: no HTTP, no client. The number lost and the wall time."""
+    watch_children_by_pidfd()
+    root = Path(tempfile.mkdtemp(prefix="trellis-sandbox-bench-", dir=scratch_dir()))
+    os.chmod(root, 0o711)  # as the server's: the slots' uids pass through, they do not list
+    try:
+        config = RunnerConfig()
+        as_root = os.geteuid() == 0
+        runner = Runner(detect(isolation, config.uid_base if as_root else None, root), available_languages(default_python()), root, config)
+        todo = iter(range(n))
+        lost = 0
+
+        async def slot(k: int) -> None:
+            nonlocal lost
+            while (i := next(todo, None)) is not None:
+                resp = await runner.execute(LOAD[program](i), k)
+                lost += not (resp.status == "Success" and resp.run_result.stdout == EXPECTED[program](i))
+
+        start_t = time.perf_counter()
+        await asyncio.gather(*(slot(k) for k in range(workers)))
+        return lost, time.perf_counter() - start_t
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def reward_batch(tok, n: int) -> Batch:
@@ -216,6 +244,17 @@ def main() -> None:
             f"lost={lost} p50_ms={p50:.1f} p99_ms={p99:.1f} runs_per_s={rate:.1f} cpu_ms_per_run={cpu_ms:.1f} busy_pct={busy:.0f} "
             f"server_ms_per_run={server_ms:.1f} runs_ms_per_run={runs_ms:.1f} client_ms_per_run={client_ms:.1f} machine_ms_per_run={machine_ms:.1f}"
         )
+        if not args.url:
+            busy0 = machine_busy_ticks()
+            runner_lost, runner_wall = asyncio.run(runner_alone(args.requests, args.workers, args.isolation, args.program))
+            runner_rate, runner_ms = args.requests / runner_wall, (machine_busy_ticks() - busy0) / TICKS * per_run
+            print(
+                f"the same {args.requests} runs on the server's Runner in this process ({args.workers} slots, no HTTP): "
+                f"{runner_rate:.1f} runs/s ({runner_lost} lost), the whole machine {runner_ms:.1f} ms a run;\n  at concurrency "
+                f"{args.concurrency} a request would wait {args.concurrency / runner_rate * 1e3:.0f} ms on average ({args.concurrency} / runs/s); "
+                f"the server over HTTP ran {rate / runner_rate:.2f}x its runs/s"
+            )
+            result += f" runner_runs_per_s={runner_rate:.1f} runner_machine_ms_per_run={runner_ms:.1f} server_vs_runner={rate / runner_rate:.2f}"
         if args.samples:
             result += reward_stage(url, args.samples, args.concurrency)
         print(result)

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _watch_children_by_pidfd() -> None:
+def watch_children_by_pidfd() -> None:
     """Python 3.11 learns of each run's exit from a thread started per process (``ThreadedChildWatcher``),
     whose start the event loop waits for while every CPU may be busy with runs; a pidfd in the loop's own
     poll needs no thread. 3.12 picks pidfds by itself (and deprecates setting a watcher)."""
@@ -138,7 +138,7 @@ class CannotListen(Exception):
 
 
 async def _serve(server: SandboxServer, host: str, port: int, access: Access) -> None:
-    _watch_children_by_pidfd()
+    watch_children_by_pidfd()
     app_runner = web.AppRunner(server.app(), access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port)
