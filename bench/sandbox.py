@@ -42,7 +42,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +55,7 @@ from trellis_algos import RewardConfig, RewardManager
 from trellis_demo.tasks import task_texts
 from trellis_demo.tiny import make_tiny_tokenizer
 from trellis_sandbox.api import RunRequest
-from trellis_sandbox.cli import default_workers, scratch_dir, watch_children_by_pidfd
+from trellis_sandbox.cli import default_workers, runs_root, watch_children_by_pidfd
 from trellis_sandbox.client import SandboxClient
 from trellis_sandbox.isolation import detect
 from trellis_sandbox.languages import available_languages, default_python
@@ -133,8 +132,7 @@ async def runner_alone(n: int, workers: int, isolation: str, program: str) -> tu
     """The same runs on the server's own ``Runner`` in this process, ``workers`` slots each taking the next
     request as soon as it is free: no HTTP, no client. The number lost and the wall time."""
     watch_children_by_pidfd()
-    root = Path(tempfile.mkdtemp(prefix="trellis-sandbox-bench-", dir=scratch_dir()))
-    os.chmod(root, 0o711)  # as the server's: the slots' uids pass through, they do not list
+    root = runs_root()  # as the server's
     try:
         config = RunnerConfig()
         as_root = os.geteuid() == 0

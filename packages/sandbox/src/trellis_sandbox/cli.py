@@ -38,6 +38,13 @@ def scratch_dir() -> str | None:
     return None
 
 
+def runs_root() -> Path:
+    """A new folder for the runs' work dirs, in :func:`scratch_dir`; the caller removes it."""
+    root = Path(tempfile.mkdtemp(prefix="trellis-sandbox-", dir=scratch_dir()))
+    os.chmod(root, 0o711)  # the sandbox users may pass through, not list
+    return root
+
+
 def default_workers() -> int:
     """One slot more than the CPUs: each run spends a few ms of its slot off the CPU (its launchers
     starting and exiting, the server answering and setting up the next), and with slots = CPUs those
@@ -89,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"trellis-sandbox: --port={args.port}; give a port in 0..65535 (0 picks a free one)", file=sys.stderr)
         return 2
-    root = Path(tempfile.mkdtemp(prefix="trellis-sandbox-", dir=scratch_dir()))
-    os.chmod(root, 0o711)  # the sandbox users may pass through, not list
+    root = runs_root()
     try:
         as_root = os.geteuid() == 0
         try:
